@@ -1,0 +1,101 @@
+"""User-facing configuration: how a `Rollout` runs (`RolloutConfig`) and what one call generates
+(`SamplingConfig`). Both are frozen and validated on construction, so a bad value fails before any
+model work starts and names the field, the value and the fix."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+ROUTES = ("ordinary", "equal_width", "aligned", "auto")
+
+
+def _require_int(field: str, value: Any, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field}={value!r} is invalid: expected an int >= {minimum}; {fix}")
+
+
+def _require_finite(field: str, value: Any, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r} is invalid: expected a finite number; {fix}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the engine runs.
+
+    route: "ordinary" (HF generate on the left-padded batch), "equal_width" (CB, each admission
+      prefilled as one padded batch), "aligned" (CB, one prefill per request) or "auto" (cost model).
+    costs: `CostCoefficients` or a path to a calibration / coefficients JSON (used by "auto").
+    prefill_max_tokens: most padded token positions in one prefill forward (None: no limit).
+    cache_capacity: KV columns of the static cache (None: what the workload needs).
+    trim_cache: trim dead left columns after every admission and retirement (else only when full).
+    profile: add device-synchronised timing detail to the profile.
+    """
+
+    route: str = "aligned"
+    costs: Any = None
+    prefill_max_tokens: int | None = 65536
+    cache_capacity: int | None = None
+    trim_cache: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
+        if self.prefill_max_tokens is not None:
+            _require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
+        if self.cache_capacity is not None:
+            _require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
+        for name in ("trim_cache", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected True or False")
+        if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
+            from autobucket.costs import CostCoefficients
+
+            if not isinstance(self.costs, CostCoefficients):
+                raise ValueError(
+                    f"costs={self.costs!r} is invalid: pass a CostCoefficients, a path to a costs JSON, or None"
+                )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What one `generate` call produces.
+
+    max_new_tokens: generation budget per request (the first token comes from prefill).
+    continuous_batch_size: most rows decoded at once; more prompts wait in a queue and refill.
+    repetition_penalty: HF's penalty over the prompt and generated tokens (1.0: off).
+    eos_token_id: int or list of ints; None uses the model's resolved generation config.
+    temperature: 0.0 is greedy (the only mode until sampling lands).
+    """
+
+    max_new_tokens: int = 16
+    continuous_batch_size: int = 32
+    repetition_penalty: float = 1.0
+    eos_token_id: int | list[int] | None = None
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
+        _require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
+        penalty = _require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
+        if penalty <= 0:
+            raise ValueError(f"repetition_penalty={penalty!r} is invalid: it must be > 0 (1.0 disables it)")
+        temperature = _require_finite("temperature", self.temperature, "use 0.0 for greedy decoding")
+        if temperature != 0.0:
+            raise ValueError(
+                f"temperature={temperature!r} is not supported yet: only greedy decoding (temperature=0.0)"
+            )
+        if self.eos_token_id is not None:
+            ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
+            ):
+                raise ValueError(
+                    f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a non-empty "
+                    "list of them, or None for the model's generation config"
+                )

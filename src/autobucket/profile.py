@@ -1,0 +1,103 @@
+"""`Profile`: what one `generate` call did and what it cost.
+
+Counters (forwards, groups, bytes) are always exact. Phase times (`prefill_ms`, `decode_ms`,
+`cache_ms`) are host wall-clock; on a GPU they only mean something with `RolloutConfig(profile=True)`,
+which synchronises the device at phase boundaries. `total_ms` is the wall time of the whole call,
+planning and result normalisation included, and always ends with a device sync."""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Profile:
+    route: str = ""
+    prefill_groups: list[list[list[int]]] = field(default_factory=list)  # per admission, groups of prompt indices
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0  # padded token positions run through prefill
+    decode_forwards: int = 0
+    plan_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    cache_ms: float = 0.0
+    total_ms: float = 0.0
+    output_tokens: int = 0
+    tokens_per_s: float = 0.0
+    kv_cache_bytes: int = 0
+    peak_memory_bytes: int = 0
+    trims: int = 0
+    trimmed_columns: int = 0
+    moved_bytes: int = 0
+    max_active_rows: int = 0
+    capacity: int = 0  # static cache columns (0 for the ordinary route)
+    estimated_ordinary_ms: float | None = None
+    estimated_bucketed_ms: float | None = None
+    decision_reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PhaseTimer:
+    """Adds wall time of `with timer.phase("decode_ms"):` blocks to a Profile field."""
+
+    def __init__(self, profile: Profile, device: torch.device, synchronize: bool) -> None:
+        self.profile, self.device, self.synchronize = profile, device, synchronize
+
+    def sync(self) -> None:
+        if self.synchronize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            setattr(self.profile, name, getattr(self.profile, name) + (time.perf_counter() - start) * 1e3)
+
+
+class PeakMemory:
+    """Peak memory during a call: CUDA's allocator peak, or on CPU the process's peak RSS.
+
+    On Linux the RSS high-water mark is reset by writing "5" to /proc/self/clear_refs, so the
+    reading belongs to this call rather than to the whole process lifetime.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as handle:
+                    handle.write("5")
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as handle:
+                for line in handle:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,66 @@
+"""Turn what callers pass as prompts into validated token-id lists, failing with the prompt index."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token-id lists from lists/tuples of ints, 1-D tensors, or strings (with a tokenizer)."""
+    if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts must be a list of prompts (token-id lists, 1-D tensors or strings), got {type(prompts).__name__}"
+        )
+    return [_prompt_ids(index, prompt, tokenizer, vocab_size) for index, prompt in enumerate(prompts)]
+
+
+def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {index} is a string but the Rollout has no tokenizer: pass tokenizer=...")
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point:
+            raise ValueError(f"prompt {index} must be a 1-D integer tensor, got shape {tuple(prompt.shape)}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+    else:
+        raise ValueError(f"prompt {index} has type {type(prompt).__name__}: pass token ids, a 1-D tensor or a string")
+    if not ids:
+        raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"prompt {index} has token id {token!r} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_context(prompts: list[list[int]], max_new_tokens: int, max_positions: int | None) -> None:
+    if max_positions is None:
+        return
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > max_positions:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(prompt) + max_new_tokens} positions but the model has {max_positions}: shorten it or lower "
+                "max_new_tokens"
+            )
+
+
+def unpad_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """RL-trainer layout -> prompts: rows of a left-padded [batch, width] tensor and its mask."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must be the "
+            "same 2-D [batch, width] shape"
+        )
+    prompts = []
+    for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
+        real = [token for token, keep in zip(ids, mask) if keep]
+        if mask != [0] * (len(mask) - len(real)) + [1] * len(real):
+            raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones)")
+        prompts.append(real)
+    return prompts

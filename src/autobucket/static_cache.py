@@ -1,0 +1,248 @@
+"""A preallocated KV cache for continuous batching, with one shared write front.
+
+Layout: per layer, keys and values are `[rows, kv_heads, columns, head_dim]`. Every active row
+is *right-aligned*: its last cached token sits at column `front - 1`, so a decode step writes all
+rows' new K/V into the single column `front` and one index serves the whole batch. Rows of
+different lengths therefore start at different columns; the columns a row does not own are
+masked by `attend`, an additive mask `[rows, columns]` (0 = attend, dtype-min = masked) that the
+decode step reads as a view, so no mask is rebuilt per step.
+
+Why right-aligned and not left-aligned: a left-aligned row would write at its own column, i.e. a
+scatter per step and a per-row read length. Right-aligned rows share one write and one
+contiguous read `[:, :, :front + 1]`, attending only over what is filled (HF's StaticCache attends
+over the whole buffer). The price is dead columns on the left; they are trimmed (shifted out)
+when `trim()` is called or the front would pass the capacity.
+
+Admission writes a prefilled group's K/V so that it ends at the front. A group wider than the
+current front moves the front to the group's width instead of moving the old rows: the old rows
+then have masked columns between their data and the front, which costs nothing to attend over.
+
+The class keeps plain integer bookkeeping on the host (`first_column` per row) so that trimming
+and capacity checks never need a device sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+try:  # transformers >= 4.56 has layered caches; both 4.57 and 5.x are supported.
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as error:  # pragma: no cover - guarded by the package's dependency pins
+    raise ImportError("autobucket needs transformers >= 4.57 (layered KV caches)") from error
+
+
+class CacheCapacityError(ValueError):
+    """The static cache cannot hold the next column even after trimming."""
+
+
+class StaticKVCache:
+    """Preallocated K/V storage for `rows` sequences of up to `columns` cached tokens each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        columns: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (rows, kv_heads, columns, head_dim)
+        # keys[l], values[l]: [rows, kv_heads, columns, head_dim]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.masked_value = torch.finfo(dtype).min
+        # attend: [rows, columns] additive attention mask, 0 where a row owns the column.
+        self.attend = torch.full((rows, columns), self.masked_value, dtype=dtype, device=device)
+        self.rows = rows
+        self.columns = columns
+        self.active_rows = 0
+        self.front = 0
+        self.first_column: list[int] = []  # per active row: its first live column
+        self.trims = 0
+        self.trimmed_columns = 0
+        self.moved_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.attend))
+
+    @property
+    def free_rows(self) -> int:
+        return self.rows - self.active_rows
+
+    def _column_bytes(self, rows: int, columns: int) -> int:
+        per_layer = rows * self.keys[0].shape[1] * columns * self.keys[0].shape[3] * self.keys[0].element_size()
+        return 2 * len(self.keys) * per_layer
+
+    # ---------------------------------------------------------------- admission
+    def admit(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        lengths: Sequence[int],
+        always_trim: bool = False,
+    ) -> range:
+        """Copy a prefilled, left-padded group into free rows, right-aligned to the front.
+
+        keys[l], values[l]: [group_rows, kv_heads, width, head_dim]; row b's real tokens are its last
+        `lengths[b]` columns (the rest is left padding). Returns the rows it now occupies.
+        """
+        group_rows, width = keys[0].shape[0], keys[0].shape[2]
+        if group_rows > self.free_rows:
+            raise ValueError(f"cannot admit {group_rows} rows: only {self.free_rows} of {self.rows} are free")
+        self._make_room_for(width, always_trim)
+        first, last = self.active_rows, self.active_rows + group_rows
+        left = self.front - width
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.keys[layer][first:last, :, left : self.front] = k
+            self.values[layer][first:last, :, left : self.front] = v
+        self.attend[first:last] = self.masked_value
+        for offset, length in enumerate(lengths):
+            self.attend[first + offset, self.front - length : self.front] = 0
+            self.first_column.append(self.front - length)
+        self.active_rows = last
+        return range(first, last)
+
+    def _make_room_for(self, width: int, always_trim: bool) -> None:
+        if always_trim:
+            self.trim()
+        if width > self.columns - 1:
+            raise CacheCapacityError(
+                f"a prefill of width {width} needs {width + 1} cache columns but cache_capacity is "
+                f"{self.columns}; raise cache_capacity (or leave it None to size it per call)"
+            )
+        if width > self.front:
+            # Old rows keep their columns; [old front, width) becomes masked gap for them.
+            self.front = width
+        elif self.front + 1 > self.columns:
+            self.trim()
+
+    # ---------------------------------------------------------------- decode
+    def prepare_step(self, always_trim: bool = False) -> None:
+        """Open column `front` for the next decode step (trimming first when it would not fit)."""
+        if always_trim or self.front >= self.columns:
+            self.trim()
+        if self.front >= self.columns:
+            raise CacheCapacityError(
+                f"the static KV cache is full: {self.active_rows} rows need {self.front + 1} columns but "
+                f"cache_capacity is {self.columns}; raise cache_capacity or set trim_cache=True"
+            )
+        self.attend[: self.active_rows, self.front] = 0
+
+    def step_mask(self) -> torch.Tensor:
+        """Additive decode mask `[active_rows, 1, 1, front + 1]` (a view, nothing is copied)."""
+        return self.attend[: self.active_rows, None, None, : self.front + 1]
+
+    def write_step(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one decode token per row at the front and return K/V up to it.
+
+        key, value: [active_rows, kv_heads, 1, head_dim] -> views [active_rows, kv_heads, front + 1, head_dim].
+        """
+        n, front = self.active_rows, self.front
+        self.keys[layer][:n, :, front : front + 1] = key
+        self.values[layer][:n, :, front : front + 1] = value
+        return self.keys[layer][:n, :, : front + 1], self.values[layer][:n, :, : front + 1]
+
+    def finish_step(self) -> None:
+        self.front += 1
+
+    # ---------------------------------------------------------------- retirement
+    def compact(self, keep: Sequence[int]) -> None:
+        """Keep only rows `keep` (in that order) as rows 0..len(keep)-1 and clear the rest."""
+        kept, before = len(keep), self.active_rows
+        if list(keep) != list(range(kept)):
+            index = torch.tensor(list(keep), dtype=torch.long, device=self.attend.device)
+            for tensor in (*self.keys, *self.values):
+                tensor[:kept, :, : self.front] = tensor[index, :, : self.front]
+            self.attend[:kept] = self.attend[index]
+            self.moved_bytes += self._column_bytes(kept, self.front)
+        for tensor in (*self.keys, *self.values):
+            tensor[kept:before, :, : self.front] = 0
+        self.attend[kept:before] = self.masked_value
+        self.first_column = [self.first_column[row] for row in keep]
+        self.active_rows = kept
+        if kept == 0:
+            self.front = 0
+
+    def trim(self) -> int:
+        """Shift all rows left past the columns no active row uses; returns the columns removed."""
+        dead = min(self.first_column, default=self.front)
+        if dead == 0:
+            return 0
+        n, live = self.active_rows, self.front - dead
+        for tensor in (*self.keys, *self.values):
+            # clone: source and destination overlap
+            tensor[:n, :, :live] = tensor[:n, :, dead : self.front].clone()
+        self.attend[:n, :live] = self.attend[:n, dead : self.front].clone()
+        self.attend[:n, live:] = self.masked_value
+        self.front = live
+        self.first_column = [column - dead for column in self.first_column]
+        self.trims += 1
+        self.trimmed_columns += dead
+        self.moved_bytes += self._column_bytes(n, live)
+        return dead
+
+    def hf_cache(self) -> Cache:
+        """The transformers `Cache` the model's attention layers write decode steps through."""
+        return _FrontCache(self)
+
+
+class _FrontLayer(CacheLayerMixin):
+    """One model layer's face of a `StaticKVCache`, for transformers' mask and length queries.
+
+    `_layer_type` stays unset: setting it would register this class in transformers' global maps.
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, store: StaticKVCache, layer: int) -> None:
+        super().__init__()
+        self.store, self.layer = store, layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.store.write_step(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.store.front + 1, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.store.front
+
+    def get_max_length(self) -> int:
+        return self.store.columns
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.57 name
+        return self.store.columns
+
+
+class _FrontCache(Cache):
+    """transformers `Cache` whose every layer writes at the store's shared front.
+
+    The driver advances the front once per forward (`finish_step`), never inside `update`, or each
+    layer would write a different column.
+    """
+
+    def __init__(self, store: StaticKVCache) -> None:
+        super().__init__(layers=[_FrontLayer(store, layer) for layer in range(len(store.keys))])
+        self.store = store
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.store.write_step(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int | None = 0, *args, **kwargs) -> int:
+        return self.store.front
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.store.front + 1, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.store.columns
