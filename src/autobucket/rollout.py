@@ -17,8 +17,15 @@ import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.continuous import CacheShape, ContinuousBatcher, Finished, GroupPrompts
+from autobucket.costs import CostCoefficients, ModelGeometry, load_costs
 from autobucket.generation_setup import ResolvedGeneration, resolve_generation
-from autobucket.hf_compat import ForwardSpec, attention_implementation, forward_spec, sliding_window_limit, unwrap_model
+from autobucket.hf_compat import (
+    ForwardSpec,
+    attention_implementation,
+    forward_spec,
+    sliding_window_limit,
+    unwrap_model,
+)
 from autobucket.ordinary import run_ordinary
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
@@ -57,7 +64,8 @@ class Rollout:
         self.spec: ForwardSpec = forward_spec(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions = _max_positions(self.model.config)
-        self._costs = None  # resolved lazily from config.costs (auto route)
+        self.costs = _resolve_costs(self.config.costs)
+        self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +100,15 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
+
+
+def _resolve_costs(costs: Any) -> CostCoefficients:
+    """Coefficients for the auto route: given, loaded from a JSON path, or the reference defaults."""
+    if costs is None:
+        return CostCoefficients()
+    if isinstance(costs, CostCoefficients):
+        return costs
+    return load_costs(costs)
 
 
 def _max_positions(config: Any) -> int | None:
