@@ -23,6 +23,7 @@ from autobucket.prefill import prefill_group
 from autobucket.profile import PhaseTimer, Profile
 from autobucket.static_cache import Cache, StaticKVCache
 
+
 @dataclass(frozen=True)
 class CacheShape:
     rows: int  # continuous batch size (most active rows)

@@ -58,8 +58,8 @@ def unpad_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
             "same 2-D [batch, width] shape"
         )
     prompts = []
-    for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
-        real = [token for token, keep in zip(ids, mask) if keep]
+    for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist(), strict=True)):
+        real = [token for token, keep in zip(ids, mask, strict=True) if keep]
         if mask != [0] * (len(mask) - len(real)) + [1] * len(real):
             raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones)")
         prompts.append(real)

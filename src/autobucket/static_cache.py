@@ -97,7 +97,7 @@ class StaticKVCache:
         self._make_room_for(width, always_trim)
         first, last = self.active_rows, self.active_rows + group_rows
         left = self.front - width
-        for layer, (k, v) in enumerate(zip(keys, values)):
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.keys[layer][first:last, :, left : self.front] = k
             self.values[layer][first:last, :, left : self.front] = v
         self.attend[first:last] = self.masked_value

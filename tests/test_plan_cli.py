@@ -1,0 +1,154 @@
+"""`autobucket plan`: argument parsing, table and JSON output, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autobucket.cli import main, parse_lengths
+from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+
+QWEN25_3B_FLAGS = ["--layers", "36", "--query-heads", "16", "--kv-heads", "2", "--head-dim", "128"]
+
+
+@pytest.fixture
+def costs_file(tmp_path):
+    path = tmp_path / "costs.json"
+    costs = CostCoefficients(fixed_ms=25.0, token_ms=0.1, attention_ms=0.01, kv_ms=0.04, decode_ms=10.0)
+    path.write_text(json.dumps({"schema_version": 1, "costs": costs.to_dict()}))
+    return path
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["plan", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_parse_lengths_expands_repeats():
+    assert parse_lengths("512,16x31") == [512] + [16] * 31
+    assert parse_lengths(" 3 , 2X2 ") == [3, 2, 2]
+
+
+def test_json_plan_for_the_long_tail(capsys, costs_file):
+    result = run_json(capsys, "--lengths", "512,16x31", "--costs", str(costs_file), *QWEN25_3B_FLAGS)
+    assert result["route"] == "bucketed"
+    assert result["buckets"] == [[0], list(range(1, 32))]
+    assert result["widths"] == [512, 16]
+    assert result["ordinary_ms"] > result["bucketed_ms"] > 0
+    assert result["geometry"]["layers"] == 36 and result["geometry"]["max_positions"] == 32768
+    assert result["costs"]["decode_ms"] == 10.0 and result["max_tokens"] == 65536
+
+
+def test_json_uses_costs_from_the_file(capsys, tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"fixed_ms": 5000.0}))  # huge fixed cost: one bucket beats two
+    result = run_json(capsys, "--lengths", "512,16x31", "--costs", str(path), "--capacity", "16")
+    assert result["route"] == "bucketed" and result["buckets"] == [list(range(32))]
+    assert result["costs"]["fixed_ms"] == 5000.0
+
+
+def test_default_geometry_and_dp_skip(capsys):
+    result = run_json(capsys, "--lengths", "16x32")
+    assert result["geometry"] == {
+        "layers": 4,
+        "query_heads": 4,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "element_bytes": 4,
+        "max_positions": 32768,
+    }
+    assert BENCH_QWEN2_GEOMETRY.layers == 4
+    assert result["route"] == "ordinary" and result["bucketed_ms"] is None and result["buckets"] == []
+
+
+def test_token_limit_flags(capsys):
+    limited = run_json(capsys, "--lengths", "512x129", "--capacity", "256")
+    assert "max_tokens 65536" in limited["reason"] and limited["route"] == "bucketed"
+    unlimited = run_json(capsys, "--lengths", "512x129", "--capacity", "256", "--no-token-limit")
+    assert unlimited["max_tokens"] is None and unlimited["route"] == "ordinary"
+
+
+def test_model_config_file(capsys, tmp_path):
+    config = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "hidden_size": 1024,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "torch_dtype": "bfloat16",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = run_json(capsys, "--lengths", "100x4", "--model-config", str(path), "--kv-heads", "4")
+    assert result["geometry"] == {
+        "layers": 28,
+        "query_heads": 16,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "element_bytes": 2,
+        "max_positions": 40960,
+    }
+
+
+def test_table_output(capsys, costs_file):
+    assert main(["plan", "--lengths", "512,16x31", "--costs", str(costs_file), *QWEN25_3B_FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert "Prefill buckets" in out and "1-31" in out
+    assert "bucketed estimated cheaper" in out
+    assert "chosen route" in out and "bucketed" in out
+
+
+@pytest.mark.parametrize("bad", ["16x", "x3", "abc", "0", "16x0", "-4", "5,,6", "2.5", ""])
+def test_bad_lengths_exit_2_with_the_item_and_an_example(capsys, bad):
+    assert main(["plan", "--lengths", bad]) == 2
+    err = capsys.readouterr().err
+    assert "bad --lengths item" in err and "512,16x31" in err
+
+
+def test_library_errors_exit_2(capsys, tmp_path):
+    assert main(["plan", "--lengths", "70000"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    missing = tmp_path / "nope.json"
+    assert main(["plan", "--lengths", "5", "--costs", str(missing)]) == 2
+    assert "nope.json" in capsys.readouterr().err
+    assert main(["plan", "--lengths", "5", "--model-config", str(missing)]) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main([]) == 2
+    assert main(["plan"]) == 2  # --lengths is required
+    assert main(["plan", "--lengths", "5", "--max-tokens", "10", "--no-token-limit"]) == 2
+    assert main(["plan", "--lengths", "5", "--capacity", "0"]) == 2
+    capsys.readouterr()
+
+
+def test_help_exits_0(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "--lengths" in capsys.readouterr().out
+
+
+def test_module_entry_point_prints_json():
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autobucket.cli",
+            "plan",
+            "--json",
+            "--lengths",
+            "512,16x31",
+            *QWEN25_3B_FLAGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    result = json.loads(completed.stdout)
+    assert result["route"] == "bucketed" and result["widths"] == [512, 16]
