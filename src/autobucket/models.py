@@ -54,3 +54,23 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
+
+
+def load_model(
+    name: str, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False, attn_implementation: str = "sdpa"
+) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) for a tiny config name, or a local path / HF id via `from_pretrained`.
+
+    Tiny random-weight models have no tokenizer (None): pass token ids to them.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if name in TINY_CONFIGS:
+        return build_tiny_model(name, dtype=dtype, attn_implementation=attn_implementation), None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer
