@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from autobucket.rollout import _Call
 
 
-def run_auto(call: _Call) -> dict[int, Finished]:
+def run_auto(call: _Call) -> dict[tuple[int, int], Finished]:
     from autobucket.rollout import _run_continuous
 
     geometry, costs = call.rollout.geometry, call.rollout.costs
@@ -34,6 +34,7 @@ def run_auto(call: _Call) -> dict[int, Finished]:
         max_tokens=call.config.prefill_max_tokens,
         max_positions=call.rollout.max_positions,
         ordinary_blocked_reason=_ordinary_blocked_reason(call),
+        samples_per_prompt=call.sampling.n,
     )
     profile = call.profile
     profile.plan_ms += (time.perf_counter() - started) * 1e3
@@ -44,9 +45,11 @@ def run_auto(call: _Call) -> dict[int, Finished]:
     if decision.route == ROUTE_ORDINARY:
         profile.prefill_groups = [[list(range(len(call.prompts)))]]
         return run_ordinary(
-            call.rollout.model, call.prompts, call.generation, call.sampling.continuous_batch_size, profile, call.timer
+            call.rollout.model, call.prompts, call.generation, call.selection, call.sampling.n,
+            call.sampling.continuous_batch_size, profile, call.timer,
         )
-    first_plan = decision.buckets if len(call.prompts) <= call.sampling.continuous_batch_size else None
+    fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
+    first_plan = decision.buckets if fits_first_admission else None
     return _run_continuous(call, _BucketPlanner(call, geometry, costs, first_plan))
 
 
@@ -77,6 +80,8 @@ class _BucketPlanner:
             return [list(bucket) for bucket in plan]
         started = time.perf_counter()
         lengths = [len(self.call.prompts[index]) for index in admitted]
-        plan = plan_prefill(lengths, self.geometry, self.costs, max_tokens=self.call.config.prefill_max_tokens)
+        plan = plan_prefill(
+            lengths, self.geometry, self.costs, self.call.config.prefill_max_tokens, self.call.sampling.n
+        )
         self.call.profile.plan_ms += (time.perf_counter() - started) * 1e3
         return [[admitted[position] for position in bucket] for bucket in plan.buckets]

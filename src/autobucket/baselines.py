@@ -34,4 +34,4 @@ def hf_generate_batch(
     )
     ordered = sorted(outputs.values(), key=lambda out: int(str(out.request_id).rsplit("_", 1)[-1]))
     eos = frozenset(eos_token_ids)
-    return [cut_at_eos(list(out.generated_tokens), eos, max_new_tokens).tokens for out in ordered]
+    return [cut_at_eos(list(out.generated_tokens), eos, max_new_tokens)[0] for out in ordered]

@@ -67,10 +67,16 @@ class SamplingConfig:
     """What one `generate` call produces.
 
     max_new_tokens: generation budget per request (the first token comes from prefill).
-    continuous_batch_size: most rows decoded at once; more prompts wait in a queue and refill.
-    repetition_penalty: HF's penalty over the prompt and generated tokens (1.0: off).
+    continuous_batch_size: most rows decoded at once; more rows wait in a queue and refill.
+    repetition_penalty: HF's penalty over the prompt and generated tokens (1.0: off). This value is
+      used as given; the model's generation_config value is not consulted.
     eos_token_id: int or list of ints; None uses the model's resolved generation config.
-    temperature: 0.0 is greedy (the only mode until sampling lands).
+    temperature: 0.0 is greedy; > 0 samples (top_k / top_p apply only then, as in HF).
+    top_k: keep the k most likely tokens (0: off). top_p: nucleus mass to keep (1.0: off).
+    seed: int for the whole call (each prompt's stream is keyed by (seed, prompt index)), or one int
+      per prompt (streams then do not depend on the prompt's position in the batch).
+    n: samples per prompt; each unique prompt is prefilled once and its KV shared by its n rows.
+    logprobs: also return each generated token's log-probability.
     """
 
     max_new_tokens: int = 16
@@ -78,6 +84,11 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     eos_token_id: int | list[int] | None = None
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | list[int] = 0
+    n: int = 1
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
@@ -85,17 +96,34 @@ class SamplingConfig:
         penalty = _require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
         if penalty <= 0:
             raise ValueError(f"repetition_penalty={penalty!r} is invalid: it must be > 0 (1.0 disables it)")
-        temperature = _require_finite("temperature", self.temperature, "use 0.0 for greedy decoding")
-        if temperature != 0.0:
-            raise ValueError(
-                f"temperature={temperature!r} is not supported yet: only greedy decoding (temperature=0.0)"
-            )
-        if self.eos_token_id is not None:
-            ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id
-            if not isinstance(ids, (list, tuple)) or not ids or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
-            ):
+        if _require_finite("temperature", self.temperature, "use 0.0 for greedy decoding") < 0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value")
+        _require_int("top_k", self.top_k, 0, "0 disables top-k")
+        top_p = _require_finite("top_p", self.top_p, "1.0 disables top-p")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} is invalid: it must be in (0, 1] (1.0 disables top-p)")
+        _require_int("n", self.n, 1, "ask for at least one sample per prompt")
+        self._check_seed()
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs={self.logprobs!r} is invalid: expected True or False")
+        self._check_eos()
+
+    def _check_seed(self) -> None:
+        seeds = self.seed if isinstance(self.seed, (list, tuple)) else [self.seed]
+        for value in seeds:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
                 raise ValueError(
-                    f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a non-empty "
-                    "list of them, or None for the model's generation config"
+                    f"seed={self.seed!r} is invalid: pass an int in [0, 2**64) or a list of them, one per prompt"
                 )
+
+    def _check_eos(self) -> None:
+        if self.eos_token_id is None:
+            return
+        ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id
+        if not isinstance(ids, (list, tuple)) or not ids or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
+        ):
+            raise ValueError(
+                f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a non-empty "
+                "list of them, or None for the model's generation config"
+            )

@@ -1,12 +1,18 @@
 """Continuous batching on a `StaticKVCache`: admit, decode, retire, compact, refill.
 
 One loop serves every CB route; routes differ only in `group_prompts`, which splits each
-admission into prefill groups (equal-width: one padded group; aligned: one group per request;
-auto: the planner's buckets). Each group is prefilled in one forward, its first token is chosen
-from the prefill logits, and rows that are not already finished are copied right-aligned into the
-cache. Decode runs all active rows in one forward per step with per-row position ids and the
-cache's additive mask; the only host sync per step is reading the new tokens back (`tolist`), and
-EOS / budget checks happen on those host integers."""
+admission's prompts into prefill groups (equal-width: one padded group; aligned: one group per
+prompt; auto: the planner's buckets).
+
+Work items are (prompt, sample) pairs, queued prompt-major. A prompt is prefilled once; its K/V
+and last-token logits serve all of its `n` samples: each sample draws its own first token from the
+shared logits, and the K/V is copied into one cache row per sample. When an admission ends in the
+middle of a prompt's samples, that prompt's prefill is kept (`_Retained`) for the next admission,
+so a prompt is never prefilled twice.
+
+Decode runs all active rows in one forward per step with per-row position ids and the cache's
+additive mask; the only host sync per step is reading the new tokens back (`tolist`), and EOS /
+budget checks happen on those host integers."""
 
 from __future__ import annotations
 
@@ -18,9 +24,10 @@ import torch
 
 from autobucket.generation_setup import ResolvedGeneration
 from autobucket.hf_compat import ForwardSpec
-from autobucket.logits import seen_tokens, select_greedy
-from autobucket.prefill import prefill_group
+from autobucket.logits import apply_repetition_penalty, seen_tokens
+from autobucket.prefill import PrefillOutput, prefill_group
 from autobucket.profile import PhaseTimer, Profile
+from autobucket.sampling import SamplerSettings, select_tokens
 from autobucket.static_cache import Cache, StaticKVCache
 
 
@@ -30,7 +37,22 @@ class CacheShape:
     columns: int  # cache capacity in token columns
 
 
-# A route's admission policy: the admitted prompt indices -> prefill groups of prompt indices.
+@dataclass(frozen=True)
+class Selection:
+    """How every route turns logits into tokens for one call."""
+
+    sampler: SamplerSettings
+    repetition_penalty: float
+    want_logprobs: bool
+
+    def choose(self, logits, seen, prompts, samples, steps):
+        """logits [rows, vocab] fp32 -> (tokens [rows], logprobs [rows] | None)."""
+        if seen is not None and self.repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
+        return select_tokens(logits, self.sampler, prompts, samples, steps, self.want_logprobs)
+
+
+# A route's admission policy: the admission's prompt indices -> prefill groups of prompt indices.
 GroupPrompts = Callable[[Sequence[int]], list[list[int]]]
 
 
@@ -38,14 +60,26 @@ GroupPrompts = Callable[[Sequence[int]], list[list[int]]]
 class Finished:
     tokens: list[int]
     reason: str  # "eos" | "length"
+    logprobs: list[float] | None = None
 
 
 @dataclass
 class _Row:
-    """Host-side state of one active cache row."""
+    """Host-side state of one active cache row: one sample of one prompt."""
 
-    index: int
+    prompt: int
+    sample: int
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class _Source:
+    """Where an admitted prompt's prefill lives: row `row` of `output`."""
+
+    output: PrefillOutput
+    row: int
+    seen: torch.Tensor | None  # [vocab] bool prompt tokens (with a repetition penalty)
 
 
 @dataclass
@@ -77,17 +111,19 @@ class ContinuousBatcher:
         model: torch.nn.Module,
         spec: ForwardSpec,
         generation: ResolvedGeneration,
+        selection: Selection,
         cache_shape: CacheShape,
         vocab_size: int,
         trim_cache: bool,
         profile: Profile,
         timer: PhaseTimer,
     ) -> None:
-        self.model, self.spec, self.generation = model, spec, generation
+        self.model, self.spec, self.generation, self.selection = model, spec, generation, selection
         self.cache_shape, self.vocab_size, self.trim_cache = cache_shape, vocab_size, trim_cache
         self.profile, self.timer = profile, timer
         self.device = next(model.parameters()).device
         self.store: StaticKVCache | None = None  # sized from the first prefill's K/V shapes
+        self.cache: Cache | None = None
         self.eos = frozenset(generation.eos_token_ids)
         self.use_penalty = generation.repetition_penalty != 1.0
         self.rows: list[_Row] = []
@@ -96,70 +132,95 @@ class ContinuousBatcher:
             torch.empty(0, dtype=torch.long, device=self.device),
             torch.empty((0, vocab_size), dtype=torch.bool, device=self.device) if self.use_penalty else None,
         )
-        self.cache: Cache | None = None
-        self.finished: dict[int, Finished] = {}
+        self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
+        self.finished: dict[tuple[int, int], Finished] = {}
 
-    def run(self, prompts: Sequence[Sequence[int]], group_prompts: GroupPrompts) -> dict[int, Finished]:
-        queue = deque(range(len(prompts)))
+    def run(
+        self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, group_prompts: GroupPrompts
+    ) -> dict[tuple[int, int], Finished]:
+        """Finished results keyed by (prompt index, sample index)."""
+        queue = deque((p, s) for p in range(len(prompts)) for s in range(samples_per_prompt))
         while queue or self.rows:
             free_rows = self.cache_shape.rows - len(self.rows)
             if queue and free_rows:
                 admitted = [queue.popleft() for _ in range(min(free_rows, len(queue)))]
-                self._admit(prompts, admitted, group_prompts)
+                still_queued = queue[0][0] if queue else None
+                self._admit(prompts, admitted, still_queued, group_prompts)
             if self.rows:
                 self._decode_step()
         return self.finished
 
     # ------------------------------------------------------------ admission
-    def _admit(self, prompts: Sequence[Sequence[int]], admitted: list[int], group_prompts: GroupPrompts) -> None:
-        groups = group_prompts(admitted)
+    def _admit(self, prompts, admitted: list[tuple[int, int]], still_queued: int | None, group_prompts) -> None:
+        sources: dict[int, _Source] = {}
+        if self.retained is not None:
+            sources[self.retained[0]] = self.retained[1]
+        new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
+        groups = group_prompts(new_prompts) if new_prompts else []
         self.profile.prefill_groups.append([list(g) for g in groups])
         # Widest group first: it sets the front, narrower groups then fit without a gap.
         for group in sorted(groups, key=lambda g: -max(len(prompts[i]) for i in g)):
-            self._prefill_and_insert(group, [prompts[i] for i in group])
+            sources.update(self._prefill(group, [prompts[i] for i in group]))
+        by_source: dict[int, list[tuple[int, int]]] = {}
+        for item in admitted:
+            by_source.setdefault(id(sources[item[0]].output), []).append(item)
+        for items in by_source.values():
+            self._start_samples(prompts, items, sources)
+        self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
 
-    def _prefill_and_insert(self, group: list[int], group_prompts: list[Sequence[int]]) -> None:
+    def _prefill(self, group: list[int], group_prompts: list[Sequence[int]]) -> dict[int, _Source]:
         with self.timer.phase("prefill_ms"):
             output = prefill_group(self.model, self.spec, group_prompts, self.generation.pad_token_id)
             seen = seen_tokens(group_prompts, self.vocab_size, self.device) if self.use_penalty else None
-            first = select_greedy(output.last_logits, seen, self.generation.repetition_penalty)
         self.profile.prefill_forwards += 1
         self.profile.prefill_tokens += len(group) * max(len(p) for p in group_prompts)
-        first_host = first.tolist()
-        keep = [b for b, token in enumerate(first_host) if not self._finish_if_done(group[b], [token])]
-        if not keep:
-            return
-        with self.timer.phase("cache_ms"):
-            self._insert(group, group_prompts, output, first, seen, keep, first_host)
+        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group)}
 
-    def _insert(self, group, group_prompts, output, first, seen, keep, first_host) -> None:
-        keys, values = output.keys, output.values
-        if len(keep) < len(group):
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            keys, values = [k[index] for k in keys], [v[index] for v in values]
-            first, seen = first[index], (seen[index] if seen is not None else None)
-        lengths = [len(group_prompts[b]) for b in keep]
+    def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
+        """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
+        output = sources[items[0][0]].output
+        source_rows = torch.tensor([sources[p].row for p, _ in items], dtype=torch.long, device=self.device)
+        seen = torch.stack([sources[p].seen for p, _ in items]) if self.use_penalty else None
+        with self.timer.phase("prefill_ms"):
+            tokens, logprobs = self.selection.choose(
+                output.last_logits[source_rows], seen, [p for p, _ in items], [s for _, s in items], [0] * len(items)
+            )
+        tokens_host = tokens.tolist()
+        logprobs_host = logprobs.tolist() if logprobs is not None else [None] * len(items)
+        keep = []
+        for b, ((p, s), token, logprob) in enumerate(zip(items, tokens_host, logprobs_host, strict=True)):
+            row = _Row(p, s, [token], None if logprob is None else [logprob])
+            if not self._finish_if_done(row):
+                keep.append((b, row))
+        if keep:
+            with self.timer.phase("cache_ms"):
+                self._insert(prompts, output, source_rows, tokens, seen, keep)
+
+    def _insert(self, prompts, output: PrefillOutput, source_rows, tokens, seen, keep) -> None:
+        index = torch.tensor([b for b, _ in keep], dtype=torch.long, device=self.device)
+        rows = source_rows[index]  # one cache row per kept sample, K/V shared from its prompt's row
+        keys, values = [k[rows] for k in output.keys], [v[rows] for v in output.values]
         if self.store is None:
             self._create_store(keys)
+        lengths = [len(prompts[row.prompt]) for _, row in keep]
         self.store.admit(keys, values, lengths, always_trim=self.trim_cache)
+        first, seen = tokens[index], (seen[index] if seen is not None else None)
         if seen is not None:
             seen[torch.arange(len(keep), device=self.device), first] = True
-        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        self.state.extend(first, positions, seen)
-        self.rows.extend(_Row(group[b], [first_host[b]]) for b in keep)
+        self.state.extend(first, torch.tensor(lengths, dtype=torch.long, device=self.device), seen)
+        self.rows.extend(row for _, row in keep)
         self.profile.max_active_rows = max(self.profile.max_active_rows, len(self.rows))
 
     def _create_store(self, keys: list[torch.Tensor]) -> None:
-        # keys[l]: [group_rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
-        layer_keys = keys[0]
+        # keys[l]: [rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
         self.store = StaticKVCache(
             num_layers=len(keys),
             rows=self.cache_shape.rows,
-            kv_heads=layer_keys.shape[1],
+            kv_heads=keys[0].shape[1],
             columns=self.cache_shape.columns,
-            head_dim=layer_keys.shape[3],
-            dtype=layer_keys.dtype,
-            device=layer_keys.device,
+            head_dim=keys[0].shape[3],
+            dtype=keys[0].dtype,
+            device=keys[0].device,
         )
         self.cache = self.store.hf_cache()
 
@@ -177,35 +238,45 @@ class ContinuousBatcher:
                 **{self.spec.cache_keyword: self.cache},
             )
             self.store.finish_step()
-            tokens = select_greedy(output.logits[:, -1, :].float(), self.state.seen, self.generation.repetition_penalty)
+            tokens, logprobs = self.selection.choose(
+                output.logits[:, -1, :].float(),
+                self.state.seen,
+                [row.prompt for row in self.rows],
+                [row.sample for row in self.rows],
+                [len(row.tokens) for row in self.rows],
+            )
             tokens_host = tokens.tolist()  # the one host sync of the step
+            logprobs_host = logprobs.tolist() if logprobs is not None else None
         self.profile.decode_forwards += 1
         if self.state.seen is not None:
             self.state.seen[torch.arange(len(tokens_host), device=self.device), tokens] = True
         self.state.next_input = tokens
         self.state.next_position = self.state.next_position + 1
-        keep = [row for row, token in enumerate(tokens_host) if not self._append(row, token)]
+        keep = [r for r, token in enumerate(tokens_host) if not self._append(r, token, logprobs_host)]
         if len(keep) < len(self.rows):
             with self.timer.phase("cache_ms"):
                 self._retire(keep)
 
-    def _append(self, row: int, token: int) -> bool:
-        state = self.rows[row]
-        state.tokens.append(token)
-        return self._finish_if_done(state.index, state.tokens)
+    def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> bool:
+        row = self.rows[r]
+        row.tokens.append(token)
+        if logprobs_host is not None:
+            row.logprobs.append(logprobs_host[r])
+        return self._finish_if_done(row)
 
-    def _finish_if_done(self, index: int, tokens: list[int]) -> bool:
-        if tokens[-1] in self.eos:
-            self.finished[index] = Finished(tokens, "eos")
-        elif len(tokens) >= self.generation.max_new_tokens:
-            self.finished[index] = Finished(tokens, "length")
+    def _finish_if_done(self, row: _Row) -> bool:
+        if row.tokens[-1] in self.eos:
+            reason = "eos"
+        elif len(row.tokens) >= self.generation.max_new_tokens:
+            reason = "length"
         else:
             return False
+        self.finished[(row.prompt, row.sample)] = Finished(row.tokens, reason, row.logprobs)
         return True
 
     def _retire(self, keep: list[int]) -> None:
         self.store.compact(keep)
         self.state.select(torch.tensor(keep, dtype=torch.long, device=self.device))
-        self.rows = [self.rows[row] for row in keep]
+        self.rows = [self.rows[r] for r in keep]
         if self.trim_cache:
             self.store.trim()

@@ -16,7 +16,7 @@ import torch
 from autobucket.config import SamplingConfig
 
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
-_SAMPLING_KEYS = ("max_new_tokens", "repetition_penalty", "eos_token_id", "temperature")
+_SAMPLING_KEYS = ("max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p")
 
 
 def _is_set(value: Any) -> bool:
@@ -83,8 +83,10 @@ def resolve_generation(
             f"unknown generate option(s) {sorted(unknown)}: they are not GenerationConfig fields; remove them"
         )
     if overrides.get("do_sample"):
-        raise ValueError("do_sample=True is not supported yet: only greedy decoding (remove do_sample)")
-    config.do_sample = False
+        raise ValueError(
+            "do_sample=True is not an override here: sample with SamplingConfig(temperature>0, top_k, top_p, seed)"
+        )
+    config.do_sample = False  # autobucket selects tokens itself (autobucket.sampling); HF never samples
     config.max_new_tokens = sampling.max_new_tokens
     config.repetition_penalty = sampling.repetition_penalty
     _reject_unsupported(config)

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessorList
 
-from autobucket.continuous import Finished
+from autobucket.continuous import Finished, Selection
 from autobucket.generation_setup import ResolvedGeneration
-from autobucket.logits import PaddingAwareRepetitionPenalty
 from autobucket.prefill import left_pad
 from autobucket.profile import PhaseTimer, Profile
 
@@ -50,11 +49,49 @@ class _ForwardClock:
             handle.remove()
 
 
-def cut_at_eos(tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> Finished:
+def cut_at_eos(tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> tuple[list[int], str]:
+    """Tokens through the first EOS (inclusive) within the budget, and the finish reason."""
     for position, token in enumerate(tokens[:max_new_tokens]):
         if token in eos:
-            return Finished(tokens[: position + 1], "eos")
-    return Finished(tokens[:max_new_tokens], "length")
+            return tokens[: position + 1], "eos"
+    return tokens[:max_new_tokens], "length"
+
+
+class _EngineSelection:
+    """A logits processor that makes HF `generate` pick exactly the engine's token.
+
+    It applies the engine's `Selection` (padding-aware repetition penalty, greedy or stream
+    sampling) to each step's scores and returns scores that are -inf everywhere but the chosen
+    token, so HF's greedy step takes it. Rows are (prompt, sample) items, so sampled tokens
+    follow the same per-request streams as on the CB routes.
+    """
+
+    def __init__(self, selection: Selection, items: Sequence[tuple[int, int]], width: int, pad_lengths: Sequence[int]):
+        self.selection, self.items, self.width = selection, list(items), width
+        self.pad_lengths = torch.as_tensor(list(pad_lengths), dtype=torch.long)
+        self.logprobs: list[torch.Tensor] = []  # per step [rows]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width
+        seen = None
+        if self.selection.repetition_penalty != 1.0:
+            seen = seen_in_rows(input_ids, self.pad_lengths.to(input_ids.device), scores.shape[-1])
+        tokens, logprobs = self.selection.choose(
+            scores.float(), seen, [p for p, _ in self.items], [s for _, s in self.items], [step] * len(self.items)
+        )
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, tokens[:, None], 0.0)
+
+
+def seen_in_rows(input_ids: torch.Tensor, pad_lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: ids occurring in each row's real (non-padding) tokens."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    rows, columns = torch.nonzero(positions[None, :] >= pad_lengths[:, None], as_tuple=True)
+    seen = torch.zeros((input_ids.shape[0], vocab_size), dtype=torch.bool, device=input_ids.device)
+    seen[rows, input_ids[rows, columns]] = True
+    return seen
 
 
 @torch.inference_mode()
@@ -62,35 +99,47 @@ def run_ordinary(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     generation: ResolvedGeneration,
+    selection: Selection,
+    samples_per_prompt: int,
     batch_rows: int,
     profile: Profile,
     timer: PhaseTimer,
-) -> dict[int, Finished]:
-    finished: dict[int, Finished] = {}
-    for start in range(0, len(prompts), batch_rows):
-        batch = prompts[start : start + batch_rows]
-        for offset, result in enumerate(_generate_batch(model, batch, generation, profile, timer)):
-            finished[start + offset] = result
+) -> dict[tuple[int, int], Finished]:
+    """Batches of at most `batch_rows` (prompt, sample) rows; each row is prefilled (no sharing)."""
+    items = [(p, s) for p in range(len(prompts)) for s in range(samples_per_prompt)]
+    finished: dict[tuple[int, int], Finished] = {}
+    for start in range(0, len(items), batch_rows):
+        batch = items[start : start + batch_rows]
+        finished.update(zip(batch, _generate_batch(model, prompts, batch, generation, selection, profile, timer), strict=True))
         profile.max_active_rows = max(profile.max_active_rows, len(batch))
     return finished
 
 
-def _generate_batch(model, batch, generation: ResolvedGeneration, profile: Profile, timer: PhaseTimer):
+def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selection: Selection, profile, timer):
     device = next(model.parameters()).device
+    batch = [prompts[p] for p, _ in items]
     input_ids, attention_mask = left_pad(batch, generation.pad_token_id, device)
     width = input_ids.shape[1]
     config = copy.deepcopy(generation.generation_config)
-    processors = LogitsProcessorList()
-    if generation.repetition_penalty != 1.0:
-        config.repetition_penalty = 1.0  # replaced by the padding-aware processor below
-        processors.append(PaddingAwareRepetitionPenalty(generation.repetition_penalty, [width - len(p) for p in batch]))
+    config.repetition_penalty = 1.0  # applied by _EngineSelection, over real tokens only
+    needs_selector = not selection.sampler.greedy or selection.want_logprobs or generation.repetition_penalty != 1.0
+    selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
     profile.prefill_tokens += len(batch) * width
     clock = _ForwardClock(model, profile, timer)
     try:
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([selector] if selector else []),
         )
     finally:
         clock.remove()
     eos = frozenset(generation.eos_token_ids)
-    return [cut_at_eos(row, eos, generation.max_new_tokens) for row in output[:, width:].tolist()]
+    step_logprobs = torch.stack(selector.logprobs, dim=1).tolist() if selector and selector.logprobs else None
+    results = []
+    for row, generated in enumerate(output[:, width:].tolist()):
+        tokens, reason = cut_at_eos(generated, eos, generation.max_new_tokens)
+        logprobs = step_logprobs[row][: len(tokens)] if step_logprobs is not None else None
+        results.append(Finished(tokens, reason, logprobs))
+    return results

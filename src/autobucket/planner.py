@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autobucket.costs import (
@@ -84,13 +84,25 @@ def plan_prefill(
     geometry: ModelGeometry,
     costs: CostCoefficients,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    samples_per_prompt: int = 1,
 ) -> PrefillPlan:
     """Cheapest split of the prompts into prefill buckets under the cost model (exact DP).
 
     A bucket holds a contiguous run of the length-descending (stable) order and is feasible when
-    rows × width <= ``max_tokens`` (None: no limit). Empty input gives an empty plan of 0 ms.
+    rows × width <= ``max_tokens`` (None: no limit). Empty input gives an empty plan of 0 ms. Each
+    prompt is prefilled once and its KV copied into ``samples_per_prompt`` cache rows.
     """
+    _check_count("samples_per_prompt", samples_per_prompt)
+    costs = shared_prefill_costs(costs, samples_per_prompt)
     return _plan_checked(_checked_lengths(lengths, max_tokens), geometry, costs, max_tokens)
+
+
+def shared_prefill_costs(costs: CostCoefficients, samples_per_prompt: int) -> CostCoefficients:
+    """Coefficients for prefilling a prompt once and copying its KV into k sample rows: the forward is
+    paid once per prompt, the KV copy k times, so only ``kv_ms`` scales."""
+    if samples_per_prompt == 1:
+        return costs
+    return replace(costs, kv_ms=costs.kv_ms * samples_per_prompt)
 
 
 def _plan_checked(
@@ -263,6 +275,7 @@ def choose_route(
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     max_positions: int | None = None,
     ordinary_blocked_reason: str | None = None,
+    samples_per_prompt: int = 1,
 ) -> RouteDecision:
     """Choose ordinary padded ``generate`` or bucketed continuous batching for one batch of prompts.
 
@@ -270,22 +283,28 @@ def choose_route(
     bucketed costs the DP plan plus ``decode_ms`` per decode step after the first. Only the routes'
     differences are modelled. Equal estimates choose ordinary (it changes less). With no prompts both
     estimates are 0 ms, so the same rules choose ordinary unless it is blocked.
+
+    With ``samples_per_prompt`` = k, ordinary generation prefills every prompt k times (HF expands rows
+    before prefill), while bucketed CB prefills each prompt once and copies its KV into k rows.
     """
+    _check_count("samples_per_prompt", samples_per_prompt)
     _check_count("max_new_tokens", max_new_tokens)
     _check_count("capacity", capacity)
     if max_positions is not None:
         _check_count("max_positions", max_positions)
     checked = _checked_lengths(lengths, max_tokens)
     blocked = _ordinary_blockers(
-        checked, max_new_tokens, capacity, max_tokens, max_positions, ordinary_blocked_reason
+        checked, max_new_tokens, capacity, max_tokens, max_positions, ordinary_blocked_reason, samples_per_prompt
     )
     if not checked:
         return _empty_decision(blocked)
+    ordinary_costs, costs = costs, shared_prefill_costs(costs, samples_per_prompt)
     decode_ms = continuous_decode_cost_ms(max_new_tokens, costs)
     lower_bound_ms = _bucketed_lower_bound_ms(checked, geometry, costs) + decode_ms
     ordinary_ms = None
     if not blocked:
-        ordinary_ms = ordinary_cost_ms(len(checked), max(checked), max_new_tokens, geometry, costs)
+        rows = len(checked) * samples_per_prompt
+        ordinary_ms = ordinary_cost_ms(rows, max(checked), max_new_tokens, geometry, ordinary_costs)
         if lower_bound_ms >= ordinary_ms:
             reason = (
                 f"ordinary estimated cheaper (lower bound of bucketed {lower_bound_ms:.1f} ms >= "
@@ -308,9 +327,10 @@ def _ordinary_blockers(
     max_tokens: int | None,
     max_positions: int | None,
     blocked_reason: str | None,
+    samples_per_prompt: int = 1,
 ) -> str:
     """Why ordinary generation cannot run this batch ('' when it can)."""
-    rows, longest = len(lengths), max(lengths, default=0)
+    rows, longest = len(lengths) * samples_per_prompt, max(lengths, default=0)
     reasons = [] if blocked_reason is None else [blocked_reason or "blocked by the caller"]
     if rows > capacity:
         reasons.append(f"{rows} rows exceed capacity {capacity}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.continuous import CacheShape, ContinuousBatcher, Finished, GroupPrompts
+from autobucket.continuous import CacheShape, ContinuousBatcher, Finished, GroupPrompts, Selection
 from autobucket.costs import CostCoefficients, ModelGeometry, load_costs
 from autobucket.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.hf_compat import (
@@ -30,6 +30,7 @@ from autobucket.ordinary import run_ordinary
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
+from autobucket.sampling import SamplerSettings, request_seed
 
 
 @dataclass
@@ -40,6 +41,7 @@ class _Call:
     prompts: list[list[int]]
     generation: ResolvedGeneration
     sampling: SamplingConfig
+    selection: Selection
     profile: Profile
     timer: PhaseTimer
 
@@ -85,8 +87,11 @@ class Rollout:
         profile = Profile(route=self.config.route)
         timer = PhaseTimer(profile, self.device, synchronize=self.config.profile)
         if not token_prompts:
-            return RolloutResult([], [], self.config.route, profile)
-        call = _Call(self, token_prompts, generation, sampling, profile, timer)
+            return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
+        selection = Selection(
+            _sampler_settings(sampling, len(token_prompts)), generation.repetition_penalty, sampling.logprobs
+        )
+        call = _Call(self, token_prompts, generation, sampling, selection, profile, timer)
         with PeakMemory(self.device) as memory:
             finished = _ROUTES[self.config.route](call)
         return _result(call, finished, memory, started)
@@ -119,9 +124,30 @@ def _max_positions(config: Any) -> int | None:
     return None
 
 
-def _result(call: _Call, finished: dict[int, Finished], memory: PeakMemory, started: float) -> RolloutResult:
-    profile = call.profile
-    ordered = [finished[index] for index in range(len(call.prompts))]
+def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:
+    if isinstance(sampling.seed, (list, tuple)):
+        if len(sampling.seed) != prompt_count:
+            raise ValueError(
+                f"seed has {len(sampling.seed)} values for {prompt_count} prompts: pass one per prompt or one int"
+            )
+        seeds = tuple(sampling.seed)
+    else:
+        seeds = tuple(request_seed(sampling.seed, index) for index in range(prompt_count))
+    return SamplerSettings(sampling.temperature, sampling.top_k, sampling.top_p, seeds)
+
+
+def _nest(values: list, samples_per_prompt: int) -> list:
+    """Per-item values -> per prompt (n == 1) or per prompt a list of n (n > 1)."""
+    if samples_per_prompt == 1:
+        return values
+    return [values[start : start + samples_per_prompt] for start in range(0, len(values), samples_per_prompt)]
+
+
+def _result(
+    call: _Call, finished: dict[tuple[int, int], Finished], memory: PeakMemory, started: float
+) -> RolloutResult:
+    profile, n = call.profile, call.sampling.n
+    ordered = [finished[(p, s)] for p in range(len(call.prompts)) for s in range(n)]
     tokens = [item.tokens for item in ordered]
     profile.output_tokens = sum(len(t) for t in tokens)
     profile.peak_memory_bytes = memory.peak_bytes()
@@ -129,25 +155,29 @@ def _result(call: _Call, finished: dict[int, Finished], memory: PeakMemory, star
         torch.cuda.synchronize(call.timer.device)
     profile.total_ms = (time.perf_counter() - started) * 1e3
     profile.tokens_per_s = profile.output_tokens / max(profile.total_ms / 1e3, 1e-9)
-    return RolloutResult(tokens, [item.reason for item in ordered], profile.route, profile)
-
-
-# ------------------------------------------------------------------ routes
-def _route_ordinary(call: _Call) -> dict[int, Finished]:
-    return run_ordinary(
-        call.rollout.model, call.prompts, call.generation, call.sampling.continuous_batch_size, call.profile, call.timer
+    logprobs = _nest([item.logprobs for item in ordered], n) if call.sampling.logprobs else None
+    return RolloutResult(
+        _nest(tokens, n), _nest([item.reason for item in ordered], n), profile.route, profile, logprobs
     )
 
 
-def _route_equal_width(call: _Call) -> dict[int, Finished]:
+# ------------------------------------------------------------------ routes
+def _route_ordinary(call: _Call) -> dict[tuple[int, int], Finished]:
+    return run_ordinary(
+        call.rollout.model, call.prompts, call.generation, call.selection, call.sampling.n,
+        call.sampling.continuous_batch_size, call.profile, call.timer,
+    )
+
+
+def _route_equal_width(call: _Call) -> dict[tuple[int, int], Finished]:
     return _run_continuous(call, lambda admitted: _equal_width_groups(call, admitted))
 
 
-def _route_aligned(call: _Call) -> dict[int, Finished]:
+def _route_aligned(call: _Call) -> dict[tuple[int, int], Finished]:
     return _run_continuous(call, lambda admitted: [[index] for index in admitted])
 
 
-def _route_auto(call: _Call) -> dict[int, Finished]:
+def _route_auto(call: _Call) -> dict[tuple[int, int], Finished]:
     from autobucket.auto import run_auto
 
     return run_auto(call)
@@ -173,7 +203,7 @@ def _equal_width_groups(call: _Call, admitted: Sequence[int]) -> list[list[int]]
     return groups
 
 
-def _run_continuous(call: _Call, group_prompts: GroupPrompts) -> dict[int, Finished]:
+def _run_continuous(call: _Call, group_prompts: GroupPrompts) -> dict[tuple[int, int], Finished]:
     model = call.rollout.model
     attention_implementation(model)
     _check_prefill_limit(call)
@@ -181,10 +211,10 @@ def _run_continuous(call: _Call, group_prompts: GroupPrompts) -> dict[int, Finis
     shape = _cache_shape(call)
     call.profile.capacity = shape.columns
     batcher = ContinuousBatcher(
-        model, call.rollout.spec, call.generation, shape, call.rollout.vocab_size, call.config.trim_cache,
-        call.profile, call.timer,
+        model, call.rollout.spec, call.generation, call.selection, shape, call.rollout.vocab_size,
+        call.config.trim_cache, call.profile, call.timer,
     )
-    finished = batcher.run(call.prompts, group_prompts)
+    finished = batcher.run(call.prompts, call.sampling.n, group_prompts)
     if batcher.store is not None:
         call.profile.kv_cache_bytes = batcher.store.nbytes
         call.profile.trims = batcher.store.trims
@@ -194,14 +224,14 @@ def _run_continuous(call: _Call, group_prompts: GroupPrompts) -> dict[int, Finis
 
 
 def _cache_shape(call: _Call) -> CacheShape:
-    rows = min(call.sampling.continuous_batch_size, len(call.prompts))
+    rows = min(call.sampling.continuous_batch_size, len(call.prompts) * call.sampling.n)
     longest = max(len(p) for p in call.prompts)
     budget = call.sampling.max_new_tokens
     columns = call.config.cache_capacity
     if columns is None:
         # Enough for any schedule (see StaticKVCache: front - first live column <= longest + budget - 1
         # after trimming), plus one budget of headroom when refills will come, so trims stay rare.
-        columns = longest + budget + (budget if len(call.prompts) > rows else 0)
+        columns = longest + budget + (budget if len(call.prompts) * call.sampling.n > rows else 0)
     elif columns < longest + 1:
         index = max(range(len(call.prompts)), key=lambda i: len(call.prompts[i]))
         raise ValueError(

@@ -1,0 +1,117 @@
+"""Route-invariant token selection: greedy, or sampling from a counter-based random stream.
+
+Why not torch's generator: HF `generate` draws every row's sample from one global generator, so a
+row's tokens depend on how many rows were drawn before it — on batch composition, route and refill
+order. Here each draw uses one uniform number `u = stream(seed, prompt, sample, step)`, a pure hash
+of the request's identity and the step, and picks the token by inverse CDF over the warped
+distribution. The same request gets the same `u` on every route, and a tiny logit difference
+between routes can only change the token if `u` falls within that difference of a CDF boundary.
+
+Warping follows HF's sampling processors in HF's order: temperature, then top-k (ties at the k-th
+logit kept), then top-p (smallest set whose probability exceeds top_p, at least one token kept)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_uniforms(seeds: Sequence[int], samples: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of (seed, sample index, step).
+
+    `seeds` is each row's request seed: the call's seed mixed with the prompt index, or a per-prompt
+    seed the caller chose (which keeps a prompt's samples independent of its position in the batch).
+    """
+    with np.errstate(over="ignore"):
+        state = np.asarray(seeds, dtype=np.uint64)
+        for counter in (samples, steps):
+            state = _splitmix64((state + _GOLDEN_GAMMA) ^ np.asarray(counter, dtype=np.uint64))
+        state = _splitmix64(state + _GOLDEN_GAMMA)
+    return (state >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+def request_seed(call_seed: int, prompt_index: int) -> int:
+    """The stream key of prompt `prompt_index` under one call-wide seed."""
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64(np.asarray([call_seed], dtype=np.uint64) ^ _splitmix64(
+            np.asarray([prompt_index], dtype=np.uint64) + _GOLDEN_GAMMA))
+    return int(mixed[0])
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[rows, vocab] fp32 logits -> temperature-scaled logits with filtered tokens at -inf."""
+    scores = logits / temperature
+    if top_k > 0 and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[..., -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return scores
+
+
+def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [rows] and their log-probabilities [rows] under softmax(scores).
+
+    scores: [rows, vocab] warped logits; uniforms: [rows] in [0, 1). fp64 so the CDF is accurate
+    across a large vocabulary; filtered tokens have probability 0 and can never be chosen, because
+    `searchsorted(right=True)` returns the first index whose CDF exceeds the draw.
+    """
+    log_probs = torch.log_softmax(scores.double(), dim=-1)
+    cdf = log_probs.exp().cumsum(dim=-1)
+    draws = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, draws, right=True).squeeze(-1).clamp_(max=scores.shape[-1] - 1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1).float()
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float  # 0: greedy
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    request_seeds: tuple[int, ...]  # per prompt: the key of its random streams
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    settings: SamplerSettings,
+    prompts: Sequence[int],
+    samples: Sequence[int],
+    steps: Sequence[int],
+    want_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[rows, vocab] fp32 logits (penalty already applied) -> tokens [rows], logprobs [rows] or None.
+
+    Greedy logprobs are the log-softmax of the (penalised) logits at the argmax; sampled logprobs are
+    under the warped distribution actually sampled from, as RL importance ratios need.
+    """
+    if settings.greedy:
+        tokens = logits.argmax(dim=-1)
+        if not want_logprobs:
+            return tokens, None
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    seeds = [settings.request_seeds[p] for p in prompts]
+    uniforms = torch.from_numpy(stream_uniforms(seeds, samples, steps)).to(logits.device)
+    tokens, logprobs = sample_inverse_cdf(warp_logits(logits, settings.temperature, settings.top_k, settings.top_p), uniforms)
+    return tokens, (logprobs if want_logprobs else None)
