@@ -37,18 +37,21 @@ def stream_uniforms(seeds: Sequence[int], samples: Sequence[int], steps: Sequenc
     seed the caller chose (which keeps a prompt's samples independent of its position in the batch).
     """
     with np.errstate(over="ignore"):
-        state = np.asarray(seeds, dtype=np.uint64)
-        for counter in (samples, steps):
-            state = _splitmix64((state + _GOLDEN_GAMMA) ^ np.asarray(counter, dtype=np.uint64))
-        state = _splitmix64(state + _GOLDEN_GAMMA)
+        # Each key is finalised on its own before it is combined: combining raw keys first
+        # (e.g. (seed + c) ^ sample) makes distinct (seed, sample) pairs collide.
+        state = _splitmix64(np.asarray(seeds, dtype=np.uint64) + _GOLDEN_GAMMA)
+        for lane, counter in enumerate((samples, steps), start=2):
+            key = _splitmix64(np.asarray(counter, dtype=np.uint64) + _GOLDEN_GAMMA * np.uint64(lane))
+            state = _splitmix64(state + key)
     return (state >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
 def request_seed(call_seed: int, prompt_index: int) -> int:
     """The stream key of prompt `prompt_index` under one call-wide seed."""
     with np.errstate(over="ignore"):
-        mixed = _splitmix64(np.asarray([call_seed], dtype=np.uint64) ^ _splitmix64(
-            np.asarray([prompt_index], dtype=np.uint64) + _GOLDEN_GAMMA))
+        seed = _splitmix64(np.asarray([call_seed], dtype=np.uint64) + _GOLDEN_GAMMA)
+        index = _splitmix64(np.asarray([prompt_index], dtype=np.uint64) + _GOLDEN_GAMMA * np.uint64(5))
+        mixed = _splitmix64(seed + index)
     return int(mixed[0])
 
 

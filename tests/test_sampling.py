@@ -1,0 +1,242 @@
+"""Sampling: the sampler against the target distribution and HF's warpers; route invariance, n samples
+with one shared prefill, and logprobs against single-request HF generate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+from autobucket.models import build_tiny_model
+from autobucket.planner import choose_route, plan_prefill, shared_prefill_costs
+from autobucket.sampling import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
+
+ROUTES = ("ordinary", "equal_width", "aligned", "auto")
+# Coefficients that make auto pick bucketed CB on mixed lengths at capacity < prompts (ordinary ineligible)
+# and ordinary otherwise; both paths are exercised below.
+AUTO_COSTS = CostCoefficients(fixed_ms=50.0, token_ms=0.01, attention_ms=0.0, kv_ms=0.0, decode_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-llama", seed=3)
+
+
+def random_prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (length,), generator=generator).tolist() for length in lengths]
+
+
+def sampling(**overrides):
+    settings = dict(max_new_tokens=8, temperature=1.0, top_k=40, top_p=0.9, seed=11, logprobs=True)
+    settings.update(overrides)
+    return SamplingConfig(**settings)
+
+
+# ---------------------------------------------------------------- the sampler itself
+FIXED_LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+
+
+def empirical_counts(scores: torch.Tensor, draws: int) -> np.ndarray:
+    uniforms = torch.from_numpy(stream_uniforms([1234] * draws, [0] * draws, list(range(draws))))
+    tokens, _ = sample_inverse_cdf(scores.expand(draws, -1), uniforms)
+    return np.bincount(tokens.numpy(), minlength=scores.shape[-1])
+
+
+def expected_counts(probabilities: np.ndarray, total: int) -> np.ndarray:
+    return probabilities / probabilities.sum() * total
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.9, 5, 0.7)]
+)
+def test_sampler_matches_target_distribution(temperature, top_k, top_p):
+    scores = warp_logits(FIXED_LOGITS, temperature, top_k, top_p)
+    target = torch.softmax(scores.double(), dim=-1)[0].numpy()
+    counts = empirical_counts(scores, draws=40_000)
+    assert counts[target == 0].sum() == 0, "a filtered token was sampled"
+    kept = target > 0
+    statistic, p_value = chisquare(counts[kept], expected_counts(target[kept], counts.sum()))
+    assert p_value > 1e-3, (statistic, counts, target)
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """Negative control: the same test rejects samples drawn at the wrong temperature."""
+    counts = empirical_counts(warp_logits(FIXED_LOGITS, 1.5, 0, 1.0), draws=40_000)
+    target = torch.softmax(FIXED_LOGITS.double(), dim=-1)[0].numpy()
+    assert chisquare(counts, expected_counts(target, counts.sum())).pvalue < 1e-6
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.8, 5, 1.0), (1.0, 0, 0.75), (1.2, 20, 0.6), (1.0, 1, 1.0)])
+def test_warp_equals_hf_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    logits[0, :10] = 1.0  # ties at the top-k boundary are kept by both
+    hf = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        hf.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        hf.append(TopPLogitsWarper(top_p))
+    expected = hf(torch.zeros(6, 1, dtype=torch.long), logits.clone())
+    torch.testing.assert_close(warp_logits(logits, temperature, top_k, top_p), expected)
+
+
+def test_streams_are_pure_and_distinct():
+    first = stream_uniforms([1, 1, 2], [0, 1, 0], [5, 5, 5])
+    np.testing.assert_array_equal(first, stream_uniforms([1, 1, 2], [0, 1, 0], [5, 5, 5]))
+    assert len(set(first.tolist())) == 3 and ((first >= 0) & (first < 1)).all()
+    assert request_seed(7, 0) != request_seed(7, 1) != request_seed(8, 1)
+
+
+# ---------------------------------------------------------------- route invariance
+def generate(model, route, prompts, settings, **config):
+    return Rollout(model, config=RolloutConfig(route=route, costs=AUTO_COSTS, **config)).generate(prompts, settings)
+
+
+@pytest.mark.parametrize("batch_size", [32, 3])
+def test_same_seed_same_tokens_on_every_route(model, batch_size):
+    prompts = random_prompts([5, 17, 3, 30, 9, 12, 1, 25])
+    results = {route: generate(model, route, prompts, sampling(continuous_batch_size=batch_size)) for route in ROUTES}
+    assert results["auto"].route == ("ordinary" if batch_size == 32 else "bucketed")
+    for route, result in results.items():
+        assert result.tokens == results["aligned"].tokens, route
+        for ours, theirs in zip(result.logprobs, results["aligned"].logprobs, strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    distinct = {tuple(tokens) for tokens in results["aligned"].tokens}
+    assert len(distinct) == len(prompts)
+
+
+def test_tokens_do_not_depend_on_other_prompts(model):
+    prompts = random_prompts([9, 4, 21, 6, 14])
+    seeds = [101, 202, 303, 404, 505]
+    alone = [generate(model, "aligned", [p], sampling(seed=[s])).tokens[0] for p, s in zip(prompts, seeds, strict=True)]
+    for route in ROUTES:
+        together = generate(model, route, prompts, sampling(seed=seeds, continuous_batch_size=2)).tokens
+        assert together == alone, route
+    shuffled = generate(model, "equal_width", prompts[::-1], sampling(seed=seeds[::-1])).tokens
+    assert shuffled == alone[::-1]
+    # a call-wide seed keys streams by prompt index: appending prompts leaves earlier ones unchanged
+    short = generate(model, "aligned", prompts[:2], sampling(seed=9)).tokens
+    assert generate(model, "equal_width", prompts, sampling(seed=9)).tokens[:2] == short
+
+
+def test_different_seeds_give_different_samples(model):
+    prompts = random_prompts([8, 8, 8])
+    assert generate(model, "aligned", prompts, sampling(seed=1)).tokens != generate(
+        model, "aligned", prompts, sampling(seed=2)).tokens
+
+
+# ---------------------------------------------------------------- n samples, shared prefill
+class _StreamSampler:
+    """Oracle processor for one independent single-prompt HF generate run: draws sample `sample` of a
+    request with seed `seed` from the same stream, then forces HF's greedy step to take it."""
+
+    def __init__(self, seed, sample, width, temperature, top_k, top_p):
+        self.seed, self.sample, self.width = seed, sample, width
+        self.warp = (temperature, top_k, top_p)
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        uniform = torch.from_numpy(stream_uniforms([self.seed], [self.sample], [step]))
+        token, _ = sample_inverse_cdf(warp_logits(scores.float(), *self.warp), uniform)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
+
+
+def test_n_samples_equal_independent_single_prompt_runs(model):
+    prompts = random_prompts([12, 5, 20])
+    n, settings = 4, sampling(n=4, continuous_batch_size=5, seed=3)
+    result = generate(model, "equal_width", prompts, settings)
+    assert len(result.tokens) == 3 and all(len(samples) == n for samples in result.tokens)
+    for p, prompt in enumerate(prompts):
+        for s in range(n):
+            processor = _StreamSampler(request_seed(3, p), s, len(prompt), 1.0, 40, 0.9)
+            oracle = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=8, do_sample=False, logits_processor=LogitsProcessorList([processor]),
+                pad_token_id=0, eos_token_id=None,
+            )[0, len(prompt):].tolist()
+            assert result.tokens[p][s] == oracle, (p, s)
+    assert len({tuple(t) for t in result.tokens[0]}) == n, "samples of one prompt must differ"
+
+
+@pytest.mark.parametrize("route", ["aligned", "equal_width", "auto"])
+def test_shared_prefill_counts_unique_prompts(model, route):
+    lengths = [7, 19, 3, 11]
+    prompts = random_prompts(lengths)
+    result = generate(model, route, prompts, sampling(n=8, continuous_batch_size=12))
+    assert sum(len(group) for admission in result.profile.prefill_groups for g in admission for group in [g]) == 4
+    if route == "aligned":
+        assert result.profile.prefill_forwards == 4
+        assert result.profile.prefill_tokens == sum(lengths)
+    ordinary = generate(model, "ordinary", prompts, sampling(n=8, continuous_batch_size=12))
+    assert ordinary.profile.prefill_tokens > result.profile.prefill_tokens
+    assert result.tokens == ordinary.tokens
+
+
+def test_to_padded_flattens_samples(model):
+    result = generate(model, "aligned", random_prompts([4, 6]), sampling(n=3))
+    responses, mask = result.to_padded(pad_id=0)
+    assert responses.shape[0] == 6 and mask.sum().item() == sum(len(t) for t in result.flat_tokens())
+
+
+def test_planner_costs_shared_prefill():
+    lengths = [512] + [16] * 31
+    costs = CostCoefficients(kv_ms=0.5)
+    shared = plan_prefill(lengths, BENCH_QWEN2_GEOMETRY, costs, samples_per_prompt=8)
+    scaled = plan_prefill(lengths, BENCH_QWEN2_GEOMETRY, shared_prefill_costs(costs, 8))
+    assert shared == scaled and shared.cost_ms > plan_prefill(lengths, BENCH_QWEN2_GEOMETRY, costs).cost_ms
+    decision = choose_route([16] * 4, 8, 32, BENCH_QWEN2_GEOMETRY, costs, samples_per_prompt=8)
+    assert decision.ordinary_ms is not None  # 4 prompts x 8 samples = 32 rows fit the capacity
+    blocked = choose_route([16] * 5, 8, 32, BENCH_QWEN2_GEOMETRY, costs, samples_per_prompt=8)
+    assert blocked.route == "bucketed" and "40 rows exceed capacity 32" in blocked.reason
+
+
+# ---------------------------------------------------------------- logprobs
+def test_greedy_logprobs_equal_hf_log_softmax(model):
+    prompts = random_prompts([6, 15, 2])
+    settings = SamplingConfig(max_new_tokens=6, logprobs=True)
+    for route in ROUTES:
+        result = generate(model, route, prompts, settings)
+        for prompt, tokens, logprobs in zip(prompts, result.tokens, result.logprobs, strict=True):
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )
+            expected = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=False)]
+            np.testing.assert_allclose(logprobs, expected, atol=1e-4)
+            assert all(value <= 0 for value in logprobs) and math.isfinite(sum(logprobs))
+
+
+def test_sampled_logprobs_are_under_the_warped_distribution(model):
+    prompt = random_prompts([10])[0]
+    result = generate(model, "aligned", [prompt], sampling(top_k=5, top_p=1.0, max_new_tokens=4))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + result.tokens[0]])
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    warped = torch.log_softmax(warp_logits(logits, 1.0, 5, 1.0), -1)
+    expected = warped.gather(-1, torch.tensor(result.tokens[0])[:, None]).squeeze(-1)
+    np.testing.assert_allclose(result.logprobs[0], expected.numpy(), atol=1e-4)
+    assert all(value > math.log(1e-9) for value in result.logprobs[0])  # top-5 mass, never a filtered token
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("n", 0), ("seed", 1.5), ("seed", "7"),
+     ("seed", [1, -2]), ("logprobs", "yes")],
+)
+def test_bad_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**{field: value})
+
+
+def test_seed_list_must_match_prompts(model):
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    with pytest.raises(ValueError, match="seed has 2 values for 3 prompts"):
+        rollout.generate(random_prompts([3, 4, 5]), sampling(seed=[1, 2]))
+    assert len(rollout.generate(random_prompts([3]), sampling()).tokens) == 1  # still usable
