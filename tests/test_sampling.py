@@ -18,8 +18,8 @@ from autobucket.planner import choose_route, plan_prefill, shared_prefill_costs
 from autobucket.sampling import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
 
 ROUTES = ("ordinary", "equal_width", "aligned", "auto")
-# Coefficients that make auto pick bucketed CB on mixed lengths at capacity < prompts (ordinary ineligible)
-# and ordinary otherwise; both paths are exercised below.
+# A high fixed cost: auto runs ordinary generation when it is eligible (all rows fit) and bucketed CB
+# when it is not (more rows than continuous_batch_size); both paths are exercised below.
 AUTO_COSTS = CostCoefficients(fixed_ms=50.0, token_ms=0.01, attention_ms=0.0, kv_ms=0.0, decode_ms=1.0)
 
 

@@ -73,15 +73,17 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [rows] and their log-probabilities [rows] under softmax(scores).
 
-    scores: [rows, vocab] warped logits; uniforms: [rows] in [0, 1). fp64 so the CDF is accurate
-    across a large vocabulary; filtered tokens have probability 0 and can never be chosen, because
-    `searchsorted(right=True)` returns the first index whose CDF exceeds the draw.
+    scores: [rows, vocab] warped logits; uniforms: [rows] in [0, 1). Filtered tokens have probability
+    0 and are never chosen: `searchsorted(right=True)` returns the first index whose CDF exceeds the
+    draw, and the draw is kept strictly below the total. fp32 throughout: the CDF's rounding moves
+    token boundaries by ~1e-6 of probability mass, identically on every route.
     """
-    log_probs = torch.log_softmax(scores.double(), dim=-1)
-    cdf = log_probs.exp().cumsum(dim=-1)
-    draws = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
-    tokens = torch.searchsorted(cdf, draws, right=True).squeeze(-1).clamp_(max=scores.shape[-1] - 1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1).float()
+    probs = torch.softmax(scores.float(), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    draws = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, draws, right=True).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
 
 
 @dataclass(frozen=True)
