@@ -135,6 +135,7 @@ class ContinuousBatcher:
         self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
         self.finished: dict[tuple[int, int], Finished] = {}
 
+    @torch.inference_mode()
     def run(
         self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, group_prompts: GroupPrompts
     ) -> dict[tuple[int, int], Finished]:
@@ -225,7 +226,6 @@ class ContinuousBatcher:
         self.cache = self.store.hf_cache()
 
     # ------------------------------------------------------------ decode
-    @torch.inference_mode()
     def _decode_step(self) -> None:
         with self.timer.phase("cache_ms"):
             self.store.prepare_step(always_trim=self.trim_cache)
