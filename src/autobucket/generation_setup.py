@@ -94,7 +94,7 @@ def resolve_generation(
     for token in eos:
         if token >= vocab_size:
             raise ValueError(f"eos_token_id {token} is outside the vocabulary (size {vocab_size})")
-    config.eos_token_id = list(eos) or None
+    config.eos_token_id = list(eos)  # [] (not None): HF would fill None from the model's config
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     config.pad_token_id = pad
     return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, config)

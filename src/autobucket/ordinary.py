@@ -7,6 +7,7 @@ so the profile has the same breakdown as the CB routes."""
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -125,6 +126,9 @@ def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selec
     needs_selector = not selection.sampler.greedy or selection.want_logprobs or generation.repetition_penalty != 1.0
     selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
     profile.prefill_tokens += len(batch) * width
+    # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,
+    # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
+    exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
     clock = _ForwardClock(model, profile, timer)
     try:
         output = model.generate(
@@ -132,6 +136,7 @@ def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selec
             attention_mask=attention_mask,
             generation_config=config,
             logits_processor=LogitsProcessorList([selector] if selector else []),
+            **exact,
         )
     finally:
         clock.remove()

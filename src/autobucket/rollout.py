@@ -17,7 +17,7 @@ import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.continuous import CacheShape, ContinuousBatcher, Finished, GroupPrompts, Selection
-from autobucket.costs import CostCoefficients, ModelGeometry, load_costs
+from autobucket.costs import CostCoefficients, ModelGeometry
 from autobucket.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.hf_compat import (
     ForwardSpec,
@@ -66,7 +66,7 @@ class Rollout:
         self.spec: ForwardSpec = forward_spec(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions = _max_positions(self.model.config)
-        self.costs = _resolve_costs(self.config.costs)
+        self.costs = _resolve_costs(self.config, self.model)
         self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
 
     @property
@@ -107,13 +107,17 @@ class Rollout:
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
 
 
-def _resolve_costs(costs: Any) -> CostCoefficients:
-    """Coefficients for the auto route: given, loaded from a JSON path, or the reference defaults."""
+def _resolve_costs(config: RolloutConfig, model: torch.nn.Module) -> CostCoefficients:
+    """Coefficients for the auto route: given, a calibration file validated against the model, or the
+    reference defaults."""
+    costs = config.costs
     if costs is None:
         return CostCoefficients()
     if isinstance(costs, CostCoefficients):
         return costs
-    return load_costs(costs)
+    from autobucket.calibration_file import load_calibration
+
+    return load_calibration(costs, model=model, strict=config.costs_strict)
 
 
 def _max_positions(config: Any) -> int | None:
@@ -232,11 +236,14 @@ def _cache_shape(call: _Call) -> CacheShape:
         # Enough for any schedule (see StaticKVCache: front - first live column <= longest + budget - 1
         # after trimming), plus one budget of headroom when refills will come, so trims stay rare.
         columns = longest + budget + (budget if len(call.prompts) * call.sampling.n > rows else 0)
-    elif columns < longest + 1:
+    elif columns < longest + budget - 1:
+        # A row holds its prompt plus budget - 1 fed-back tokens; trimming keeps every schedule within
+        # longest + budget - 1 columns (see StaticKVCache), so this is the exact minimum.
         index = max(range(len(call.prompts)), key=lambda i: len(call.prompts[i]))
         raise ValueError(
-            f"prompt {index} has {longest} tokens but cache_capacity={columns} columns cannot hold it and one "
-            f"decode step: raise cache_capacity to at least {longest + 1} (or set trim_cache=True and leave it None)"
+            f"cache_capacity={columns} is too small: prompt {index} has {longest} tokens and max_new_tokens="
+            f"{budget}, which needs {longest + budget - 1} columns; raise cache_capacity to at least "
+            f"{longest + budget - 1} (or leave it None to size it per call)"
         )
     return CacheShape(rows=rows, columns=columns)
 

@@ -108,18 +108,18 @@ class StaticKVCache:
         return range(first, last)
 
     def _make_room_for(self, width: int, always_trim: bool) -> None:
-        if always_trim:
-            self.trim()
-        if width > self.columns - 1:
+        if width > self.columns:
             raise CacheCapacityError(
-                f"a prefill of width {width} needs {width + 1} cache columns but cache_capacity is "
+                f"a prefill of width {width} needs {width} cache columns but cache_capacity is "
                 f"{self.columns}; raise cache_capacity (or leave it None to size it per call)"
             )
+        # Trim before placing the group: a trim moves the front left, and the group must end at the
+        # front that decode will then use.
+        if always_trim or self.front + 1 > self.columns:
+            self.trim()
         if width > self.front:
             # Old rows keep their columns; [old front, width) becomes masked gap for them.
             self.front = width
-        elif self.front + 1 > self.columns:
-            self.trim()
 
     # ---------------------------------------------------------------- decode
     def prepare_step(self, always_trim: bool = False) -> None:

@@ -1,0 +1,163 @@
+"""Shared fixtures for the engine tests: tiny models built once per session, and the oracle.
+
+The oracle is single-request `model.generate` (greedy, explicit all-ones mask): the one thing every
+route must reproduce token for token. Oracle results are cached per (model, prompt, settings) so
+the many route tests that share a workload pay for `generate` once.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+from collections.abc import Sequence
+
+import pytest
+
+ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-opt", "tiny-gpt2")
+ROUTES = ("ordinary", "equal_width", "aligned")
+CB_ROUTES = ("equal_width", "aligned")
+VOCAB = 1024
+
+# model -> {(prompt, max_new_tokens, penalty, eos ids): (tokens, reason)}; weak, so a freed model's id
+# can never serve another model's answers
+_ORACLE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class TinyModels:
+    """Builds each tiny model on first use and keeps it for the session (same seed: same weights)."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[str, str], object] = {}
+
+    def __call__(self, name: str, attn_implementation: str = "sdpa"):
+        from autobucket.models import build_tiny_model
+
+        key = (name, attn_implementation)
+        if key not in self._models:
+            self._models[key] = build_tiny_model(name, attn_implementation=attn_implementation)
+        return self._models[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> TinyModels:
+    return TinyModels()
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the tiny models' modules (restored afterwards).
+
+    A 64-wide model gains nothing from a second thread, and when the 2-core machine is busy, OpenMP
+    workers waiting for a core made these tests ~10x slower in wall time.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    """Prompts of the given lengths with token ids drawn from [3, vocab) (0-2 are pad/bos/eos ids)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(length)] for length in lengths]
+
+
+def _eos_tuple(model, eos_token_id) -> tuple[int, ...]:
+    value = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def oracle_generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> tuple[list[int], str]:
+    """Single-request greedy `model.generate`: new tokens through the first EOS inclusive, and why it stopped.
+
+    eos_token_id None means the model's own generation_config EOS, as for the engine; [] means none.
+    Other fields of the model's generation_config apply as they would in `model.generate`.
+    """
+    import torch
+
+    eos = _eos_tuple(model, eos_token_id)
+    cache = _ORACLE_CACHE.setdefault(model, {})
+    key = (tuple(prompt_ids), max_new_tokens, float(repetition_penalty), eos)
+    if key not in cache:
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                repetition_penalty=repetition_penalty,
+                eos_token_id=list(eos) if eos else None,
+                pad_token_id=eos[0] if eos else 0,
+            )
+        new_tokens = output[0, input_ids.shape[1] :].tolist()
+        cache[key] = _cut_at_eos(new_tokens, eos)
+    tokens, reason = cache[key]
+    return list(tokens), reason
+
+
+def _cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> tuple[list[int], str]:
+    for position, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: position + 1], "eos"
+    return tokens, "length"
+
+
+def oracle_batch(model, prompts, max_new_tokens, repetition_penalty=1.0, eos_token_id=None):
+    """`oracle_generate` for every prompt: (tokens per prompt, finish reason per prompt)."""
+    pairs = [oracle_generate(model, p, max_new_tokens, repetition_penalty, eos_token_id) for p in prompts]
+    return [t for t, _ in pairs], [r for _, r in pairs]
+
+
+def mismatches(result_tokens, expected_tokens) -> list[int]:
+    """Prompt indices whose tokens differ from the oracle's (length difference counts)."""
+    assert len(result_tokens) == len(expected_tokens)
+    return [
+        i for i, (got, want) in enumerate(zip(result_tokens, expected_tokens, strict=True)) if got != want
+    ]
+
+
+def assert_matches_oracle(result, expected_tokens, expected_reasons) -> None:
+    wrong = mismatches(result.tokens, expected_tokens)
+    detail = "; ".join(f"prompt {i}: got {result.tokens[i]} want {expected_tokens[i]}" for i in wrong[:3])
+    assert not wrong, f"{len(wrong)} of {len(expected_tokens)} prompts differ from model.generate: {detail}"
+    assert result.finish_reasons == expected_reasons
+
+
+def firing_eos_candidates(oracle_tokens: list[list[int]]) -> list[int]:
+    """EOS ids that greedy decoding emits at step >= 2 for some prompts and never for others.
+
+    Ordered by how many prompts first emit the token at step >= 2 (then by id), among tokens that do
+    not occur at all in at least one prompt's output (so some rows still end by length).
+    """
+    counts: dict[int, int] = {}
+    for tokens in oracle_tokens:
+        seen: set[int] = set()
+        for step, token in enumerate(tokens):
+            if token not in seen and step >= 2:
+                counts[token] = counts.get(token, 0) + 1
+            seen.add(token)
+    absent_somewhere = {t for t in counts if any(t not in tokens for tokens in oracle_tokens)}
+    return sorted(absent_somewhere, key=lambda t: (-counts[t], t))
+
+
+def choose_firing_eos(oracle_tokens: list[list[int]]) -> int:
+    candidates = firing_eos_candidates(oracle_tokens)
+    assert candidates, "no token fires as EOS for some prompts but not all: change the workload"
+    return candidates[0]
+
+
+def cut_length(tokens: list[int], eos: int) -> int:
+    """How many tokens a row keeps when `eos` ends it."""
+    return tokens.index(eos) + 1 if eos in tokens else len(tokens)

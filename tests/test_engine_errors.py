@@ -1,0 +1,266 @@
+"""Bad input fails early with a ValueError that names the field (and the prompt), and the same
+`Rollout` still generates oracle-exact tokens on the next call."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from conftest import ROUTES, assert_matches_oracle, oracle_batch, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
+
+GOOD_PROMPTS = random_prompts([5, 8, 2], seed=3)
+BUDGET = 6
+
+
+@pytest.fixture
+def model(tiny_models):
+    return tiny_models("tiny-qwen2")
+
+
+def sampling(**kwargs) -> SamplingConfig:
+    return SamplingConfig(**{"max_new_tokens": BUDGET, "continuous_batch_size": 2, **kwargs})
+
+
+def assert_still_exact(rollout: Rollout) -> None:
+    tokens, reasons = oracle_batch(rollout.model, GOOD_PROMPTS, BUDGET)
+    assert_matches_oracle(rollout.generate(GOOD_PROMPTS, sampling()), tokens, reasons)
+
+
+# ---- prompts -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_prompts_give_an_empty_result(model, route):
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    result = rollout.generate([], sampling())
+    assert result.tokens == [] and result.finish_reasons == [] and result.route == route
+    assert result.profile.output_tokens == 0
+    assert result.to_padded(0)[0].shape == (0, 0)
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([[5, 6], [], [7]], "prompt 1 is empty"),
+        ([[5, 6], [7, 1024]], "prompt 1 has token id 1024 outside the vocabulary"),
+        ([[5, -1]], "prompt 0 has token id -1 outside the vocabulary"),
+        ([[5, 6], [7], [8, 2.0]], "prompt 2 has token id 2.0"),
+        ([[5, 6], torch.tensor([[1, 2]])], "prompt 1 must be a 1-D integer tensor"),
+        ([[5], "hello"], "prompt 1 is a string but the Rollout has no tokenizer"),
+        ("hello", "prompts must be a list"),
+        (torch.tensor([[5, 6]]), "prompts must be a list"),
+    ],
+)
+@pytest.mark.parametrize("route", ["ordinary", "aligned"])
+def test_bad_prompt_is_rejected_naming_its_index(model, route, prompts, message):
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rollout.generate(prompts, sampling())
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_prompt_longer_than_the_context_is_rejected_and_the_boundary_is_accepted(model, route):
+    # tiny models have 2048 positions; the check allows prompt + max_new_tokens <= 2048
+    rollout = Rollout(model, config=RolloutConfig(route=route, prefill_max_tokens=None))
+    too_long = random_prompts([3, 4, 2047], seed=4)
+    with pytest.raises(ValueError, match=r"prompt 2 has 2047 tokens.*max_new_tokens=2.*2048"):
+        rollout.generate(too_long, sampling(max_new_tokens=2))
+    fits = random_prompts([3, 2046], seed=4)
+    tokens, reasons = oracle_batch(model, fits, 2)
+    assert_matches_oracle(rollout.generate(fits, sampling(max_new_tokens=2)), tokens, reasons)
+
+
+def test_prompt_longer_than_one_prefill_forward_is_rejected(model):
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefill_max_tokens=8))
+    with pytest.raises(ValueError, match=r"prompt 1 has 9 tokens.*prefill_max_tokens=8"):
+        rollout.generate(random_prompts([3, 9], seed=5), sampling())
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_generate_padded_rejects_a_mask_that_is_not_left_padded(model, route):
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    input_ids = torch.tensor([[0, 5, 6], [7, 8, 0]])
+    with pytest.raises(ValueError, match="row 1 of attention_mask is not left-padded"):
+        rollout.generate_padded(input_ids, torch.tensor([[0, 1, 1], [1, 1, 0]]), sampling())
+    with pytest.raises(ValueError, match="same 2-D"):
+        rollout.generate_padded(input_ids, torch.ones(2, 2, dtype=torch.long), sampling())
+    assert_still_exact(rollout)
+
+
+# ---- generation options ------------------------------------------------------------------------------
+
+UNSUPPORTED = [
+    ("num_beams", 2),
+    ("no_repeat_ngram_size", 3),
+    ("min_new_tokens", 2),
+    ("output_scores", True),
+    ("return_dict_in_generate", True),
+]
+
+
+@pytest.mark.parametrize(("option", "value"), UNSUPPORTED)
+@pytest.mark.parametrize("route", ROUTES)
+def test_unsupported_generate_override_is_rejected(model, route, option, value):
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    with pytest.raises(ValueError, match=f"{option}={value!r}"):
+        rollout.generate(GOOD_PROMPTS, sampling(), **{option: value})
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize(("option", "value"), UNSUPPORTED)
+def test_unsupported_option_in_the_models_generation_config_is_rejected(model, monkeypatch, option, value):
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    with monkeypatch.context() as patch:
+        patch.setattr(model.generation_config, option, value)
+        with pytest.raises(ValueError, match=f"{option}={value!r}.*model's generation_config"):
+            rollout.generate(GOOD_PROMPTS, sampling())
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"foo": 1}, r"unknown generate option\(s\) \['foo'\]"),
+        ({"do_sample": True}, "do_sample=True"),
+        ({"max_new_tokens": 3}, "'max_new_tokens' must be set in SamplingConfig"),
+        ({"temperature": 0.5}, "'temperature' must be set in SamplingConfig"),
+        ({"eos_token_id": 3}, "'eos_token_id' must be set in SamplingConfig"),
+        ({"repetition_penalty": 1.2}, "'repetition_penalty' must be set in SamplingConfig"),
+    ],
+)
+def test_bad_generate_overrides_are_rejected(model, overrides, message):
+    rollout = Rollout(model, config=RolloutConfig(route="equal_width"))
+    with pytest.raises(ValueError, match=message):
+        rollout.generate(GOOD_PROMPTS, sampling(), **overrides)
+    assert_still_exact(rollout)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("do_sample", True), ("temperature", 0.7), ("top_k", 5), ("repetition_penalty", 1.5)],
+)
+@pytest.mark.parametrize("route", ROUTES)
+def test_sampling_settings_in_the_models_generation_config_do_not_change_greedy_tokens(
+    model, monkeypatch, route, option, value
+):
+    # Real instruct checkpoints ship do_sample=True, a temperature, top_k and a repetition penalty in
+    # their generation_config; SamplingConfig is the one source of truth, so greedy stays greedy.
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    tokens, reasons = oracle_batch(model, GOOD_PROMPTS, BUDGET)  # explicit greedy, penalty 1.0
+    monkeypatch.setattr(model.generation_config, option, value)
+    assert_matches_oracle(rollout.generate(GOOD_PROMPTS, sampling()), tokens, reasons)
+
+
+def test_eos_outside_the_vocabulary_is_rejected(model):
+    rollout = Rollout(model)
+    with pytest.raises(ValueError, match="eos_token_id 5000 is outside the vocabulary"):
+        rollout.generate(GOOD_PROMPTS, sampling(eos_token_id=[3, 5000]))
+    assert_still_exact(rollout)
+
+
+# ---- config validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens=2.0"),
+        ({"continuous_batch_size": 0}, "continuous_batch_size=0"),
+        ({"continuous_batch_size": True}, "continuous_batch_size=True"),
+        ({"repetition_penalty": 0}, "repetition_penalty=0"),
+        ({"repetition_penalty": -1.3}, "repetition_penalty=-1.3"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty=nan"),
+        ({"temperature": -0.7}, "temperature=-0.7"),
+        ({"eos_token_id": -1}, "eos_token_id=-1"),
+        ({"eos_token_id": "2"}, "eos_token_id='2'"),
+        ({"eos_token_id": True}, "eos_token_id=True"),
+        ({"eos_token_id": [2, None]}, r"eos_token_id=\[2, None\]"),
+    ],
+)
+def test_bad_sampling_config_is_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"route": "fastest"}, "route='fastest'"),
+        ({"route": None}, "route=None"),
+        ({"prefill_max_tokens": 0}, "prefill_max_tokens=0"),
+        ({"cache_capacity": 0}, "cache_capacity=0"),
+        ({"cache_capacity": 12.5}, "cache_capacity=12.5"),
+        ({"trim_cache": "yes"}, "trim_cache='yes'"),
+        ({"profile": 1}, "profile=1"),
+    ],
+)
+def test_bad_rollout_config_is_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RolloutConfig(**kwargs)
+
+
+def test_wrong_config_types_are_type_errors(model):
+    with pytest.raises(TypeError, match="RolloutConfig"):
+        Rollout(model, config={"route": "aligned"})
+    with pytest.raises(TypeError, match="SamplingConfig"):
+        Rollout(model).generate(GOOD_PROMPTS, {"max_new_tokens": 3})
+
+
+# ---- cache capacity ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["equal_width", "aligned"])
+def test_cache_capacity_below_the_longest_prompt_is_rejected_before_any_work(model, route):
+    rollout = Rollout(model, config=RolloutConfig(route=route, cache_capacity=9))
+    prompts = random_prompts([4, 9, 3], seed=6)
+    with pytest.raises(ValueError, match=r"cache_capacity=9 is too small: prompt 1 has 9 tokens.*at least 14"):
+        rollout.generate(prompts, sampling())
+    fitting = [prompts[0], prompts[2]]  # 4 + BUDGET - 1 = 9 columns
+    tokens, reasons = oracle_batch(model, fitting, BUDGET)
+    assert_matches_oracle(rollout.generate(fitting, sampling()), tokens, reasons)
+
+
+@pytest.mark.parametrize("route", ["equal_width", "aligned"])
+def test_the_minimal_cache_capacity_is_exact_and_one_less_is_rejected(model, route):
+    # Prompt 1 holds 9 prompt tokens plus BUDGET - 1 decoded ones: 14 columns; trims make it fit.
+    prompts = random_prompts([4, 9, 3], seed=6)
+    with pytest.raises(ValueError, match="cache_capacity=13 is too small"):
+        Rollout(model, config=RolloutConfig(route=route, cache_capacity=13)).generate(prompts, sampling())
+    result = Rollout(model, config=RolloutConfig(route=route, cache_capacity=14)).generate(prompts, sampling())
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    assert_matches_oracle(result, tokens, reasons)
+
+
+# ---- model errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_model_error_during_decode_reaches_the_caller_unchanged(model, monkeypatch, route):
+    rollout = Rollout(model, config=RolloutConfig(route=route))
+    boom = RuntimeError("boom")
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def failing_decode(*args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None and input_ids.shape[1] == 1:
+            raise boom
+        return forward(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setitem(model.__dict__, "forward", failing_decode)
+        with pytest.raises(RuntimeError) as info:
+            rollout.generate(GOOD_PROMPTS, sampling())
+    assert info.value is boom
+    assert "forward" not in model.__dict__
+    assert_still_exact(rollout)
