@@ -30,6 +30,8 @@ class RolloutConfig:
     route: "ordinary" (HF generate on the left-padded batch), "equal_width" (CB, each admission
       prefilled as one padded batch), "aligned" (CB, one prefill per request) or "auto" (cost model).
     costs: `CostCoefficients` or a path to a calibration / coefficients JSON (used by "auto").
+    costs_strict: a calibration file whose model, dtype, device or attention backend differs from this
+      model's is an error (False: a warning).
     prefill_max_tokens: most padded token positions in one prefill forward (None: no limit).
     cache_capacity: KV columns of the static cache (None: what the workload needs).
     trim_cache: trim dead left columns after every admission and retirement (else only when full).
@@ -38,6 +40,7 @@ class RolloutConfig:
 
     route: str = "aligned"
     costs: Any = None
+    costs_strict: bool = True
     prefill_max_tokens: int | None = 65536
     cache_capacity: int | None = None
     trim_cache: bool = False
@@ -50,7 +53,7 @@ class RolloutConfig:
             _require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
         if self.cache_capacity is not None:
             _require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
-        for name in ("trim_cache", "profile"):
+        for name in ("trim_cache", "profile", "costs_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected True or False")
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
@@ -70,7 +73,8 @@ class SamplingConfig:
     continuous_batch_size: most rows decoded at once; more rows wait in a queue and refill.
     repetition_penalty: HF's penalty over the prompt and generated tokens (1.0: off). This value is
       used as given; the model's generation_config value is not consulted.
-    eos_token_id: int or list of ints; None uses the model's resolved generation config.
+    eos_token_id: int or list of ints; None uses the model's resolved generation config; [] disables
+      EOS (every row generates its full budget).
     temperature: 0.0 is greedy; > 0 samples (top_k / top_p apply only then, as in HF).
     top_k: keep the k most likely tokens (0: off). top_p: nucleus mass to keep (1.0: off).
     seed: int for the whole call (each prompt's stream is keyed by (seed, prompt index)), or one int
@@ -120,10 +124,10 @@ class SamplingConfig:
         if self.eos_token_id is None:
             return
         ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id
-        if not isinstance(ids, (list, tuple)) or not ids or any(
+        if not isinstance(ids, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
         ):
             raise ValueError(
-                f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a non-empty "
-                "list of them, or None for the model's generation config"
+                f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a list of them "
+                "([] disables EOS), or None for the model's generation config"
             )
