@@ -180,7 +180,8 @@ class ContinuousBatcher:
     def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
         """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
         output = sources[items[0][0]].output
-        source_rows = torch.tensor([sources[p].row for p, _ in items], dtype=torch.long, device=self.device)
+        source_rows_host = [sources[p].row for p, _ in items]
+        source_rows = torch.tensor(source_rows_host, dtype=torch.long, device=self.device)
         seen = torch.stack([sources[p].seen for p, _ in items]) if self.use_penalty else None
         with self.timer.phase("prefill_ms"):
             tokens, logprobs = self.selection.choose(
@@ -195,12 +196,16 @@ class ContinuousBatcher:
                 keep.append((b, row))
         if keep:
             with self.timer.phase("cache_ms"):
-                self._insert(prompts, output, source_rows, tokens, seen, keep)
+                self._insert(prompts, output, source_rows_host, tokens, seen, keep)
 
-    def _insert(self, prompts, output: PrefillOutput, source_rows, tokens, seen, keep) -> None:
+    def _insert(self, prompts, output: PrefillOutput, source_rows_host: list[int], tokens, seen, keep) -> None:
         index = torch.tensor([b for b, _ in keep], dtype=torch.long, device=self.device)
-        rows = source_rows[index]  # one cache row per kept sample, K/V shared from its prompt's row
-        keys, values = [k[rows] for k in output.keys], [v[rows] for v in output.values]
+        rows_host = [source_rows_host[b] for b, _ in keep]  # per kept sample: its prompt's prefill row
+        keys, values = output.keys, output.values
+        if rows_host != list(range(keys[0].shape[0])):
+            # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
+            rows = torch.tensor(rows_host, dtype=torch.long, device=self.device)
+            keys, values = [k[rows] for k in keys], [v[rows] for v in values]
         if self.store is None:
             self._create_store(keys)
         lengths = [len(prompts[row.prompt]) for _, row in keep]
