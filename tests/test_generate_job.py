@@ -1,0 +1,155 @@
+"""`autobucket generate`'s library side on a tiny random-weight model: input parsing with line-numbered
+errors, prompt_ids vs text (a tiny model has no tokenizer), chunked runs against the oracle, and
+all-or-nothing output."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from conftest import oracle_batch, random_prompts
+
+from autobucket.cli import main
+from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.generate_job import (
+    GenerateJob,
+    PromptRecord,
+    encode_prompts,
+    parse_prompt_lines,
+    read_prompts,
+    run_generate_job,
+)
+
+MODEL = "tiny-qwen2"
+
+
+def write_jsonl(path, items) -> None:
+    path.write_text("".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items))
+
+
+def test_txt_lines_are_prompts_and_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("first prompt\n\n  second, with spaces  \n{\"not\": \"json here\"}\n")
+    records = read_prompts(path)
+    assert [(r.id, r.line, r.text, r.ids) for r in records] == [
+        (0, 1, "first prompt", None),
+        (1, 3, "  second, with spaces  ", None),
+        (2, 4, '{"not": "json here"}', None),
+    ]
+
+
+def test_jsonl_takes_prompt_or_prompt_ids_and_an_optional_id(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt": "hi"}, "", {"id": "x", "prompt_ids": [5, 6]}, {"prompt": "yo", "extra": 1}])
+    records = read_prompts(path)
+    assert records == [
+        PromptRecord(id=0, line=1, text="hi"),
+        PromptRecord(id="x", line=3, ids=[5, 6]),
+        PromptRecord(id=2, line=4, text="yo"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"prompt": "unterminated}', "not valid JSON"),
+        ('["prompt"]', "expected a JSON object"),
+        ('{"id": 3}', 'exactly one of "prompt"'),
+        ('{"prompt": "a", "prompt_ids": [1]}', 'exactly one of "prompt"'),
+        ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+        ('{"prompt": 7}', '"prompt" must be a non-empty string'),
+        ('{"prompt_ids": []}', '"prompt_ids" must be a non-empty list'),
+        ('{"prompt_ids": [1, -2]}', '"prompt_ids" must be a non-empty list'),
+        ('{"prompt_ids": [1, true]}', '"prompt_ids" must be a non-empty list'),
+        ('{"prompt_ids": "1 2"}', '"prompt_ids" must be a non-empty list'),
+    ],
+)
+def test_a_bad_jsonl_line_names_its_file_and_line(tmp_path, bad_line, message):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt": "ok"}, "", bad_line, {"prompt": "ok"}])
+    with pytest.raises(ValueError, match=message) as error:
+        read_prompts(path)
+    assert str(error.value).startswith(f"{path}:3: ")
+
+
+def test_format_follows_the_suffix_else_the_first_line(tmp_path):
+    lines = ['{"prompt": "a"}']
+    assert parse_prompt_lines(lines, "txt")[0].text == lines[0]
+    assert parse_prompt_lines(lines, "jsonl")[0].text == "a"
+    sniffed = tmp_path / "prompts.input"
+    sniffed.write_text(lines[0] + "\n")
+    assert read_prompts(sniffed)[0].text == "a"
+    as_text = tmp_path / "prompts.txt"
+    as_text.write_text(lines[0] + "\n")
+    assert read_prompts(as_text)[0].text == lines[0]
+
+
+def test_empty_or_missing_input_is_an_error(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        read_prompts(empty)
+    with pytest.raises(ValueError, match="cannot read prompts"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+def test_text_prompts_need_a_tokenizer_and_ids_must_fit_the_vocabulary():
+    text = [PromptRecord(id=0, line=1, ids=[1]), PromptRecord(id=1, line=4, text="hello")]
+    with pytest.raises(ValueError, match=r"line 4: a text prompt, but 'tiny-qwen2' has no tokenizer"):
+        encode_prompts(text, None, chat=False, vocab_size=1024, model_name=repr(MODEL))
+    with pytest.raises(ValueError, match=r"line 2: token id 1024 is outside the vocabulary \[0, 1024\)"):
+        encode_prompts([PromptRecord(id=0, line=2, ids=[3, 1024])], None, chat=False, vocab_size=1024)
+    with pytest.raises(ValueError, match="line 5: --chat applies to text prompts"):
+        encode_prompts([PromptRecord(id=0, line=5, ids=[3])], None, chat=True, vocab_size=1024)
+
+
+def test_chunked_job_matches_the_oracle_in_input_order(tiny_models, tmp_path):
+    prompts = random_prompts([9, 2, 17, 5, 12], seed=3)
+    path, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, [{"id": f"p{i}", "prompt_ids": p} for i, p in enumerate(prompts)])
+    progress = []
+    job = GenerateJob(
+        prompts=str(path), out=str(out), model=MODEL, rollout=RolloutConfig(route="aligned"),
+        sampling=SamplingConfig(max_new_tokens=6, continuous_batch_size=2), chunk_prompts=2,
+    )  # fmt: skip
+    summary = run_generate_job(job, lambda done, total: progress.append((done, total)))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected_tokens, expected_reasons = oracle_batch(tiny_models(MODEL), prompts, 6)
+    assert [row["id"] for row in rows] == [f"p{i}" for i in range(5)]
+    assert [row["tokens"] for row in rows] == expected_tokens
+    assert [row["finish_reason"] for row in rows] == expected_reasons
+    assert all(row["prompt"] is None and row["completion"] is None for row in rows)  # no tokenizer
+    assert progress == [(0, 5), (2, 5), (4, 5), (5, 5)]
+    assert summary["prompts"] == 5 and summary["routes_run"] == {"aligned": 3}
+    assert summary["output_tokens"] == sum(len(t) for t in expected_tokens)
+    assert summary["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_cli_reads_stdin_and_writes_stdout(tiny_models, monkeypatch, capsys):
+    prompts = random_prompts([4, 11], seed=8)
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts)))
+    argv = ["generate", "--model", MODEL, "--prompts", "-", "--max-new-tokens", "5", "--route", "equal_width"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [row["tokens"] for row in rows] == oracle_batch(tiny_models(MODEL), prompts, 5)[0]
+    assert "2 prompts" in captured.err and "route equal_width" in captured.err  # the summary
+
+
+def test_a_failed_job_leaves_an_existing_output_untouched(tmp_path, capsys):
+    path, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    path.write_text("text needs a tokenizer\n")
+    out.write_text("previous results\n")
+    assert main(["generate", "--model", MODEL, "--prompts", str(path), "--out", str(out)]) == 2
+    assert "line 1: a text prompt, but 'tiny-qwen2' has no tokenizer" in capsys.readouterr().err
+    assert out.read_text() == "previous results\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.txt"]
+
+
+def test_output_folder_must_exist_before_the_model_loads(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": [3, 4]}])
+    argv = ["generate", "--model", MODEL, "--prompts", str(path), "--out", str(tmp_path / "nope" / "out.jsonl")]
+    assert main(argv) == 2
+    assert "does not exist" in capsys.readouterr().err
