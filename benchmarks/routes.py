@@ -105,8 +105,11 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.calibrate)")
     parser.add_argument("--no-hf-batch", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (match the calibration's)")
     parser.add_argument("--out", default="results/routes.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = build_tiny_model("bench-qwen2")
     costs = args.costs

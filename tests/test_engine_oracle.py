@@ -124,6 +124,22 @@ def test_every_route_matches_generate_on_every_arch_with_refill_and_eos(tiny_mod
         assert len(result.profile.prefill_groups) > 1  # rows were refilled
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_uniform_lengths_take_the_unmasked_decode_path_and_stay_exact(tiny_models, arch, monkeypatch):
+    """Equal prompt lengths leave nothing to mask, so decode passes no mask (HF builds none either)."""
+    model = tiny_models(arch)
+    prompts = random_prompts([11] * 6, seed=21)
+    tokens, reasons = oracle_batch(model, prompts, 7, eos_token_id=[])
+    masks = []
+    step_mask = StaticKVCache.step_mask
+    monkeypatch.setattr(StaticKVCache, "step_mask", lambda self: masks.append(step_mask(self)) or masks[-1])
+    for route in CB_ROUTES:
+        sampling = SamplingConfig(max_new_tokens=7, continuous_batch_size=6, eos_token_id=[])
+        result = Rollout(model, config=RolloutConfig(route=route)).generate(prompts, sampling)
+        assert_matches_oracle(result, tokens, reasons)
+    assert masks and all(mask is None for mask in masks)
+
+
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 @pytest.mark.parametrize("route", ROUTES)
 def test_every_workload_shape_matches_generate(tiny_models, route, workload):

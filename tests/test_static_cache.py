@@ -297,3 +297,28 @@ def test_nbytes_counts_keys_values_and_mask():
     store = make_store(rows=3, columns=10)
     assert store.nbytes == (2 * LAYERS * 3 * HEADS * 10 * DIM + 3 * 10) * 4
     assert store.free_rows == 3
+
+
+# ---- the unmasked decode fast path -------------------------------------------------------------------
+
+
+def test_step_mask_is_none_only_when_every_row_owns_every_column():
+    store = make_store(columns=12)
+    store.admit(*group_kv(2, 4, seed=0), lengths=[4, 4])
+    store.prepare_step()
+    assert store.step_mask() is None  # uniform rows from column 0: nothing to mask
+    store.finish_step()
+    store.admit(*group_kv(1, 3, seed=1), lengths=[3])  # starts at column 2
+    store.prepare_step()
+    mask = store.step_mask()
+    assert mask is not None and mask[2, 0, 0, :2].eq(store.masked_value).all()
+    store.finish_step()
+    store.compact([0, 1])
+    store.prepare_step()
+    assert store.step_mask() is None  # the short row retired
+    store.finish_step()
+    store.admit(*group_kv(1, 9, seed=2), lengths=[9])  # wider than the front: old rows get a gap
+    store.prepare_step()
+    assert store.step_mask() is not None
+    store.trim()  # a trim removes dead columns on the left, never a gap in the middle
+    assert store.step_mask() is not None

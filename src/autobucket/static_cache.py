@@ -62,6 +62,7 @@ class StaticKVCache:
         self.active_rows = 0
         self.front = 0
         self.first_column: list[int] = []  # per active row: its first live column
+        self.has_gap: list[bool] = []  # per active row: masked columns between its data and the front
         self.trims = 0
         self.trimmed_columns = 0
         self.moved_bytes = 0
@@ -104,6 +105,7 @@ class StaticKVCache:
         for offset, length in enumerate(lengths):
             self.attend[first + offset, self.front - length : self.front] = 0
             self.first_column.append(self.front - length)
+            self.has_gap.append(False)
         self.active_rows = last
         return range(first, last)
 
@@ -119,6 +121,7 @@ class StaticKVCache:
             self.trim()
         if width > self.front:
             # Old rows keep their columns; [old front, width) becomes masked gap for them.
+            self.has_gap = [True] * self.active_rows
             self.front = width
 
     # ---------------------------------------------------------------- decode
@@ -133,8 +136,12 @@ class StaticKVCache:
             )
         self.attend[: self.active_rows, self.front] = 0
 
-    def step_mask(self) -> torch.Tensor:
-        """Additive decode mask `[active_rows, 1, 1, front + 1]` (a view, nothing is copied)."""
+    def step_mask(self) -> torch.Tensor | None:
+        """Additive decode mask `[active_rows, 1, 1, front + 1]` (a view, nothing is copied), or None
+        when every row owns every column up to the front: then there is nothing to mask, and SDPA runs
+        its unmasked kernel, as HF `generate` does for an unpadded batch."""
+        if not any(self.first_column) and not any(self.has_gap):
+            return None
         return self.attend[: self.active_rows, None, None, : self.front + 1]
 
     def write_step(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +171,7 @@ class StaticKVCache:
             tensor[kept:before, :, : self.front] = 0
         self.attend[kept:before] = self.masked_value
         self.first_column = [self.first_column[row] for row in keep]
+        self.has_gap = [self.has_gap[row] for row in keep]
         self.active_rows = kept
         if kept == 0:
             self.front = 0
