@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.calibrate)")
     parser.add_argument("--no-hf-batch", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-routes", action="store_true", help="only the decode-step section")
     parser.add_argument("--threads", type=int, help="torch threads (match the calibration's)")
     parser.add_argument("--out", default="results/routes.json")
     args = parser.parse_args()
@@ -118,8 +119,9 @@ def main() -> None:
 
         costs = quick_fit(model)
         print("fitted:", costs.to_dict())
-    report = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
-              "routes": route_table(model, args, costs)}
+    report = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__}}
+    if not args.skip_routes:
+        report["routes"] = route_table(model, args, costs)
     if not args.skip_decode:
         report["decode"] = decode_table(model, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
