@@ -76,8 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--costs", help="calibration / coefficients JSON for auto")
+    parser.add_argument("--threads", type=int, help="torch threads (match the calibration's)")
     parser.add_argument("--out", default="results/grpo.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = build_tiny_model("bench-qwen2")
     prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=0)
     contenders = {"autobucket auto (n=8)": autobucket_contender(model, args.costs),
