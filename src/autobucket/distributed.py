@@ -342,15 +342,9 @@ class RayRollout:
 def _request_seeds(sampling: SamplingConfig, count: int) -> list[int]:
     """Each prompt's random-stream key as the caller's single process would derive it from its *input*
     index; workers get them as per-prompt seeds, so sampled tokens do not depend on the sharding."""
-    from autobucket.sampling import request_seed
+    from autobucket.sampling import request_seeds
 
-    if isinstance(sampling.seed, (list, tuple)):
-        if len(sampling.seed) != count:
-            raise ValueError(
-                f"seed has {len(sampling.seed)} values for {count} prompts: pass one per prompt or one int"
-            )
-        return list(sampling.seed)
-    return [request_seed(sampling.seed, index) for index in range(count)]
+    return list(request_seeds(sampling.seed, count))
 
 
 def _check_factory(factory: Any) -> None:

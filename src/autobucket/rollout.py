@@ -30,7 +30,7 @@ from autobucket.ordinary import run_ordinary
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
-from autobucket.sampling import SamplerSettings, request_seed
+from autobucket.sampling import SamplerSettings, request_seeds
 
 
 @dataclass
@@ -129,14 +129,7 @@ def _max_positions(config: Any) -> int | None:
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:
-    if isinstance(sampling.seed, (list, tuple)):
-        if len(sampling.seed) != prompt_count:
-            raise ValueError(
-                f"seed has {len(sampling.seed)} values for {prompt_count} prompts: pass one per prompt or one int"
-            )
-        seeds = tuple(sampling.seed)
-    else:
-        seeds = tuple(request_seed(sampling.seed, index) for index in range(prompt_count))
+    seeds = request_seeds(sampling.seed, prompt_count)
     return SamplerSettings(sampling.temperature, sampling.top_k, sampling.top_p, seeds)
 
 

@@ -55,6 +55,16 @@ def request_seed(call_seed: int, prompt_index: int) -> int:
     return int(mixed[0])
 
 
+def request_seeds(seed: int | Sequence[int], prompt_count: int) -> tuple[int, ...]:
+    """Every prompt's stream key for one call: a per-prompt list as given, or derived from one int
+    and each prompt's *input* index (a wrapper that reorders or shards prompts must pass these on)."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != prompt_count:
+            raise ValueError(f"seed has {len(seed)} values for {prompt_count} prompts: pass one per prompt or one int")
+        return tuple(seed)
+    return tuple(request_seed(seed, index) for index in range(prompt_count))
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[rows, vocab] fp32 logits -> temperature-scaled logits with filtered tokens at -inf."""
     scores = logits / temperature
