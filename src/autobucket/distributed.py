@@ -8,12 +8,9 @@ request seed, which the driver derives from the *input* index and passes to the 
 
 Design choices:
 
-* **Result.** `DistributedResult` is a `RolloutResult` (same tokens/finish_reasons/route/profile) with
-  two more fields, `workers` (one `WorkerReport` each) and `sharding`, and the imbalance properties.
-  The merged `Profile` sums the workers' counters, phase times (work, not wall time) and peak memory
-  (each its own process's), takes the largest `capacity`, maps `prefill_groups` to input indices
-  (worker by worker), and sets `total_ms` to the wall time of the whole call. Its route is the workers'
-  common route, or "distributed" when they differ.
+* **Result.** `DistributedResult` (see `distributed_result.py`) is a `RolloutResult` with per-worker
+  reports (predicted and measured ms) and the imbalance properties; its route is the workers' common
+  route, or "distributed" when they differ.
 * **Geometry and costs** for sharding come from worker 0 once (`describe`), cached until the model
   factory changes: the driver never loads weights.
 * **Failures.** A worker's exception reaches the caller as Ray's `RayTaskError`, which is also an
@@ -31,49 +28,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.costs import CostCoefficients, ModelGeometry
-from autobucket.profile import Profile
+from autobucket.distributed_result import DistributedResult, merge_shard_results
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
-from autobucket.sharding import STRATEGIES, ShardPlan, imbalance, plan_shards, prompt_cost_ms
+from autobucket.sharding import STRATEGIES, ShardPlan, plan_shards, prompt_cost_ms
 
 ModelFactory = Callable[[], Any] | str
 _CANCEL_WAIT_S = 60.0  # most time to wait for cancelled shards to stop before raising the first error
-_SUMMED_FIELDS = (
-    "prefill_forwards", "prefill_tokens", "decode_forwards", "plan_ms", "prefill_ms", "decode_ms", "cache_ms",
-    "output_tokens", "kv_cache_bytes", "peak_memory_bytes", "trims", "trimmed_columns", "moved_bytes",
-    "max_active_rows",
-)  # fmt: skip
-
-
-@dataclass
-class WorkerReport:
-    worker: int
-    prompts: int
-    predicted_ms: float  # the shard's summed `prompt_cost_ms`
-    measured_ms: float  # the worker's own `Rollout.generate` wall time (0 for an empty shard)
-    route: str = ""
-    profile: Profile | None = None  # the worker's profile; its prefill_groups use shard-local indices
-
-
-@dataclass
-class DistributedResult(RolloutResult):
-    workers: list[WorkerReport] = field(default_factory=list)
-    sharding: str = "cost"
-
-    @property
-    def predicted_imbalance(self) -> float:
-        return imbalance([report.predicted_ms for report in self.workers])
-
-    @property
-    def measured_imbalance(self) -> float:
-        return imbalance([report.measured_ms for report in self.workers])
 
 
 @dataclass(frozen=True)
@@ -220,7 +188,7 @@ class RayRollout:
         ]
         plan = plan_shards(unit_costs, self.num_workers, self.sharding)
         results = self._run_shards(plan, token_prompts, sampling, request_seeds, overrides)
-        return _merge(
+        return merge_shard_results(
             plan, results, len(token_prompts), sampling.logprobs, self.config.route, self.sharding, started
         )
 
@@ -358,52 +326,3 @@ def _check_factory(factory: Any) -> None:
 def _default_threads(options: Mapping[str, Any]) -> int:
     cpus = options.get("num_cpus", 1)
     return max(int(cpus), 1) if isinstance(cpus, (int, float)) else 1
-
-
-# ------------------------------------------------------------------- merge
-def _merge(
-    plan: ShardPlan, results: dict[int, RolloutResult], count: int, want_logprobs: bool, config_route: str,
-    sharding: str, started: float,
-) -> DistributedResult:
-    tokens: list = [None] * count
-    reasons: list = [None] * count
-    logprobs: list | None = [None] * count if want_logprobs else None
-    reports = []
-    for worker, shard in enumerate(plan.shards):
-        result = results.get(worker)
-        for local, index in enumerate(shard):
-            tokens[index], reasons[index] = result.tokens[local], result.finish_reasons[local]
-            if logprobs is not None:
-                logprobs[index] = result.logprobs[local]
-        reports.append(WorkerReport(
-            worker, len(shard), plan.predicted_ms[worker], result.profile.total_ms if result else 0.0,
-            result.route if result else "", result.profile if result else None,
-        ))
-    profile = _merge_profiles(plan, results, config_route)
-    profile.total_ms = (time.perf_counter() - started) * 1e3
-    profile.tokens_per_s = profile.output_tokens / max(profile.total_ms / 1e3, 1e-9)
-    return DistributedResult(
-        tokens=tokens, finish_reasons=reasons, route=profile.route, profile=profile, logprobs=logprobs,
-        workers=reports, sharding=sharding,
-    )
-
-
-def _merge_profiles(plan: ShardPlan, results: dict[int, RolloutResult], config_route: str) -> Profile:
-    profiles = {worker: result.profile for worker, result in results.items()}
-    routes = {profile.route for profile in profiles.values()}
-    merged = Profile(route=routes.pop() if len(routes) == 1 else (config_route if not routes else "distributed"))
-    for name in _SUMMED_FIELDS:
-        setattr(merged, name, sum(getattr(profile, name) for profile in profiles.values()))
-    merged.capacity = max((profile.capacity for profile in profiles.values()), default=0)
-    for worker, profile in sorted(profiles.items()):
-        shard = plan.shards[worker]
-        merged.prefill_groups += [[[shard[i] for i in group] for group in admission]
-                                  for admission in profile.prefill_groups]
-    for name in ("estimated_ordinary_ms", "estimated_bucketed_ms"):
-        values = [getattr(profile, name) for profile in profiles.values()]
-        setattr(merged, name, sum(values) if values and None not in values else None)
-    merged.decision_reason = "; ".join(
-        f"worker {worker}: {profile.decision_reason}" for worker, profile in sorted(profiles.items())
-        if profile.decision_reason
-    )
-    return merged
