@@ -30,7 +30,8 @@ from autobucket.costs import (
     prefill_cost_ms,
     prefill_row_terms_ms,
 )
-from autobucket.planner import choose_route, plan_prefill
+from autobucket.planner import plan_prefill
+from autobucket.route_choice import choose_route
 
 SIZES = (32, 128, 256, 1024)
 MAX_LENGTHS = (512, 65536)

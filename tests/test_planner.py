@@ -20,7 +20,8 @@ from autobucket.costs import (
     ordinary_cost_ms,
     prefill_cost_ms,
 )
-from autobucket.planner import PrefillPlan, RouteDecision, choose_route, plan_prefill
+from autobucket.planner import PrefillPlan, plan_prefill
+from autobucket.route_choice import RouteDecision, choose_route
 
 # Qwen2.5-3B (the reference's examples): 36 layers, 16 query / 2 KV heads of 128, fp32.
 QWEN25_3B = ModelGeometry(
@@ -418,7 +419,7 @@ def test_route_decision_validates_itself():
 
 def test_planner_imports_without_torch():
     code = (
-        "import sys, autobucket.planner, autobucket.costs, autobucket.cli; "
+        "import sys, autobucket.planner, autobucket.route_choice, autobucket.costs, autobucket.cli; "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )

@@ -14,7 +14,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.models import build_tiny_model
-from autobucket.planner import choose_route, plan_prefill, shared_prefill_costs
+from autobucket.planner import plan_prefill, shared_prefill_costs
+from autobucket.route_choice import choose_route
 from autobucket.sampling import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
 
 ROUTES = ("ordinary", "equal_width", "aligned", "auto")

@@ -130,7 +130,7 @@ def test_generate_cli_reports_a_malformed_line_and_writes_nothing(tmp_path, caps
 
 def test_demo_workload_has_a_long_tail_that_auto_buckets_with_default_costs(smollm2):
     from autobucket.demo import demo_prompts
-    from autobucket.planner import choose_route
+    from autobucket.route_choice import choose_route
 
     model, tokenizer = smollm2
     lengths = [len(p.ids) for p in demo_prompts(tokenizer)]

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from autobucket.continuous import Finished
 from autobucket.costs import CostCoefficients, ModelGeometry
 from autobucket.ordinary import run_ordinary
-from autobucket.planner import ROUTE_ORDINARY, choose_route, plan_prefill
+from autobucket.planner import plan_prefill
+from autobucket.route_choice import ROUTE_ORDINARY, choose_route
 
 if TYPE_CHECKING:
     from autobucket.rollout import _Call

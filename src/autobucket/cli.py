@@ -26,7 +26,8 @@ from autobucket.costs import (
     load_costs,
     prefill_cost_ms,
 )
-from autobucket.planner import DEFAULT_MAX_TOKENS, RouteDecision, choose_route
+from autobucket.planner import DEFAULT_MAX_TOKENS
+from autobucket.route_choice import RouteDecision, choose_route
 
 _USAGE_ERROR = 2
 _GEOMETRY_FLAGS = ("layers", "query_heads", "kv_heads", "head_dim", "element_bytes", "max_positions")
