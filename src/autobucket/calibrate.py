@@ -214,8 +214,8 @@ def _time_prefill(
     model: torch.nn.Module, spec: Any, prompts: list[list[int]], columns: int, copy: bool
 ) -> float:
     """One prefill as the engine runs it (`ContinuousBatcher._prefill`, `_start_samples`, `_insert`):
-    forward, first tokens read to the host, then (copy) each kept row's K/V gathered and copied
-    right-aligned into a fresh static cache."""
+    forward, first tokens read to the host, then (copy) the K/V copied right-aligned into a fresh static
+    cache (every row kept, one sample per prompt: the engine copies without a gather then)."""
     device = next(model.parameters()).device
     store = _static_cache(model, len(prompts), columns) if copy else None
     _synchronize(device)
@@ -223,9 +223,7 @@ def _time_prefill(
     output = prefill_group(model, spec, prompts, pad_token_id=0)
     output.last_logits.argmax(dim=-1).tolist()  # first tokens: the engine's host read (a device sync)
     if store is not None:
-        rows = torch.arange(len(prompts), device=device)  # every row kept, one sample per prompt
-        keys, values = [k[rows] for k in output.keys], [v[rows] for v in output.values]
-        store.admit(keys, values, [len(p) for p in prompts])
+        store.admit(output.keys, output.values, [len(p) for p in prompts])
     _synchronize(device)
     return (time.perf_counter() - started) * 1e3
 
