@@ -131,3 +131,12 @@ class SamplingConfig:
                 f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a list of them "
                 "([] disables EOS), or None for the model's generation config"
             )
+
+
+def sampling_or_default(sampling: SamplingConfig | None) -> SamplingConfig:
+    """The call's SamplingConfig (defaults when None); anything else is a TypeError."""
+    if sampling is None:
+        return SamplingConfig()
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    return sampling

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.costs import CostCoefficients, ModelGeometry
 from autobucket.distributed_result import DistributedResult, merge_shard_results
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
@@ -176,9 +176,7 @@ class RayRollout:
     ) -> DistributedResult:
         """Like `Rollout.generate`; returns a `DistributedResult` in input order."""
         started = time.perf_counter()
-        sampling = sampling if sampling is not None else SamplingConfig()
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        sampling = sampling_or_default(sampling)
         info = self.worker_info()
         token_prompts = self._normalize(prompts, info)
         check_context(token_prompts, sampling.max_new_tokens, info.max_positions)

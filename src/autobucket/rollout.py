@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.continuous import CacheShape, ContinuousBatcher, Finished, GroupPrompts, Selection
 from autobucket.costs import CostCoefficients, ModelGeometry
 from autobucket.generation_setup import ResolvedGeneration, resolve_generation
@@ -78,9 +78,7 @@ class Rollout:
     ) -> RolloutResult:
         """Generate for every prompt; `overrides` are GenerationConfig fields (validated)."""
         started = time.perf_counter()
-        sampling = sampling if sampling is not None else SamplingConfig()
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        sampling = sampling_or_default(sampling)
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.max_new_tokens, self.max_positions)
