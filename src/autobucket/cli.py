@@ -84,17 +84,17 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     for flag in _GEOMETRY_FLAGS:
         parser.add_argument(
             f"--{flag.replace('_', '-')}",
-            type=_positive_int,
+            type=positive_int,
             metavar="N",
             help="override this field of the geometry (from --model-config, else the "
             "20.3M-parameter benchmark Qwen2)",
         )
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=16)
-    parser.add_argument("--capacity", type=_positive_int, default=32, help="continuous batch size")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--capacity", type=positive_int, default=32, help="continuous batch size")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_TOKENS,
         help="padded token positions per prefill forward",
     )
@@ -136,7 +136,7 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

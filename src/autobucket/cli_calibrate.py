@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from autobucket.cli import positive_int
+
 _SHAPE_ITEM = re.compile(r"(\d+):(\d+)", re.ASCII)
 _FIT_REFUSED = 1
 
@@ -104,12 +106,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             )
         shapes.append((int(match[1]), int(match[2])))
     return shapes
-
-
-def positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:

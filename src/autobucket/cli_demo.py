@@ -18,7 +18,7 @@ _WHAT_RAN = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli import _positive_int
+    from autobucket.cli import positive_int
 
     parser = subparsers.add_parser(
         "demo",
@@ -29,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "as JSON.",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("results/demo"), help="default: results/demo")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=48, metavar="N", help="default: 48")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="default: 48")
     parser.add_argument("--costs", type=Path, help="calibration or coefficients JSON for the auto route")
-    parser.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                         help="timed runs per route, interleaved; medians are shown (default: 1)")  # fmt: skip
     parser.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false",
                         help="skip transformers' generate_batch")  # fmt: skip

@@ -13,7 +13,7 @@ from autobucket.config import ROUTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli import _positive_int
+    from autobucket.cli import positive_int
 
     parser = subparsers.add_parser(
         "generate",
@@ -30,10 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--format", dest="input_format", choices=("auto", "jsonl", "txt"), default="auto",
                         help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
     parser.add_argument("--route", choices=ROUTES, default="auto")
     parser.add_argument("--costs", type=Path, help="cost coefficients or calibration JSON for --route auto")
-    parser.add_argument("--continuous-batch-size", type=_positive_int, default=32, metavar="N")
+    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")

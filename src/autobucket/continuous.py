@@ -244,11 +244,7 @@ class ContinuousBatcher:
             )
             self.store.finish_step()
             tokens, logprobs = self.selection.choose(
-                output.logits[:, -1, :].float(),
-                self.state.seen,
-                [row.prompt for row in self.rows],
-                [row.sample for row in self.rows],
-                [len(row.tokens) for row in self.rows],
+                output.logits[:, -1, :].float(), self.state.seen, *self._stream_keys()
             )
             tokens_host = tokens.tolist()  # the one host sync of the step
             logprobs_host = logprobs.tolist() if logprobs is not None else None
@@ -261,6 +257,13 @@ class ContinuousBatcher:
         if len(keep) < len(self.rows):
             with self.timer.phase("cache_ms"):
                 self._retire(keep)
+
+    def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
+        """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""
+        if self.selection.sampler.greedy:
+            return [], [], []
+        rows = self.rows
+        return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
 
     def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> bool:
         row = self.rows[r]
