@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from autobucket import CostCoefficients, Rollout, RolloutConfig, SamplingConfig
-from autobucket.measure import random_prompts, time_interleaved, tokens_agree
 from autobucket.models import build_tiny_model
+from autobucket.prompts import random_prompts
+from autobucket.tools.workloads import time_interleaved, tokens_agree
 
 # Fitted on this model on the 2-core development machine (ENVIRONMENT.md): ms ~ 5.8 + 0.0537·B·L + 4.1e-5·B·L².
 CPU_COSTS = CostCoefficients(fixed_ms=5.8, token_ms=0.0537, attention_ms=10.0)
@@ -112,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from autobucket.distributed import RayRollout
+    from autobucket.distributed.ray_rollout import RayRollout
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = RolloutConfig(route="auto", costs=args.costs or CPU_COSTS)

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.baselines import has_generate_batch
-from autobucket.measure import random_prompts
+from autobucket.engine.prefill import left_pad
 from autobucket.models import build_tiny_model
-from autobucket.prefill import left_pad
+from autobucket.prompts import random_prompts
+from autobucket.tools.baselines import has_generate_batch
 
 LENGTHS = (512, 384, 256, 192, 128, 96, 64, 64, 48, 32, 32, 24, 16, 16, 12, 8)
 SAMPLES, NEW_TOKENS = 8, 32
@@ -37,7 +37,7 @@ def autobucket_contender(model, costs):
 
     def run(prompts):
         profile = rollout.generate(prompts, sampling).profile
-        return {"prefill_tokens": profile.prefill_tokens, "route": profile.route, "groups": profile.prefill_groups}
+        return {"prefill_tokens": profile.prefill_tokens, "route": profile.route, "groups": profile.prefill_buckets}
 
     return run
 

@@ -23,15 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autobucket.costs import (
+from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     ModelGeometry,
     prefill_cost_ms,
     prefill_row_terms_ms,
 )
-from autobucket.planner import plan_prefill
-from autobucket.route_choice import choose_route
+from autobucket.planning.planner import plan_prefill
+from autobucket.planning.route_choice import choose_route
 
 SIZES = (32, 128, 256, 1024)
 MAX_LENGTHS = (512, 65536)
@@ -124,7 +124,7 @@ def bench_route_case(
     name: str, lengths: list[int], capacity: int, max_tokens: int | None, repeats: int
 ) -> dict:
     decide = functools.partial(
-        choose_route, lengths, 16, capacity, BENCH_QWEN2_GEOMETRY, CostCoefficients(), max_tokens=max_tokens
+        choose_route, lengths, 16, capacity, BENCH_QWEN2_GEOMETRY, CostCoefficients(), prefill_max_tokens=max_tokens
     )
     for _ in range(WARMUP_RUNS):
         decide()

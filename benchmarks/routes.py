@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.baselines import has_generate_batch, hf_generate_batch
-from autobucket.measure import random_prompts, reference_workloads, time_interleaved, tokens_agree
 from autobucket.models import build_tiny_model
+from autobucket.prompts import random_prompts
+from autobucket.tools.baselines import has_generate_batch, hf_generate_batch
+from autobucket.tools.workloads import reference_workloads, time_interleaved, tokens_agree
 
 
 def rollout_contender(model, route: str, sampling: SamplingConfig, costs=None):
@@ -64,7 +65,7 @@ def route_table(model, args, costs) -> list[dict]:
                 "ratio_to_best_manual": run.median_ms / best_manual,
                 "peak_memory_mib": profile.get("peak_memory_bytes", 0) / 2**20,
                 "prefill_forwards": profile.get("prefill_forwards"), "decode_forwards": profile.get("decode_forwards"),
-                "route": profile.get("route"), "prefill_groups": profile.get("prefill_groups"),
+                "route": profile.get("route"), "prefill_buckets": profile.get("prefill_buckets"),
                 "prefill_ms": profile.get("prefill_ms"), "decode_ms": profile.get("decode_ms"),
                 "cache_ms": profile.get("cache_ms"), "plan_ms": profile.get("plan_ms"),
             })
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--costs", help="costs JSON for the auto contender")
-    parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.calibrate)")
+    parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.calibration.measure)")
     parser.add_argument("--no-hf-batch", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-routes", action="store_true", help="only the decode-step section")
@@ -115,7 +116,7 @@ def main() -> None:
     model = build_tiny_model("bench-qwen2")
     costs = args.costs
     if args.fit:
-        from autobucket.calibrate import quick_fit
+        from autobucket.calibration.measure import quick_fit
 
         costs = quick_fit(model)
         print("fitted:", costs.to_dict())

@@ -7,7 +7,7 @@ import pytest
 from conftest import ARCHS, assert_matches_oracle, choose_firing_eos, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.costs import CostCoefficients
+from autobucket.planning.costs import CostCoefficients
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -74,7 +74,7 @@ def test_auto_decisions_for_chosen_coefficients(tiny_models, name, route, forwar
     assert aligned.profile.prefill_forwards == 32
     assert result.tokens == aligned.tokens
     if route == "bucketed":
-        groups = result.profile.prefill_groups[0]
+        groups = result.profile.prefill_buckets[0]
         assert sorted(len(g) for g in groups) == [1, 31] and groups[0] == [0]  # the long prompt alone
         assert result.profile.estimated_bucketed_ms < result.profile.estimated_ordinary_ms
 
@@ -86,8 +86,8 @@ def test_bucket_count_responds_to_fixed_cost(tiny_models):
     cheap = auto(model).generate(prompts, sampling)
     costly = auto(model, CostCoefficients(fixed_ms=5000.0, token_ms=0.05, attention_ms=0.5, kv_ms=0.02,
                                           decode_ms=1.0)).generate(prompts, sampling)
-    assert all(len(groups) > 1 for groups in cheap.profile.prefill_groups)
-    assert all(len(groups) == 1 for groups in costly.profile.prefill_groups)
+    assert all(len(groups) > 1 for groups in cheap.profile.prefill_buckets)
+    assert all(len(groups) == 1 for groups in costly.profile.prefill_buckets)
     assert cheap.tokens == costly.tokens
 
 
@@ -98,7 +98,7 @@ def test_every_refill_admission_is_planned(tiny_models):
     eos = choose_firing_eos(free_run)
     sampling = SamplingConfig(max_new_tokens=12, continuous_batch_size=16, eos_token_id=eos)
     result = auto(model).generate(prompts, sampling)
-    admissions = result.profile.prefill_groups
+    admissions = result.profile.prefill_buckets
     assert result.route == "bucketed" and len(admissions) > 4
     admitted = [index for groups in admissions for group in groups for index in group]
     assert sorted(admitted) == list(range(64)), "every prompt admitted exactly once"

@@ -9,14 +9,15 @@ import warnings
 import numpy as np
 import pytest
 
-from autobucket.calibrate import CalibrationPlan, Shape, default_plan, quick_plan
-from autobucket.calibration_file import (
+from autobucket.calibration.measure import CalibrationPlan, Shape, default_plan, quick_plan
+from autobucket.cli import main
+from autobucket.coefficients.file import (
     SCHEMA_VERSION,
     calibration_metadata,
     load_calibration,
     save_calibration,
 )
-from autobucket.calibration_fit import (
+from autobucket.coefficients.fit import (
     DECODE_TERMS,
     PREFILL_TERMS,
     DecodePoint,
@@ -26,8 +27,7 @@ from autobucket.calibration_fit import (
     numerical_rank,
     prefill_features,
 )
-from autobucket.cli import main
-from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib
+from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib
 
 GEOMETRY = BENCH_QWEN2_GEOMETRY
 TRUE = CostCoefficients(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autobucket.costs import (
+from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     ModelGeometry,

@@ -29,7 +29,7 @@ from conftest import (
 )
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.static_cache import StaticKVCache
+from autobucket.engine.static_cache import StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -121,7 +121,7 @@ def test_every_route_matches_generate_on_every_arch_with_refill_and_eos(tiny_mod
     assert_matches_oracle(result, case.tokens, case.reasons)
     assert result.route == route
     if route != "ordinary":
-        assert len(result.profile.prefill_groups) > 1  # rows were refilled
+        assert len(result.profile.prefill_buckets) > 1  # rows were refilled
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -195,7 +195,7 @@ def test_small_cache_capacity_trims_and_stays_exact(tiny_models, route, arch):
     capacity = max(MIXED_LENGTHS) + BUDGET
     result = run(model, case.prompts, route, eos=case.eos, cache_capacity=capacity)
     assert_matches_oracle(result, case.tokens, case.reasons)
-    assert result.profile.capacity == capacity
+    assert result.profile.cache_capacity == capacity
     assert result.profile.trims > 0
 
 
@@ -248,8 +248,8 @@ def test_equal_width_prefill_token_limit_splits_groups_and_stays_exact(tiny_mode
     assert_matches_oracle(result, case.tokens, case.reasons)
     profile = result.profile
     admissions, _, _ = simulate_schedule([len(t) for t in case.tokens], MIXED_ROWS)
-    assert [[i for g in groups for i in g] for groups in profile.prefill_groups] == admissions
-    groups = [g for groups in profile.prefill_groups for g in groups]
+    assert [[i for g in groups for i in g] for groups in profile.prefill_buckets] == admissions
+    groups = [g for groups in profile.prefill_buckets for g in groups]
     padded = [len(g) * max(len(case.prompts[i]) for i in g) for g in groups]
     assert all(tokens <= limit for tokens, g in zip(padded, groups, strict=True) if len(g) > 1)
     assert profile.prefill_forwards == len(groups) > len(admissions)
@@ -393,16 +393,16 @@ def test_continuous_batching_profile_counts_match_the_schedule(tiny_models, rout
     profile = result.profile
     admissions, decode_forwards, peak = simulate_schedule([len(t) for t in case.tokens], MIXED_ROWS)
     if route == "aligned":
-        assert profile.prefill_groups == [[[i] for i in admitted] for admitted in admissions]
+        assert profile.prefill_buckets == [[[i] for i in admitted] for admitted in admissions]
         assert profile.prefill_forwards == len(case.prompts)
     else:
-        assert profile.prefill_groups == [[admitted] for admitted in admissions]
+        assert profile.prefill_buckets == [[admitted] for admitted in admissions]
         assert profile.prefill_forwards == len(admissions)
     assert profile.decode_forwards == decode_forwards
     assert profile.max_active_rows == peak <= MIXED_ROWS
     assert profile.output_tokens == sum(len(t) for t in case.tokens)
-    assert profile.capacity >= max(MIXED_LENGTHS) + BUDGET - 1
-    assert profile.kv_cache_bytes == kv_cache_bytes(model, MIXED_ROWS, profile.capacity)
+    assert profile.cache_capacity >= max(MIXED_LENGTHS) + BUDGET - 1
+    assert profile.kv_cache_bytes == kv_cache_bytes(model, MIXED_ROWS, profile.cache_capacity)
     assert profile.total_ms >= profile.prefill_ms + profile.decode_ms > 0
     assert profile.route == route
 
@@ -416,7 +416,7 @@ def test_ordinary_profile_counts_match_generate_batches(tiny_models):
     assert profile.decode_forwards == sum(max(len(t) for t in batch) - 1 for batch in batches)
     assert profile.output_tokens == sum(len(t) for t in case.tokens)
     assert profile.max_active_rows == MIXED_ROWS
-    assert profile.kv_cache_bytes == 0 and profile.capacity == 0
+    assert profile.kv_cache_bytes == 0 and profile.cache_capacity == 0
     assert profile.total_ms >= profile.prefill_ms + profile.decode_ms > 0
 
 
@@ -424,10 +424,10 @@ def test_ordinary_profile_counts_match_generate_batches(tiny_models):
 
 
 def test_control_wrong_prefill_positions_fail_the_oracle(tiny_models, monkeypatch):
-    import autobucket.prefill
+    import autobucket.engine.prefill
 
-    correct = autobucket.prefill.positions_from_mask
-    monkeypatch.setattr(autobucket.prefill, "positions_from_mask", lambda mask: correct(mask) + 1)
+    correct = autobucket.engine.prefill.positions_from_mask
+    monkeypatch.setattr(autobucket.engine.prefill, "positions_from_mask", lambda mask: correct(mask) + 1)
     for arch in ("tiny-llama", "tiny-gpt2"):  # rotary and learned absolute positions
         model = tiny_models(arch)
         case = mixed_case(model, arch)
@@ -481,29 +481,29 @@ def test_control_trim_that_leaves_the_mask_behind_fails_the_oracle(tiny_models, 
 
 
 def test_control_ordinary_route_without_padding_mask_fails_the_oracle(tiny_models, monkeypatch):
-    import autobucket.ordinary
+    import autobucket.engine.ordinary
 
     model = tiny_models("tiny-llama")
     case = mixed_case(model, "tiny-llama")
-    correct = autobucket.ordinary.left_pad
+    correct = autobucket.engine.ordinary.left_pad
 
     def unmasked(*args, **kwargs):
         input_ids, attention_mask = correct(*args, **kwargs)
         return input_ids, torch.ones_like(attention_mask)
 
-    monkeypatch.setattr(autobucket.ordinary, "left_pad", unmasked)
+    monkeypatch.setattr(autobucket.engine.ordinary, "left_pad", unmasked)
     assert mismatches(run(model, case.prompts, "ordinary", eos=case.eos).tokens, case.tokens)
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_control_penalty_left_out_fails_the_oracle(tiny_models, monkeypatch, route):
-    import autobucket.continuous
+    import autobucket.engine.selection
 
     model = tiny_models("tiny-gpt2")
     prompts = mixed_prompts("tiny-gpt2")
     tokens, _ = oracle_batch(model, prompts, BUDGET, repetition_penalty=1.3)
     # every route selects through continuous.Selection (the ordinary route via a logits processor)
     monkeypatch.setattr(
-        autobucket.continuous, "apply_repetition_penalty", lambda logits, seen, penalty: logits
+        autobucket.engine.selection, "apply_repetition_penalty", lambda logits, seen, penalty: logits
     )
     assert mismatches(run(model, prompts, route, penalty=1.3).tokens, tokens)

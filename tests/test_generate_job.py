@@ -12,7 +12,7 @@ from conftest import oracle_batch, random_prompts
 
 from autobucket.cli import main
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.generate_job import (
+from autobucket.tools.generate_job import (
     GenerateJob,
     PromptRecord,
     encode_prompts,

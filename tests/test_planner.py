@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autobucket import planner
-from autobucket.costs import (
+from autobucket.planning import planner
+from autobucket.planning.costs import (
     CostCoefficients,
     ModelGeometry,
     continuous_decode_cost_ms,
     ordinary_cost_ms,
     prefill_cost_ms,
 )
-from autobucket.planner import PrefillPlan, plan_prefill
-from autobucket.route_choice import RouteDecision, choose_route
+from autobucket.planning.planner import PrefillPlan, plan_prefill
+from autobucket.planning.route_choice import RouteDecision, choose_route
 
 # Qwen2.5-3B (the reference's examples): 36 layers, 16 query / 2 KV heads of 128, fp32.
 QWEN25_3B = ModelGeometry(
@@ -167,7 +167,7 @@ def test_all_zero_costs_use_the_fewest_buckets_the_limit_allows():
     zero = CostCoefficients(0, 0, 0, 0, 0)
     assert len(plan_prefill([7, 3, 9, 1, 4], QWEN25_3B, zero).buckets) == 1
     # Equal cost and count: earlier buckets fill up first.
-    assert plan_prefill([10] * 7, QWEN25_3B, zero, max_tokens=30).rows == (3, 3, 1)
+    assert plan_prefill([10] * 7, QWEN25_3B, zero, prefill_max_tokens=30).rows == (3, 3, 1)
 
 
 @settings(max_examples=50, deadline=None)
@@ -181,7 +181,7 @@ def test_all_zero_costs_use_the_fewest_buckets_the_limit_allows():
 def test_equal_lengths_without_fixed_cost_stay_in_one_bucket_despite_rounding(n, width, token, attention, kv):
     # Every split costs the same mathematically; float rounding must not scatter the prompts.
     costs = CostCoefficients(fixed_ms=0, token_ms=token, attention_ms=attention, kv_ms=kv)
-    assert len(plan_prefill([width] * n, QWEN25_3B, costs, max_tokens=None).buckets) == 1
+    assert len(plan_prefill([width] * n, QWEN25_3B, costs, prefill_max_tokens=None).buckets) == 1
 
 
 @pytest.mark.parametrize("n", [50, 200, 400])
@@ -228,11 +228,11 @@ def test_token_limit_boundaries():
     assert plan_prefill([512] * 128, QWEN25_3B, huge_fixed).rows == (128,)
     assert plan_prefill([512] * 129, QWEN25_3B, huge_fixed).rows == (128, 1)
     assert plan_prefill([512] * 129, QWEN25_3B, CostCoefficients()).rows == (128, 1)
-    assert plan_prefill([512] * 129, QWEN25_3B, huge_fixed, max_tokens=None).rows == (129,)
+    assert plan_prefill([512] * 129, QWEN25_3B, huge_fixed, prefill_max_tokens=None).rows == (129,)
     assert plan_prefill([65536], QWEN25_3B, huge_fixed).rows == (1,)
-    with pytest.raises(ValueError, match=r"prompt 1 has 65537 tokens.*max_tokens=65536"):
+    with pytest.raises(ValueError, match=r"prompt 1 has 65537 tokens.*prefill_max_tokens=65536"):
         plan_prefill([3, 65537], QWEN25_3B, huge_fixed)
-    assert plan_prefill([3, 65537], QWEN25_3B, huge_fixed, max_tokens=None).widths == (65537,)
+    assert plan_prefill([3, 65537], QWEN25_3B, huge_fixed, prefill_max_tokens=None).widths == (65537,)
 
 
 def test_sorted_order_is_stable_and_longest_first():
@@ -260,7 +260,7 @@ def test_bad_lengths_name_the_prompt_index(bad):
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "65536"])
 def test_bad_max_tokens_is_rejected(bad):
     with pytest.raises(ValueError, match="max_tokens"):
-        plan_prefill([5], QWEN25_3B, CostCoefficients(), max_tokens=bad)
+        plan_prefill([5], QWEN25_3B, CostCoefficients(), prefill_max_tokens=bad)
 
 
 def test_plan_validates_itself():
@@ -276,7 +276,7 @@ def test_plan_validates_itself():
 
 
 def route(lengths, **kwargs) -> RouteDecision:
-    options = {"max_new_tokens": 16, "capacity": 32, "geometry": QWEN25_3B, "costs": CostCoefficients()}
+    options = {"max_new_tokens": 16, "continuous_batch_size": 32, "geometry": QWEN25_3B, "costs": CostCoefficients()}
     return choose_route(lengths, **{**options, **kwargs})
 
 
@@ -301,9 +301,9 @@ def test_long_tail_chooses_two_buckets():
 @pytest.mark.parametrize(
     ("lengths", "kwargs", "reason"),
     [
-        ([16] * 40, {}, "40 rows exceed capacity 32"),
-        ([16] * 4, {"capacity": 3}, "4 rows exceed capacity 3"),
-        ([16] * 8, {"max_tokens": 100}, "8 rows x 16 tokens = 128 padded tokens exceed max_tokens 100"),
+        ([16] * 40, {}, "40 rows exceed continuous_batch_size 32"),
+        ([16] * 4, {"continuous_batch_size": 3}, "4 rows exceed continuous_batch_size 3"),
+        ([16] * 8, {"prefill_max_tokens": 100}, "8 rows x 16 tokens = 128 padded tokens exceed prefill_max_tokens 100"),
         ([16] * 8, {"max_positions": 31}, "longest prompt 16 + 16 new tokens exceeds max_positions 31"),
         (
             [16] * 8,
@@ -313,7 +313,7 @@ def test_long_tail_chooses_two_buckets():
     ],
 )
 def test_ineligible_ordinary_forces_bucketed(lengths, kwargs, reason):
-    assert route(lengths, capacity=64).route == "ordinary"  # control: eligible, this batch goes ordinary
+    assert route(lengths, continuous_batch_size=64).route == "ordinary"  # control: eligible, this batch goes ordinary
     decision = route(lengths, **kwargs)
     assert decision.route == "bucketed"
     assert decision.ordinary_ms is None and decision.bucketed_ms is not None
@@ -367,10 +367,10 @@ def test_empty_batch_goes_ordinary_unless_blocked():
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": True}, "max_new_tokens"),
-        ({"capacity": 0}, "capacity"),
-        ({"capacity": 2.0}, "capacity"),
+        ({"continuous_batch_size": 0}, "continuous_batch_size"),
+        ({"continuous_batch_size": 2.0}, "continuous_batch_size"),
         ({"max_positions": 0}, "max_positions"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"prefill_max_tokens": 0}, "prefill_max_tokens"),
     ],
 )
 def test_choose_route_validates_its_inputs(kwargs, field):
@@ -392,8 +392,8 @@ def test_choose_route_rejects_bad_lengths_even_when_the_dp_would_be_skipped():
     max_new_tokens=st.integers(1, 64),
 )
 def test_lower_bound_holds_and_skipping_is_safe(lengths, costs, max_new_tokens):
-    decision = route(lengths, costs=costs, max_new_tokens=max_new_tokens, capacity=64, max_tokens=None)
-    dp_cost = plan_prefill(lengths, QWEN25_3B, costs, max_tokens=None).cost_ms
+    decision = route(lengths, costs=costs, max_new_tokens=max_new_tokens, continuous_batch_size=64, prefill_max_tokens=None)
+    dp_cost = plan_prefill(lengths, QWEN25_3B, costs, prefill_max_tokens=None).cost_ms
     bucketed_ms = dp_cost + continuous_decode_cost_ms(max_new_tokens, costs)
     assert decision.bucketed_lower_bound_ms <= bucketed_ms * (1 + REL) + 1e-12
     assert decision.ordinary_ms is not None
@@ -419,7 +419,7 @@ def test_route_decision_validates_itself():
 
 def test_planner_imports_without_torch():
     code = (
-        "import sys, autobucket.planner, autobucket.route_choice, autobucket.costs, autobucket.cli; "
+        "import sys, autobucket.planning.planner, autobucket.planning.route_choice, autobucket.planning.costs, autobucket.cli.main; "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )

@@ -12,11 +12,11 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+from autobucket.engine.selection import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
 from autobucket.models import build_tiny_model
-from autobucket.planner import plan_prefill, shared_prefill_costs
-from autobucket.route_choice import choose_route
-from autobucket.sampling import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
+from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+from autobucket.planning.planner import plan_prefill, shared_prefill_costs
+from autobucket.planning.route_choice import choose_route
 
 ROUTES = ("ordinary", "equal_width", "aligned", "auto")
 # A high fixed cost: auto runs ordinary generation when it is eligible (all rows fit) and bucketed CB
@@ -170,7 +170,7 @@ def test_shared_prefill_counts_unique_prompts(model, route):
     lengths = [7, 19, 3, 11]
     prompts = random_prompts(lengths)
     result = generate(model, route, prompts, sampling(n=8, continuous_batch_size=12))
-    assert sum(len(group) for admission in result.profile.prefill_groups for g in admission for group in [g]) == 4
+    assert sum(len(group) for admission in result.profile.prefill_buckets for g in admission for group in [g]) == 4
     if route == "aligned":
         assert result.profile.prefill_forwards == 4
         assert result.profile.prefill_tokens == sum(lengths)
@@ -194,7 +194,7 @@ def test_planner_costs_shared_prefill():
     decision = choose_route([16] * 4, 8, 32, BENCH_QWEN2_GEOMETRY, costs, samples_per_prompt=8)
     assert decision.ordinary_ms is not None  # 4 prompts x 8 samples = 32 rows fit the capacity
     blocked = choose_route([16] * 5, 8, 32, BENCH_QWEN2_GEOMETRY, costs, samples_per_prompt=8)
-    assert blocked.route == "bucketed" and "40 rows exceed capacity 32" in blocked.reason
+    assert blocked.route == "bucketed" and "40 rows exceed continuous_batch_size 32" in blocked.reason
 
 
 # ---------------------------------------------------------------- logprobs

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from autobucket.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
-from autobucket.sharding import imbalance, plan_shards, prompt_cost_ms
+from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
+from autobucket.planning.sharding import imbalance, plan_shards, prompt_cost_ms
 
 COSTS = CostCoefficients()
 

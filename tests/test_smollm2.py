@@ -17,7 +17,7 @@ from conftest import assert_matches_oracle, oracle_batch
 
 from autobucket import CostCoefficients, ModelGeometry, Rollout, RolloutConfig, SamplingConfig, models
 from autobucket.cli import main
-from autobucket.generate_job import chat_prompt_ids
+from autobucket.tools.generate_job import chat_prompt_ids
 
 # Part of the default run (the cached model loads in ~2 s). One intra-op thread: on an idle 2-core
 # machine it costs ~1.5x, but when other processes compete for the cores, two OpenMP threads made this
@@ -129,8 +129,8 @@ def test_generate_cli_reports_a_malformed_line_and_writes_nothing(tmp_path, caps
 
 
 def test_demo_workload_has_a_long_tail_that_auto_buckets_with_default_costs(smollm2):
-    from autobucket.demo import demo_prompts
-    from autobucket.route_choice import choose_route
+    from autobucket.planning.route_choice import choose_route
+    from autobucket.tools.demo import demo_prompts
 
     model, tokenizer = smollm2
     lengths = [len(p.ids) for p in demo_prompts(tokenizer)]

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from autobucket.calibration_file import calibration_metadata, save_calibration
 from autobucket.cli import main
-from autobucket.costs import CostCoefficients
-from autobucket.measure import reference_workloads
-from autobucket.sweep import (
+from autobucket.coefficients.file import calibration_metadata, save_calibration
+from autobucket.planning.costs import CostCoefficients
+from autobucket.tools.sweep import (
     BYTES_PER_TOKEN,
     auto_choice_text,
     humaneval_lengths,
@@ -22,6 +21,7 @@ from autobucket.sweep import (
     summarize,
     workload_key,
 )
+from autobucket.tools.workloads import reference_workloads
 
 REPO = Path(__file__).resolve().parents[1]
 # Padding costs a lot and a KV copy a little, decode is equal: uniform prompts go ordinary (equal cost

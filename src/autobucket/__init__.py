@@ -1,7 +1,7 @@
 """autobucket: fast, token-exact batched generation for Hugging Face causal LMs.
 
-The planner (`autobucket.costs`, `autobucket.planner`) is pure Python and never imports torch, so
-this package resolves its torch-backed names lazily: `import autobucket.planner` stays light.
+The planner (`autobucket.planning.costs`, `autobucket.planning.planner`) is pure Python and never imports torch, so
+this package resolves its torch-backed names lazily: `import autobucket.planning.planner` stays light.
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY_NAMES = {
-    "CostCoefficients": "autobucket.costs",
-    "ModelGeometry": "autobucket.costs",
-    "plan_prefill": "autobucket.planner",
-    "choose_route": "autobucket.route_choice",
-    "PrefillPlan": "autobucket.planner",
-    "RouteDecision": "autobucket.route_choice",
-    "Rollout": "autobucket.rollout",
+    "CostCoefficients": "autobucket.planning.costs",
+    "ModelGeometry": "autobucket.planning.costs",
+    "plan_prefill": "autobucket.planning.planner",
+    "choose_route": "autobucket.planning.route_choice",
+    "PrefillPlan": "autobucket.planning.planner",
+    "RouteDecision": "autobucket.planning.route_choice",
+    "Rollout": "autobucket.engine.rollout",
     "RolloutResult": "autobucket.result",
     "RolloutConfig": "autobucket.config",
     "SamplingConfig": "autobucket.config",
     "Profile": "autobucket.profile",
     "load_model": "autobucket.models",
+    "RayRollout": "autobucket.distributed",
 }
 
 __all__ = ["__version__", *_LAZY_NAMES]

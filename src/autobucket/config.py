@@ -4,23 +4,13 @@ model work starts and names the field, the value and the fix."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-ROUTES = ("ordinary", "equal_width", "aligned", "auto")
+from autobucket.checks import require_bool, require_finite, require_int
 
-
-def _require_int(field: str, value: Any, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{field}={value!r} is invalid: expected an int >= {minimum}; {fix}")
-
-
-def _require_finite(field: str, value: Any, fix: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{field}={value!r} is invalid: expected a finite number; {fix}")
-    return float(value)
+ROUTES = ("ordinary", "equal_width", "aligned", "bucketed", "auto")
 
 
 @dataclass(frozen=True)
@@ -28,7 +18,9 @@ class RolloutConfig:
     """How the engine runs.
 
     route: "ordinary" (HF generate on the left-padded batch), "equal_width" (CB, each admission
-      prefilled as one padded batch), "aligned" (CB, one prefill per request) or "auto" (cost model).
+      prefilled as one padded batch), "aligned" (CB, one prefill per request), "bucketed" (CB, each
+      admission split into the planner's DP buckets) or "auto" (the cost model picks "ordinary" or
+      "bucketed" per call).
     costs: `CostCoefficients` or a path to a calibration / coefficients JSON (used by "auto").
     costs_strict: a calibration file whose model, dtype, device or attention backend differs from this
       model's is an error (False: a warning).
@@ -50,14 +42,13 @@ class RolloutConfig:
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
         if self.prefill_max_tokens is not None:
-            _require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
+            require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
         if self.cache_capacity is not None:
-            _require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
+            require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
         for name in ("trim_cache", "profile", "costs_strict"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected True or False")
+            require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
-            from autobucket.costs import CostCoefficients
+            from autobucket.planning.costs import CostCoefficients
 
             if not isinstance(self.costs, CostCoefficients):
                 raise ValueError(
@@ -95,21 +86,20 @@ class SamplingConfig:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        _require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
-        _require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
-        penalty = _require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
+        require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
+        require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
+        penalty = require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
         if penalty <= 0:
             raise ValueError(f"repetition_penalty={penalty!r} is invalid: it must be > 0 (1.0 disables it)")
-        if _require_finite("temperature", self.temperature, "use 0.0 for greedy decoding") < 0:
+        if require_finite("temperature", self.temperature, "use 0.0 for greedy decoding") < 0:
             raise ValueError(f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value")
-        _require_int("top_k", self.top_k, 0, "0 disables top-k")
-        top_p = _require_finite("top_p", self.top_p, "1.0 disables top-p")
+        require_int("top_k", self.top_k, 0, "0 disables top-k")
+        top_p = require_finite("top_p", self.top_p, "1.0 disables top-p")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} is invalid: it must be in (0, 1] (1.0 disables top-p)")
-        _require_int("n", self.n, 1, "ask for at least one sample per prompt")
+        require_int("n", self.n, 1, "ask for at least one sample per prompt")
         self._check_seed()
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"logprobs={self.logprobs!r} is invalid: expected True or False")
+        require_bool("logprobs", self.logprobs)
         self._check_eos()
 
     def _check_seed(self) -> None:

@@ -19,7 +19,7 @@ import torch
 @dataclass
 class Profile:
     route: str = ""
-    prefill_groups: list[list[list[int]]] = field(default_factory=list)  # per admission, groups of prompt indices
+    prefill_buckets: list[list[list[int]]] = field(default_factory=list)  # per admission, buckets of prompt indices
     prefill_forwards: int = 0
     prefill_tokens: int = 0  # padded token positions run through prefill
     decode_forwards: int = 0
@@ -36,7 +36,7 @@ class Profile:
     trimmed_columns: int = 0
     moved_bytes: int = 0
     max_active_rows: int = 0
-    capacity: int = 0  # static cache columns (0 for the ordinary route)
+    cache_capacity: int = 0  # static cache columns (0 for the ordinary route)
     estimated_ordinary_ms: float | None = None
     estimated_bucketed_ms: float | None = None
     decision_reason: str = ""

@@ -64,3 +64,9 @@ def unpad_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
             raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones)")
         prompts.append(real)
     return prompts
+
+
+def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """Random token ids (fixed seed) so that a wrong route would change tokens, unlike a repeated id."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (length,), generator=generator).tolist() for length in lengths]

@@ -1,0 +1,38 @@
+"""Argument checks shared by every layer (standard library only, so the pure planner can use them).
+
+One definition of "an int": Python and numpy integers count, `bool` never does. Each check raises a
+`ValueError` that names the field, the value and the fix, and returns the value as a plain Python type."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+
+def require_int(field: str, value: Any, minimum: int = 1, fix: str = "") -> int:
+    """`value` as an int >= `minimum`, else a ValueError naming `field` (and `fix`, when given)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        hint = f"; {fix}" if fix else ""
+        raise ValueError(f"{field}={value!r} is invalid: expected an int >= {minimum}{hint}")
+    return int(value)
+
+
+def optional_int(field: str, value: Any, minimum: int = 1, fix: str = "") -> int | None:
+    """`require_int`, with None passed through (None usually means "no limit")."""
+    return None if value is None else require_int(field, value, minimum, fix)
+
+
+def require_finite(field: str, value: Any, fix: str = "", minimum: float | None = None) -> float:
+    """`value` as a finite float (>= `minimum` when given), else a ValueError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r} is invalid: expected a finite number" + (f"; {fix}" if fix else ""))
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{field}={value!r} is invalid: expected a number >= {minimum}" + (f"; {fix}" if fix else ""))
+    return float(value)
+
+
+def require_bool(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}={value!r} is invalid: expected True or False")
+    return value

@@ -1,0 +1,5 @@
+import sys
+
+from autobucket.cli.main import main
+
+sys.exit(main())

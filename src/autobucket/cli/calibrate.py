@@ -1,0 +1,196 @@
+"""``autobucket calibrate``: measure a model on this device, fit the cost coefficients, save them.
+
+Torch, transformers and scipy are imported inside the handler only, so other commands stay fast.
+Exit status: 0 saved, 1 fit refused (nothing saved), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autobucket.cli.args import positive_int
+
+_SHAPE_ITEM = re.compile(r"(\d+):(\d+)", re.ASCII)
+_FIT_REFUSED = 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure prefill/decode on this model and device and save fitted cost coefficients",
+        description="Measure prefill shapes and the CB-vs-generate decode step, fit the cost model by "
+        "non-negative least squares, print the fit report, and save it unless the fit is degenerate.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path("costs.json"), help="calibration JSON to write")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        metavar="B:L,...",
+        help="prefill shapes to fit (default: B in 1..32, L up to --max-length)",
+    )
+    holdout = parser.add_mutually_exclusive_group()
+    holdout.add_argument(
+        "--holdout-shapes",
+        type=parse_shapes,
+        metavar="B:L,...",
+        help="shapes measured but not fitted, to report held-out error (default: a grid "
+        "between the fitted shapes)",
+    )
+    holdout.add_argument("--no-holdout", action="store_true", help="measure no held-out shapes")
+    parser.add_argument(
+        "--decode-shapes",
+        type=parse_shapes,
+        metavar="B:L,...",
+        help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)",
+    )
+    parser.add_argument(
+        "--decode-new-tokens",
+        type=positive_int,
+        default=16,
+        help="new tokens per decode measurement; use the budget your workload uses",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=positive_int,
+        help="longest prompt of the default grids (default: min(512, model context))",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape (median)")
+    parser.add_argument(
+        "--max-error",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="refuse the fit when the median relative error of the fitted prefill shapes "
+        "exceeds this (default 0.5)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=_run_calibrate)  # fmt: skip
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model/--dtype/--device/--attn-implementation/--threads, shared with ``autobucket sweep``."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="tiny-*/bench-qwen2 name, a model folder or HF id, or an HF config.json path (random weights)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch CPU threads (default: torch's); 1 is far steadier on a machine shared with other jobs",
+    )
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1:16,32:512"`` -> [(1, 16), (32, 512)] as (rows, tokens)."""
+    shapes = []
+    for item in text.split(","):
+        match = _SHAPE_ITEM.fullmatch(item.strip())
+        if match is None or int(match[1]) < 1 or int(match[2]) < 1:
+            raise argparse.ArgumentTypeError(
+                f"bad shape {item.strip()!r}: expected B:L with positive integers (rows:tokens), e.g. 1:16,32:512"
+            )
+        shapes.append((int(match[1]), int(match[2])))
+    return shapes
+
+
+def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
+    from autobucket.calibration.measure import load_any_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # recorded in the calibration metadata
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_any_model(args.model, args.dtype, device, args.attn_implementation)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from autobucket.calibration.measure import calibrate, model_geometry
+    from autobucket.coefficients.file import save_calibration
+
+    model, _ = load_model_from_args(args)
+    plan = _plan_from_args(args, model_geometry(model).max_positions)
+    with progress_bar(plan.items, "measuring") as step:
+        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_error)
+    console = Console()
+    console.print(fit_table(result.report.rows))
+    console.print(coefficients_table(result.costs.to_dict()))
+    _print_errors(console, result.report)
+    if not result.report.ok:
+        problems = "\n  ".join(result.report.problems)
+        print(f"autobucket calibrate: fit refused, nothing saved:\n  {problems}", file=sys.stderr)
+        return _FIT_REFUSED
+    save_calibration(args.out, result.costs, result.metadata, result.measurements,
+                     extra={"plan": plan.to_dict(), "fit": result.report.to_dict()})  # fmt: skip
+    console.print(f"saved {args.out}")
+    return 0
+
+
+def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
+    from dataclasses import replace
+
+    from autobucket.calibration.measure import Shape, default_plan
+
+    plan = default_plan(max_positions, args.max_length, args.repeats, args.decode_new_tokens)
+    overrides: dict[str, Any] = {"seed": args.seed}
+    for field, value in (("prefill_shapes", args.shapes), ("holdout_shapes", args.holdout_shapes),
+                         ("decode_shapes", args.decode_shapes)):  # fmt: skip
+        if value is not None:
+            overrides[field] = tuple(Shape(rows, width) for rows, width in value)
+    if args.no_holdout:
+        overrides["holdout_shapes"] = ()
+    return replace(plan, **overrides)
+
+
+@contextmanager
+def progress_bar(total: int, description: str) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar; yields ``step(description)``, to call after each finished item."""
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda done: progress.update(task, advance=1, description=done)
+
+
+def fit_table(rows: list[Any]) -> Table:
+    table = Table(
+        title="Fit report (decode: CB − generate ms per step; its error is relative to a generate step)"
+    )
+    for column in ("kind", "B", "L", "set", "measured ms", "predicted ms", "error"):
+        table.add_column(column, justify="left" if column in ("kind", "set") else "right")
+    for row in rows:
+        table.add_row(row.kind, str(row.rows), str(row.width), "held out" if row.holdout else "fit",
+                      f"{row.measured_ms:.2f}", f"{row.predicted_ms:.2f}", f"{row.relative_error:+.1%}")  # fmt: skip
+    return table
+
+
+def coefficients_table(values: dict[str, float]) -> Table:
+    table = Table(title="Fitted coefficients")
+    table.add_column("coefficient")
+    table.add_column("value", justify="right")
+    for name, value in values.items():
+        table.add_row(name, f"{value:.6g}")
+    return table
+
+
+def _print_errors(console: Console, report: Any) -> None:
+    for label, holdout, kinds in (("fitted prefill shapes", False, ("prefill", "prefill+kv")),
+                                  ("held-out prefill shapes", True, ("prefill", "prefill+kv")),
+                                  ("decode shapes", False, ("decode",))):  # fmt: skip
+        median = report.median_error(holdout, kinds)
+        if median is not None:
+            console.print(f"median |relative error|, {label}: {median:.1%}")

@@ -1,0 +1,111 @@
+"""`autobucket generate`: arguments -> `GenerateJob` -> `run_generate_job`; progress and summary on stderr.
+
+torch and transformers are imported only by the handler, so registering this command keeps
+`autobucket plan` torch-free."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from autobucket.config import ROUTES
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from autobucket.cli.args import positive_int
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate completions for a file of prompts (JSONL or one prompt per line)",
+        description="Greedy generation for every prompt in a file; writes one JSON object per prompt "
+        "(id, prompt, completion, tokens, finish_reason) and prints a summary on stderr.",
+    )
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (embedded SmolLM2-135M-Instruct), tiny-* (random weights), a local "
+                        "path or an HF id (default: smollm2)")  # fmt: skip
+    parser.add_argument("--prompts", required=True, metavar="FILE",
+                        help='JSONL with "prompt" or "prompt_ids" (optional "id") per line, a text file with '
+                        "one prompt per line, or - for stdin")  # fmt: skip
+    parser.add_argument("--format", dest="input_format", choices=("auto", "jsonl", "txt"), default="auto",
+                        help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
+    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
+    parser.add_argument("--route", choices=ROUTES, default="auto")
+    parser.add_argument("--costs", type=Path, help="cost coefficients or calibration JSON for --route auto")
+    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
+    parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from autobucket.config import RolloutConfig, SamplingConfig
+    from autobucket.tools.generate_job import GenerateJob, run_generate_job
+
+    job = GenerateJob(
+        prompts=args.prompts,
+        out=args.out,
+        model=args.model,
+        input_format=args.input_format,
+        chat=args.chat,
+        trust_remote_code=args.trust_remote_code,
+        rollout=RolloutConfig(route=args.route, costs=args.costs),
+        sampling=SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            continuous_batch_size=args.continuous_batch_size,
+            repetition_penalty=args.repetition_penalty,
+        ),
+    )
+    if args.quiet:
+        run_generate_job(job)
+        return 0
+    summary = _run_with_progress(job)
+    _print_summary(summary)
+    return 0
+
+
+def _run_with_progress(job: Any) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from transformers.utils import logging
+
+    from autobucket.tools.generate_job import run_generate_job
+
+    logging.disable_progress_bar()  # transformers' loading bars would tear through the live bar
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("loading model", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, description="prompts", completed=done, total=total)
+
+        return run_generate_job(job, on_progress)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    calls = sum(summary["routes_run"].values())
+    routes = ", ".join(f"{route} in {count} of {calls} calls" for route, count in summary["routes_run"].items())
+    widths = [w for chunk in summary["bucket_widths"] for w in chunk]
+    buckets = f"first-admission prefill widths {_short_list(widths)}" if widths else "no prefill groups recorded"
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(summary["finish_reasons"].items()))
+    console.print(
+        f"generate: {summary['prompts']} prompts ({summary['prompt_tokens']} prompt tokens) -> "
+        f"{summary['output_tokens']} tokens in {summary['generate_s']:.2f} s ({summary['tokens_per_s']:.1f} tok/s); "
+        f"model load {summary['load_s']:.1f} s"
+    )
+    console.print(f"route {summary['route']} ran {routes}; {buckets}")
+    console.print(
+        f"{summary['prefill_forwards']} prefill forwards ({summary['prefill_tokens']} padded tokens), "
+        f"{summary['decode_forwards']} decode forwards; finish: {reasons}; out: {summary['out']}"
+    )
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")

@@ -1,0 +1,39 @@
+"""The ``autobucket`` command line.
+
+Each command is one module with ``add_parser(subparsers)``, which registers its arguments and handler; a
+handler turns the parsed arguments into library inputs, calls one library function and prints the result.
+Decisions live in the library, never here. Torch is imported inside handlers only, so ``plan`` and
+``--help`` stay fast. Usage errors exit with status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autobucket.cli import calibrate, demo, generate, plan, sweep
+
+_USAGE_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error: return the status instead of exiting
+        return exc.code if isinstance(exc.code, int) else _USAGE_ERROR
+    try:
+        return args.handler(args)
+    except ValueError as exc:
+        print(f"autobucket {args.command}: error: {exc}", file=sys.stderr)
+        return _USAGE_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autobucket", description="Fast batched generation for Hugging Face causal LMs."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (plan, generate, demo, calibrate, sweep):
+        command.add_parser(subparsers)
+    return parser

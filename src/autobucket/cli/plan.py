@@ -1,0 +1,184 @@
+"""``autobucket plan``: the buckets and route the planner picks for some prompt lengths (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autobucket.cli.args import parse_lengths, positive_int
+from autobucket.planning.costs import (
+    BENCH_QWEN2_GEOMETRY,
+    CostCoefficients,
+    ModelGeometry,
+    load_costs,
+    prefill_cost_ms,
+)
+from autobucket.planning.planner import DEFAULT_PREFILL_MAX_TOKENS
+from autobucket.planning.route_choice import RouteDecision, choose_route
+
+_GEOMETRY_FLAGS = ("layers", "query_heads", "kv_heads", "head_dim", "element_bytes", "max_positions")
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show the prefill buckets and route the planner picks for some prompt lengths",
+        description="Estimate ordinary padded generate vs bucketed continuous batching for a batch.",
+    )
+    parser.add_argument(
+        "--lengths",
+        required=True,
+        type=parse_lengths,
+        help="prompt lengths in tokens: L or LxN (N prompts of L), comma-separated, e.g. 512,16x31",
+    )
+    parser.add_argument("--costs", type=Path, help="cost coefficients JSON (default: built-in estimates)")
+    parser.add_argument("--model-config", type=Path, help="an HF config.json to read the geometry from")
+    for flag in _GEOMETRY_FLAGS:
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=positive_int,
+            metavar="N",
+            help="override this field of the geometry (from --model-config, else the "
+            "20.3M-parameter benchmark Qwen2)",
+        )
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--capacity", type=positive_int, default=32, help="continuous batch size")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_PREFILL_MAX_TOKENS,
+        help="padded token positions per prefill forward",
+    )
+    limit.add_argument("--no-token-limit", dest="max_tokens", action="store_const", const=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    geometry = _geometry_from_args(args)
+    costs = CostCoefficients() if args.costs is None else load_costs(args.costs)
+    decision = choose_route(
+        args.lengths,
+        max_new_tokens=args.max_new_tokens,
+        continuous_batch_size=args.capacity,
+        geometry=geometry,
+        costs=costs,
+        prefill_max_tokens=args.max_tokens,
+        max_positions=geometry.max_positions,
+    )
+    if args.json:
+        print(json.dumps(_plan_json(args, decision, geometry, costs)))
+    else:
+        _print_plan(decision, geometry, costs)
+    return 0
+
+
+def _geometry_from_args(args: argparse.Namespace) -> ModelGeometry:
+    base = BENCH_QWEN2_GEOMETRY if args.model_config is None else _read_model_config(args.model_config)
+    overrides = {flag: getattr(args, flag) for flag in _GEOMETRY_FLAGS if getattr(args, flag) is not None}
+    return replace(base, **overrides)
+
+
+def _read_model_config(path: Path) -> ModelGeometry:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"), object_hook=lambda d: SimpleNamespace(**d))
+    except OSError as exc:
+        raise ValueError(f"cannot read model config {str(path)!r}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model config {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(config, SimpleNamespace):
+        raise ValueError(f"model config {str(path)!r} must hold a JSON object (an HF config.json)")
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; HF configs default to float32 weights.
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    try:
+        return ModelGeometry.from_config(config, dtype)
+    except ValueError as exc:
+        raise ValueError(f"model config {str(path)!r}: {exc}") from exc
+
+
+def _plan_json(
+    args: argparse.Namespace, decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients
+) -> dict[str, Any]:
+    return {
+        "route": decision.route,
+        "reason": decision.reason,
+        "buckets": [list(bucket) for bucket in decision.buckets],
+        "widths": list(decision.widths),
+        "ordinary_ms": decision.ordinary_ms,
+        "bucketed_ms": decision.bucketed_ms,
+        "bucketed_lower_bound_ms": decision.bucketed_lower_bound_ms,
+        "prompts": len(args.lengths),
+        "max_new_tokens": args.max_new_tokens,
+        "capacity": args.capacity,
+        "max_tokens": args.max_tokens,
+        "costs": costs.to_dict(),
+        "geometry": asdict(geometry),
+    }
+
+
+def _print_plan(decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients) -> None:
+    console = Console()
+    if decision.buckets:
+        console.print(_bucket_table(decision, geometry, costs))
+    else:
+        console.print("No prefill buckets: the DP was skipped (or there are no prompts).")
+    console.print(_route_table(decision))
+    console.print(f"geometry: {_fields_text(asdict(geometry))}", highlight=False, soft_wrap=True)
+    console.print(f"costs: {_fields_text(costs.to_dict())}", highlight=False, soft_wrap=True)
+
+
+def _bucket_table(decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients) -> Table:
+    table = Table(title="Prefill buckets (bucketed route)")
+    for column in ("bucket", "rows", "width", "padded tokens", "est. prefill ms", "prompt indices"):
+        table.add_column(column, justify="left" if column == "prompt indices" else "right")
+    for number, (bucket, width) in enumerate(zip(decision.buckets, decision.widths, strict=True)):
+        prefill_ms = prefill_cost_ms(len(bucket), width, geometry, costs)
+        table.add_row(
+            str(number),
+            str(len(bucket)),
+            str(width),
+            str(len(bucket) * width),
+            f"{prefill_ms:.1f}",
+            _index_ranges(bucket),
+        )
+    return table
+
+
+def _route_table(decision: RouteDecision) -> Table:
+    table = Table(title="Route", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="left")
+    ordinary = "ineligible" if decision.ordinary_ms is None else f"{decision.ordinary_ms:.1f} ms"
+    if decision.bucketed_ms is None:
+        bucketed = f"DP skipped (lower bound {decision.bucketed_lower_bound_ms:.1f} ms)"
+    else:
+        bucketed = f"{decision.bucketed_ms:.1f} ms (prefill buckets + CB decode term)"
+    table.add_row("ordinary estimate", ordinary)
+    table.add_row("bucketed estimate", bucketed)
+    table.add_row("chosen route", f"[bold]{decision.route}[/bold]")
+    table.add_row("reason", decision.reason)
+    return table
+
+
+def _index_ranges(indices: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2, 5"``: a bucket's prompts are often runs of consecutive indices."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _fields_text(values: dict[str, Any]) -> str:
+    return " ".join(f"{name}={value}" for name, value in values.items())
+

@@ -1,0 +1,143 @@
+"""``autobucket sweep``: every route on a set of workloads with one calibration; Auto / best per workload.
+
+Torch, transformers and matplotlib are imported inside the handler only. Exit status: 0 (the report
+says how Auto did), 2 usage error (including a calibration that does not match the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autobucket.cli.args import parse_lengths, positive_int
+from autobucket.cli.calibrate import add_model_arguments, load_model_from_args, progress_bar
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sweep",
+        help="time every route on many workloads with one calibration and report Auto / best",
+        description="Run ordinary, equal_width, aligned, auto (and HF generate_batch) on each workload: "
+        "one warm-up, interleaved repeats, token agreement, Auto / best manual route.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--costs", required=True, type=Path, help="calibration JSON (autobucket calibrate)")
+    parser.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="use a calibration measured on another model/dtype/device/backend (warns)",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=lambda text: [w.strip() for w in text.split(",") if w.strip()],
+        metavar="NAME,...",
+        help="workload keys or groups: all (default), reference, humaneval, none, or e.g. long-tail,spread",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        action="append",
+        default=[],
+        metavar="L,LxN,...",
+        help="an extra workload of these prompt lengths (repeatable), e.g. 512,16x31",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="continuous batch size")
+    parser.add_argument("--no-hf-batch", action="store_true", help="skip transformers' generate_batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("sweep.json"), help="report JSON (raw samples)")
+    parser.add_argument("--plot", type=Path, help="PNG of ms per route per workload")
+    parser.set_defaults(handler=_run_sweep)  # fmt: skip
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from autobucket.coefficients.file import calibration_metadata, load_calibration
+    from autobucket.tools.baselines import has_generate_batch
+    from autobucket.tools.sweep import HF_BATCH, SweepOptions, plot_sweep, run_sweep, select_workloads
+
+    model, tokenizer = load_model_from_args(args)
+    costs = load_calibration(args.costs, model=model, strict=not args.allow_mismatch)
+    workloads, notes = select_workloads(args.workloads, tokenizer, args.lengths, args.seed)
+    if not workloads:
+        raise ValueError("no workloads selected: pass --workloads and/or --lengths")
+    options = SweepOptions(repeats=args.repeats, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                           with_hf_batch=not args.no_hf_batch, seed=args.seed)  # fmt: skip
+    contenders = 4 + (options.with_hf_batch and has_generate_batch(model))
+    with progress_bar(len(workloads) * contenders * (options.warmup + options.repeats), "sweeping") as step:
+        report = run_sweep(model, costs, workloads, options, progress=step)
+    notes += report["notes"]
+    report["metadata"] = {
+        **calibration_metadata(model, args.model),
+        "costs_file": str(args.costs),
+        "notes": notes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_sweep(report, str(args.plot), title=plot_title(report, args.model, args.dtype))
+    _print_report(report, HF_BATCH, notes)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def plot_title(report: dict[str, Any], model: str, dtype: str) -> str:
+    metadata, options = report["metadata"], report["options"]
+    return (
+        f"autobucket sweep: {model} ({dtype}, {metadata['device']}, {metadata['threads']} thread(s)), "
+        f"{options['max_new_tokens']} new tokens\nmedian ms per call; black edge: best manual route"
+    )
+
+
+def _print_report(report: dict[str, Any], hf_name: str, notes: list[str]) -> None:
+    from autobucket.tools.sweep import auto_choice_text
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = 160  # a log file: do not wrap the table at 80 columns
+    console.print(sweep_table(report, auto_choice_text))
+    summary = report["summary"]
+    console.print(
+        f"worst Auto / best manual: {summary['worst_auto_over_best']:.3f} ({summary['worst_workload']}); "
+        f"all tokens match ordinary: {summary['all_tokens_match']}",
+        highlight=False,
+    )
+    for route, keys in summary["routes_chosen"].items():
+        console.print(f"Auto chose {route} on: {', '.join(keys) or '(none)'}", highlight=False)
+    if not summary["both_routes_chosen"]:
+        console.print("[yellow]warning: Auto chose only one route on these workloads; the sweep does not "
+                      "exercise both decisions[/yellow]")  # fmt: skip
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def sweep_table(report: dict[str, Any], choice_text) -> Table:
+    workloads = report["workloads"]
+    names = list(workloads[0]["contenders"]) if workloads else []
+    table = Table(title="Sweep: median ms per generate call (mean in the JSON)")
+    table.add_column("workload")
+    for name in names:
+        table.add_column(name, justify="right")
+    for column in ("auto choice", "auto / best", "tokens"):
+        table.add_column(column, justify="left" if column == "auto choice" else "right")
+    for workload in workloads:
+        cells = []
+        for name in names:
+            text = f"{workload['contenders'][name]['median_ms']:.1f}"
+            cells.append(f"[bold]{text}[/bold]" if name == workload["best_manual"] else text)
+        match = (
+            "all match"
+            if workload["tokens_match_all"]
+            else "MISMATCH: "
+            + ", ".join(n for n, c in workload["contenders"].items() if not c["tokens_match"])
+        )
+        table.add_row(
+            workload["key"], *cells, choice_text(workload), f"{workload['auto_over_best']:.3f}", match
+        )
+    return table

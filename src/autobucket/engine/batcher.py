@@ -1,0 +1,183 @@
+"""Continuous batching, host side: the queue, the active rows, retained prefills and finish checks.
+
+One loop serves every CB route; routes differ only in their admission policy, which splits each
+admission's prompts into prefill buckets (equal_width: one padded bucket; aligned: one bucket per
+prompt; bucketed: the planner's DP buckets). All device work goes through a `ModelRunner`.
+
+Work items are (prompt, sample) pairs, queued prompt-major. A prompt is prefilled once; its K/V and
+last-token logits serve all of its `n` samples: each sample draws its own first token from the
+shared logits, and the K/V is copied into one cache row per sample. When an admission ends in the
+middle of a prompt's samples, that prompt's prefill is kept (`self.retained`) for the next
+admission, so a prompt is never prefilled twice.
+
+The only host sync per decode step is reading the new tokens back (`tolist`); EOS and budget checks
+happen on those host integers."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autobucket.engine.finished import Finished
+from autobucket.engine.model_runner import ModelRunner, RowInsert
+from autobucket.engine.prefill import PrefillOutput
+from autobucket.engine.selection import Selection
+from autobucket.profile import PhaseTimer, Profile
+
+# A route's admission policy: the admission's prompt indices -> prefill buckets of prompt indices.
+AdmissionPolicy = Callable[[Sequence[int]], list[list[int]]]
+
+
+@dataclass
+class _Row:
+    """Host-side state of one active cache row: one sample of one prompt."""
+
+    prompt: int
+    sample: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class _Source:
+    """Where an admitted prompt's prefill lives: row `row` of `output`."""
+
+    output: PrefillOutput
+    row: int
+    seen: torch.Tensor | None  # [vocab] bool prompt tokens (with a repetition penalty)
+
+
+class ContinuousBatcher:
+    """Runs one `generate` call's CB schedule. Create one per call."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        selection: Selection,
+        eos_token_ids: Sequence[int],
+        max_new_tokens: int,
+        profile: Profile,
+        timer: PhaseTimer,
+    ) -> None:
+        self.runner, self.selection, self.profile, self.timer = runner, selection, profile, timer
+        self.eos, self.max_new_tokens = frozenset(eos_token_ids), max_new_tokens
+        self.rows: list[_Row] = []
+        self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
+        self.finished: dict[tuple[int, int], Finished] = {}
+
+    @torch.inference_mode()
+    def run(
+        self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, admission_policy: AdmissionPolicy
+    ) -> dict[tuple[int, int], Finished]:
+        """Finished results keyed by (prompt index, sample index)."""
+        queue = deque((p, s) for p in range(len(prompts)) for s in range(samples_per_prompt))
+        rows_limit = self.runner.cache_shape.continuous_batch_size
+        while queue or self.rows:
+            free_rows = rows_limit - len(self.rows)
+            if queue and free_rows:
+                admitted = [queue.popleft() for _ in range(min(free_rows, len(queue)))]
+                still_queued = queue[0][0] if queue else None
+                self._admit(prompts, admitted, still_queued, admission_policy)
+            if self.rows:
+                self._decode_step()
+        return self.finished
+
+    # ------------------------------------------------------------ admission
+    def _admit(self, prompts, admitted: list[tuple[int, int]], still_queued: int | None, policy) -> None:
+        sources: dict[int, _Source] = {}
+        if self.retained is not None:
+            sources[self.retained[0]] = self.retained[1]
+        new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
+        buckets = policy(new_prompts) if new_prompts else []
+        self.profile.prefill_buckets.append([list(b) for b in buckets])
+        # Widest bucket first: it sets the front, narrower buckets then fit without a gap.
+        for bucket in sorted(buckets, key=lambda b: -max(len(prompts[i]) for i in b)):
+            sources.update(self._prefill(bucket, [prompts[i] for i in bucket]))
+        by_output: dict[int, list[tuple[int, int]]] = {}
+        for item in admitted:
+            by_output.setdefault(id(sources[item[0]].output), []).append(item)
+        for items in by_output.values():
+            self._start_samples(prompts, items, sources)
+        self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
+
+    def _prefill(self, bucket: list[int], bucket_prompts: list[Sequence[int]]) -> dict[int, _Source]:
+        with self.timer.phase("prefill_ms"):
+            output, seen = self.runner.prefill(bucket_prompts)
+        self.profile.prefill_forwards += 1
+        self.profile.prefill_tokens += len(bucket) * max(len(p) for p in bucket_prompts)
+        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(bucket)}
+
+    def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
+        """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
+        output = sources[items[0][0]].output
+        source_rows = [sources[p].row for p, _ in items]
+        seen = torch.stack([sources[p].seen for p, _ in items]) if self.runner.seen is not None else None
+        with self.timer.phase("prefill_ms"):
+            index = torch.tensor(source_rows, dtype=torch.long, device=self.runner.device)
+            tokens, logprobs = self.selection.choose(
+                output.last_logits[index], seen, [p for p, _ in items], [s for _, s in items], [0] * len(items)
+            )
+        tokens_host = tokens.tolist()
+        logprobs_host = logprobs.tolist() if logprobs is not None else [None] * len(items)
+        keep = []
+        for b, ((p, s), token, logprob) in enumerate(zip(items, tokens_host, logprobs_host, strict=True)):
+            row = _Row(p, s, [token], None if logprob is None else [logprob])
+            if not self._finish_if_done(row):
+                keep.append((b, row))
+        if keep:
+            with self.timer.phase("cache_ms"):
+                self._insert(prompts, output, source_rows, tokens, seen, keep)
+
+    def _insert(self, prompts, output: PrefillOutput, source_rows: list[int], tokens, seen, keep) -> None:
+        index = torch.tensor([b for b, _ in keep], dtype=torch.long, device=self.runner.device)
+        first, seen = tokens[index], (seen[index] if seen is not None else None)
+        if seen is not None:
+            seen[torch.arange(len(keep), device=self.runner.device), first] = True
+        lengths = [len(prompts[row.prompt]) for _, row in keep]
+        self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
+        self.rows.extend(row for _, row in keep)
+        self.profile.max_active_rows = max(self.profile.max_active_rows, len(self.rows))
+
+    # ------------------------------------------------------------ decode
+    def _decode_step(self) -> None:
+        with self.timer.phase("cache_ms"):
+            self.runner.prepare_decode()
+        with self.timer.phase("decode_ms"):
+            logits = self.runner.decode_logits()
+            tokens, logprobs = self.selection.choose(logits, self.runner.seen, *self._stream_keys())
+            tokens_host = tokens.tolist()  # the one host sync of the step
+            logprobs_host = logprobs.tolist() if logprobs is not None else None
+        self.profile.decode_forwards += 1
+        self.runner.advance(tokens)
+        keep = [r for r, token in enumerate(tokens_host) if not self._append(r, token, logprobs_host)]
+        if len(keep) < len(self.rows):
+            with self.timer.phase("cache_ms"):
+                self.runner.retire(keep)
+                self.rows = [self.rows[r] for r in keep]
+
+    def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
+        """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""
+        if self.selection.sampler.greedy:
+            return [], [], []
+        rows = self.rows
+        return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
+
+    def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> bool:
+        row = self.rows[r]
+        row.tokens.append(token)
+        if logprobs_host is not None:
+            row.logprobs.append(logprobs_host[r])
+        return self._finish_if_done(row)
+
+    def _finish_if_done(self, row: _Row) -> bool:
+        if row.tokens[-1] in self.eos:
+            reason = "eos"
+        elif len(row.tokens) >= self.max_new_tokens:
+            reason = "length"
+        else:
+            return False
+        self.finished[(row.prompt, row.sample)] = Finished(row.tokens, reason, row.logprobs)
+        return True

@@ -1,0 +1,120 @@
+"""Resolve what one `generate` call means before any route runs.
+
+The effective generation config is the model's `generation_config` plus the caller's overrides
+plus `SamplingConfig`; every route reads the same resolved values, so a route can never change the
+tokens. Options the engine cannot honour are rejected *after* resolution, so an unsupported
+setting hidden in the model's own generation config is caught too."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autobucket.config import SamplingConfig
+
+# Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
+_SAMPLING_KEYS = ("max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p")
+
+
+def _is_set(value: Any) -> bool:
+    return value not in (None, 0, 0.0, False, [], (), {})
+
+
+# option -> predicate on the resolved value that means "active, and we cannot honour it"
+_UNSUPPORTED: dict[str, Any] = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "num_return_sequences": lambda v: v is not None and v > 1,
+    "penalty_alpha": _is_set,
+    "diversity_penalty": _is_set,
+    "no_repeat_ngram_size": _is_set,
+    "encoder_no_repeat_ngram_size": _is_set,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "bad_words_ids": _is_set,
+    "force_words_ids": _is_set,
+    "constraints": _is_set,
+    "min_length": _is_set,
+    "min_new_tokens": _is_set,
+    "forced_bos_token_id": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,
+    "suppress_tokens": _is_set,
+    "begin_suppress_tokens": _is_set,
+    "sequence_bias": _is_set,
+    "exponential_decay_length_penalty": _is_set,
+    "guidance_scale": lambda v: v is not None and v != 1.0,
+    "watermarking_config": _is_set,
+    "stop_strings": _is_set,
+    "prompt_lookup_num_tokens": _is_set,
+    "dola_layers": _is_set,
+    "output_scores": _is_set,
+    "output_logits": _is_set,
+    "output_attentions": _is_set,
+    "output_hidden_states": _is_set,
+    "return_dict_in_generate": _is_set,
+    "max_time": _is_set,
+}
+
+
+@dataclass(frozen=True)
+class ResolvedGeneration:
+    """The values every route uses for one call."""
+
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]  # empty: generate to the budget
+    pad_token_id: int  # structural padding only; a generated token equal to it is kept
+    repetition_penalty: float
+    generation_config: Any  # the resolved transformers GenerationConfig (for the ordinary route)
+
+
+def resolve_generation(
+    model: torch.nn.Module, sampling: SamplingConfig, overrides: dict[str, Any], vocab_size: int
+) -> ResolvedGeneration:
+    """Merge model defaults, caller overrides and `sampling`; reject what no route can honour."""
+    for key in _SAMPLING_KEYS:
+        if key in overrides:
+            raise ValueError(f"generate option {key!r} must be set in SamplingConfig, not as an override")
+    config = copy.deepcopy(model.generation_config)
+    unknown = config.update(**overrides)
+    if unknown:
+        raise ValueError(
+            f"unknown generate option(s) {sorted(unknown)}: they are not GenerationConfig fields; remove them"
+        )
+    if overrides.get("do_sample"):
+        raise ValueError(
+            "do_sample=True is not an override here: sample with SamplingConfig(temperature>0, top_k, top_p, seed)"
+        )
+    config.do_sample = False  # autobucket selects tokens itself (autobucket.engine.selection); HF never samples
+    config.max_new_tokens = sampling.max_new_tokens
+    config.repetition_penalty = sampling.repetition_penalty
+    _reject_unsupported(config)
+    eos = eos_token_ids(sampling.eos_token_id if sampling.eos_token_id is not None else config.eos_token_id)
+    for token in eos:
+        if token >= vocab_size:
+            raise ValueError(f"eos_token_id {token} is outside the vocabulary (size {vocab_size})")
+    config.eos_token_id = list(eos)  # [] (not None): HF would fill None from the model's config
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    config.pad_token_id = pad
+    return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, config)
+
+
+def _reject_unsupported(config: Any) -> None:
+    for option, is_active in _UNSUPPORTED.items():
+        value = getattr(config, option, None)
+        if is_active(value):
+            raise ValueError(
+                f"generation option {option}={value!r} (from the model's generation_config or your overrides) "
+                f"is not supported by autobucket; unset it (e.g. {option}=None) to generate"
+            )
+
+
+def eos_token_ids(value: Any) -> tuple[int, ...]:
+    """EOS ids as a de-duplicated tuple, from an int, a list, a tensor or None (none)."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    ids = [value] if isinstance(value, int) else list(value)
+    return tuple(dict.fromkeys(int(i) for i in ids))

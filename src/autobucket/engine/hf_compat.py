@@ -1,0 +1,84 @@
+"""What differs between transformers 4.57.x and 5.x, detected from the model, never guessed from a
+version string: the forward's cache keyword (`cache=` in 5.x, `past_key_values=` before), the
+output's cache field, and whether the forward accepts `logits_to_keep`."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """How to call one model's forward."""
+
+    cache_keyword: str  # "cache" (transformers 5.x) or "past_key_values" (4.57)
+    accepts_logits_to_keep: bool
+
+
+def unwrap_model(model: Any) -> torch.nn.Module:
+    """The HF causal LM itself: `model`, or `model.module` for DDP/DeepSpeed-style wrappers."""
+    inner = model
+    while not hasattr(inner, "generation_config") and hasattr(inner, "module"):
+        inner = inner.module
+    if not isinstance(inner, torch.nn.Module) or not hasattr(inner, "generation_config"):
+        raise TypeError(
+            f"model of type {type(model).__name__} is not a Hugging Face causal LM: pass a PreTrainedModel "
+            "(or an object whose .module is one)"
+        )
+    return inner
+
+
+def forward_spec(model: torch.nn.Module) -> ForwardSpec:
+    parameters = inspect.signature(model.forward).parameters
+    if "cache" in parameters:
+        keyword = "cache"
+    elif "past_key_values" in parameters:
+        keyword = "past_key_values"
+    else:
+        raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+    return ForwardSpec(cache_keyword=keyword, accepts_logits_to_keep="logits_to_keep" in parameters)
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the output head: the ids the model can emit (may exceed the tokenizer's vocabulary)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is not supported by the continuous-batching routes: "
+            f"load the model with attn_implementation in {SUPPORTED_ATTENTION} (or use route='ordinary')"
+        )
+    return implementation
+
+
+def output_cache(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def layer_key_values(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V `[batch, kv_heads, width, head_dim]` of a prefill's returned cache."""
+    if hasattr(cache, "self_attention_cache"):  # EncoderDecoderCache wrapper (GPT-2 family)
+        cache = cache.self_attention_cache
+    if hasattr(cache, "layers"):
+        return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    return [k for k, _ in cache], [v for _, v in cache]  # legacy tuple of (k, v)
+
+
+def sliding_window_limit(config: Any) -> int | None:
+    """The attention window when the model really uses one (the engine would ignore it), else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = getattr(config, "use_sliding_window", True) and (
+        "sliding_attention" in layer_types or not layer_types
+    )
+    return window if window and uses_window else None

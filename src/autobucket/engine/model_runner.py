@@ -1,0 +1,132 @@
+"""The device side of continuous batching: prefill a bucket, insert its rows into the static cache,
+run one decode forward. It never sees the queue, requests or finish rules (that is `batcher.py`), so
+calibration, a compiled decode path and tests can drive exactly the engine's device work.
+
+Per-row device state is kept in cache-row order, aligned with the `StaticKVCache`'s active rows:
+`next_input` (the token fed at the next decode step), `next_position` (its true position) and, with
+a repetition penalty, `seen` (which ids each row has seen)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autobucket.engine.hf_compat import ForwardSpec
+from autobucket.engine.prefill import PrefillOutput, prefill_bucket
+from autobucket.engine.selection import seen_tokens
+from autobucket.engine.static_cache import StaticKVCache
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    continuous_batch_size: int  # cache rows: most sequences decoded at once
+    cache_capacity: int  # cache columns: most tokens a row can hold
+
+
+@dataclass
+class RowInsert:
+    """Rows of one prefill to start decoding: which prefill row each new cache row copies, its first token."""
+
+    source_rows: list[int]  # per new cache row: its prompt's row in the prefill output
+    first_tokens: torch.Tensor  # [new_rows] long, the token each row feeds at its first decode step
+    prompt_lengths: list[int]  # per new cache row: real tokens of its prompt
+    seen: torch.Tensor | None  # [new_rows, vocab] bool (prompt + first token), with a penalty only
+
+
+class ModelRunner:
+    """Device work of one call's CB schedule on one `StaticKVCache` (created at the first insert)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: ForwardSpec,
+        cache_shape: CacheShape,
+        pad_token_id: int,
+        vocab_size: int,
+        track_seen: bool,
+        trim_cache: bool = False,
+    ) -> None:
+        self.model, self.spec, self.cache_shape = model, spec, cache_shape
+        self.pad_token_id, self.vocab_size, self.trim_cache = pad_token_id, vocab_size, trim_cache
+        self.device = next(model.parameters()).device
+        self.store: StaticKVCache | None = None  # sized from the first prefill's K/V shapes
+        self.cache = None  # the store's transformers Cache face
+        self.next_input = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
+        self.next_position = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
+        self.seen = torch.empty((0, vocab_size), dtype=torch.bool, device=self.device) if track_seen else None
+
+    @property
+    def active_rows(self) -> int:
+        return int(self.next_input.shape[0])
+
+    # ------------------------------------------------------------ prefill and insert
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[PrefillOutput, torch.Tensor | None]:
+        """One left-padded forward of a bucket -> its K/V and last logits, and `seen` [rows, vocab] with a penalty."""
+        output = prefill_bucket(self.model, self.spec, prompts, self.pad_token_id)
+        seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
+        return output, seen
+
+    def insert(self, output: PrefillOutput, rows: RowInsert) -> None:
+        """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first tokens."""
+        keys, values = output.keys, output.values
+        if rows.source_rows != list(range(keys[0].shape[0])):
+            # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
+            index = torch.tensor(rows.source_rows, dtype=torch.long, device=self.device)
+            keys, values = [k[index] for k in keys], [v[index] for v in values]
+        if self.store is None:
+            self.store = self._create_store(keys)
+            self.cache = self.store.hf_cache()
+        self.store.admit(keys, values, rows.prompt_lengths, always_trim=self.trim_cache)
+        positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
+        self.next_input = torch.cat([self.next_input, rows.first_tokens])
+        self.next_position = torch.cat([self.next_position, positions])
+        if self.seen is not None and rows.seen is not None:
+            self.seen = torch.cat([self.seen, rows.seen])
+
+    def _create_store(self, keys: list[torch.Tensor]) -> StaticKVCache:
+        # keys[l]: [rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
+        return StaticKVCache(
+            num_layers=len(keys),
+            rows=self.cache_shape.continuous_batch_size,
+            kv_heads=keys[0].shape[1],
+            columns=self.cache_shape.cache_capacity,
+            head_dim=keys[0].shape[3],
+            dtype=keys[0].dtype,
+            device=keys[0].device,
+        )
+
+    # ------------------------------------------------------------ decode
+    def prepare_decode(self) -> None:
+        """Open the next cache column (trimming first when it would not fit)."""
+        self.store.prepare_step(always_trim=self.trim_cache)
+
+    def decode_logits(self) -> torch.Tensor:
+        """One forward of every active row's next token -> last logits [rows, vocab] fp32."""
+        output = self.model(
+            input_ids=self.next_input[:, None],
+            attention_mask=self.store.step_mask(),
+            position_ids=self.next_position[:, None],
+            use_cache=True,
+            **{self.spec.cache_keyword: self.cache},
+        )
+        self.store.finish_step()
+        return output.logits[:, -1, :].float()
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Feed `tokens` [rows] at the next step; they join each row's seen tokens."""
+        if self.seen is not None:
+            self.seen[torch.arange(tokens.shape[0], device=self.device), tokens] = True
+        self.next_input = tokens
+        self.next_position = self.next_position + 1
+
+    def retire(self, keep: list[int]) -> None:
+        """Keep only cache rows `keep` (in order), compacted to the front rows."""
+        self.store.compact(keep)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.next_input, self.next_position = self.next_input[index], self.next_position[index]
+        if self.seen is not None:
+            self.seen = self.seen[index]
+        if self.trim_cache:
+            self.store.trim()

@@ -1,0 +1,134 @@
+"""The ordinary route: HF `generate` on left-padded batches of at most `continuous_batch_size` rows.
+
+Outputs are cut at each row's first EOS (inclusive): what HF writes after it is structural padding.
+A forward hook times the first forward of each `generate` call as prefill and the rest as decode,
+so the profile has the same breakdown as the CB routes."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessorList
+
+from autobucket.engine.finished import Finished, cut_at_eos
+from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.prefill import left_pad
+from autobucket.engine.selection import Selection, seen_in_left_padded
+from autobucket.profile import PhaseTimer, Profile
+
+
+class _ForwardClock:
+    """Forward hooks that split one generate call's forwards into prefill (first) and decode."""
+
+    def __init__(self, model: torch.nn.Module, profile: Profile, timer: PhaseTimer) -> None:
+        self.profile, self.timer, self.calls, self.started = profile, timer, 0, 0.0
+        self.handles = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after),
+        ]
+
+    def _before(self, *args: object) -> None:
+        self.timer.sync()
+        self.started = time.perf_counter()
+
+    def _after(self, *args: object) -> None:
+        self.timer.sync()
+        elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        if self.calls == 0:
+            self.profile.prefill_ms += elapsed_ms
+            self.profile.prefill_forwards += 1
+        else:
+            self.profile.decode_ms += elapsed_ms
+            self.profile.decode_forwards += 1
+        self.calls += 1
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _EngineSelection:
+    """A logits processor that makes HF `generate` pick exactly the engine's token.
+
+    It applies the engine's `Selection` (padding-aware repetition penalty, greedy or stream
+    sampling) to each step's scores and returns scores that are -inf everywhere but the chosen
+    token, so HF's greedy step takes it. Rows are (prompt, sample) items, so sampled tokens
+    follow the same per-request streams as on the CB routes.
+    """
+
+    def __init__(self, selection: Selection, items: Sequence[tuple[int, int]], width: int, pad_lengths: Sequence[int]):
+        self.selection, self.items, self.width = selection, list(items), width
+        self.pad_lengths = torch.as_tensor(list(pad_lengths), dtype=torch.long)
+        self.logprobs: list[torch.Tensor] = []  # per step [rows]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width
+        seen = None
+        if self.selection.uses_penalty:
+            seen = seen_in_left_padded(input_ids, self.pad_lengths.to(input_ids.device), scores.shape[-1])
+        tokens, logprobs = self.selection.choose(
+            scores.float(), seen, [p for p, _ in self.items], [s for _, s in self.items], [step] * len(self.items)
+        )
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, tokens[:, None], 0.0)
+
+
+@torch.inference_mode()
+def run_ordinary(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    generation: ResolvedGeneration,
+    selection: Selection,
+    samples_per_prompt: int,
+    continuous_batch_size: int,
+    profile: Profile,
+    timer: PhaseTimer,
+) -> dict[tuple[int, int], Finished]:
+    """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)."""
+    items = [(p, s) for p in range(len(prompts)) for s in range(samples_per_prompt)]
+    finished: dict[tuple[int, int], Finished] = {}
+    for start in range(0, len(items), continuous_batch_size):
+        batch = items[start : start + continuous_batch_size]
+        finished.update(zip(batch, _generate_batch(model, prompts, batch, generation, selection, profile, timer), strict=True))
+        profile.max_active_rows = max(profile.max_active_rows, len(batch))
+    return finished
+
+
+def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selection: Selection, profile, timer):
+    device = next(model.parameters()).device
+    batch = [prompts[p] for p, _ in items]
+    input_ids, attention_mask = left_pad(batch, generation.pad_token_id, device)
+    width = input_ids.shape[1]
+    config = copy.deepcopy(generation.generation_config)
+    config.repetition_penalty = 1.0  # applied by _EngineSelection, over real tokens only
+    needs_selector = not selection.sampler.greedy or selection.want_logprobs or generation.repetition_penalty != 1.0
+    selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
+    profile.prefill_tokens += len(batch) * width
+    # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,
+    # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
+    exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
+    clock = _ForwardClock(model, profile, timer)
+    try:
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([selector] if selector else []),
+            **exact,
+        )
+    finally:
+        clock.remove()
+    eos = frozenset(generation.eos_token_ids)
+    step_logprobs = torch.stack(selector.logprobs, dim=1).tolist() if selector and selector.logprobs else None
+    results = []
+    for row, generated in enumerate(output[:, width:].tolist()):
+        tokens, reason = cut_at_eos(generated, eos, generation.max_new_tokens)
+        logprobs = step_logprobs[row][: len(tokens)] if step_logprobs is not None else None
+        results.append(Finished(tokens, reason, logprobs))
+    return results

@@ -1,0 +1,59 @@
+"""Prefill of one bucket of prompts: left-padded to its longest prompt, one forward.
+
+The forward goes through the model's own cache path (a fresh DynamicCache), exactly as HF
+`generate` prefills a left-padded batch: 2-D attention mask, position ids counted over real tokens
+only, and `logits_to_keep=1` (full logits for B=32, L=512 cost ~5x the forward on a small model).
+The returned per-layer K/V is then copied right-aligned into the static cache by the caller."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
+
+
+@dataclass
+class PrefillOutput:
+    keys: list[torch.Tensor]  # per layer [bucket_rows, kv_heads, width, head_dim]
+    values: list[torch.Tensor]
+    last_logits: torch.Tensor  # [bucket_rows, vocab] fp32, logits at each prompt's last token
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask `[rows, width]`, real tokens right-aligned."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """True position of every real token; padding gets 1, as in HF generate (it is masked anyway)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+@torch.inference_mode()
+def prefill_bucket(
+    model: torch.nn.Module, spec: ForwardSpec, prompts: Sequence[Sequence[int]], pad_token_id: int
+) -> PrefillOutput:
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompts, pad_token_id, device)
+    kwargs = {"logits_to_keep": 1} if spec.accepts_logits_to_keep else {}
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions_from_mask(attention_mask),
+        use_cache=True,
+        **kwargs,
+    )
+    keys, values = layer_key_values(output_cache(output))
+    return PrefillOutput(keys, values, output.logits[:, -1, :].float())

@@ -1,0 +1,227 @@
+"""The routes: one signature (`RouteCall -> finished results`), registered in `ROUTES`.
+
+A route receives everything it needs in a `RouteCall` (the model, how to call its forward, its
+geometry, the coefficients, the configs and the resolved generation) and never reaches back into the
+`Rollout`. The continuous-batching routes differ only in their admission policy, which splits each
+admission's prompts into prefill buckets; `ContinuousBatcher` does the rest:
+
+- `equal_width`: one padded bucket per admission (split only where it would pass the token limit);
+- `aligned`: one bucket per prompt;
+- `bucketed`: the planner's exact DP over the admission's length-sorted prompts;
+- `auto`: `choose_route` per call picks `ordinary` or `bucketed` from the cost model, and the
+  decision's DP plan serves the first admission. Auto never retries another route: a model error or
+  out-of-memory in the chosen route propagates as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.engine.batcher import AdmissionPolicy, ContinuousBatcher
+from autobucket.engine.finished import Finished
+from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, sliding_window_limit
+from autobucket.engine.model_runner import CacheShape, ModelRunner
+from autobucket.engine.ordinary import run_ordinary
+from autobucket.engine.selection import Selection
+from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.planning.planner import plan_prefill
+from autobucket.planning.route_choice import ROUTE_ORDINARY, choose_route
+from autobucket.profile import PhaseTimer, Profile
+
+FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
+
+
+@dataclass(frozen=True)
+class RouteCall:
+    """Everything one generate call's route needs."""
+
+    model: torch.nn.Module
+    spec: ForwardSpec
+    geometry: ModelGeometry
+    costs: CostCoefficients
+    config: RolloutConfig
+    prompts: list[list[int]]
+    generation: ResolvedGeneration
+    sampling: SamplingConfig
+    selection: Selection
+    profile: Profile
+    timer: PhaseTimer
+    vocab_size: int
+    max_positions: int | None
+
+
+Route = Callable[[RouteCall], FinishedItems]
+
+
+# ------------------------------------------------------------------ the routes
+def ordinary_route(call: RouteCall) -> FinishedItems:
+    return run_ordinary(
+        call.model, call.prompts, call.generation, call.selection, call.sampling.n,
+        call.sampling.continuous_batch_size, call.profile, call.timer,
+    )  # fmt: skip
+
+
+def equal_width_route(call: RouteCall) -> FinishedItems:
+    return run_continuous(call, lambda admitted: equal_width_buckets(call, admitted))
+
+
+def aligned_route(call: RouteCall) -> FinishedItems:
+    return run_continuous(call, lambda admitted: [[index] for index in admitted])
+
+
+def bucketed_route(call: RouteCall) -> FinishedItems:
+    return run_continuous(call, DPBuckets(call, first_plan=None))
+
+
+def auto_route(call: RouteCall) -> FinishedItems:
+    started = time.perf_counter()
+    decision = choose_route(
+        [len(p) for p in call.prompts],
+        call.sampling.max_new_tokens,
+        call.sampling.continuous_batch_size,
+        call.geometry,
+        call.costs,
+        prefill_max_tokens=call.config.prefill_max_tokens,
+        max_positions=call.max_positions,
+        ordinary_blocked_reason=_ordinary_blocked_reason(call.config),
+        samples_per_prompt=call.sampling.n,
+    )
+    profile = call.profile
+    profile.plan_ms += (time.perf_counter() - started) * 1e3
+    profile.route = decision.route
+    profile.estimated_ordinary_ms = decision.ordinary_ms
+    profile.estimated_bucketed_ms = decision.bucketed_ms
+    profile.decision_reason = decision.reason
+    if decision.route == ROUTE_ORDINARY:
+        profile.prefill_buckets = [[list(range(len(call.prompts)))]]
+        return ordinary_route(call)
+    fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
+    return run_continuous(call, DPBuckets(call, decision.buckets if fits_first_admission else None))
+
+
+ROUTES: dict[str, Route] = {
+    "ordinary": ordinary_route,
+    "equal_width": equal_width_route,
+    "aligned": aligned_route,
+    "bucketed": bucketed_route,
+    "auto": auto_route,
+}
+
+
+def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
+    if config.cache_capacity is not None:
+        return f"an explicit cache_capacity={config.cache_capacity} was requested"
+    if config.trim_cache:
+        return "trim_cache=True was requested"
+    return None
+
+
+# ------------------------------------------------------------------ admission policies
+def equal_width_buckets(call: RouteCall, admitted: Sequence[int]) -> list[list[int]]:
+    """One padded bucket per admission, split in input order only where it would pass the token limit."""
+    limit = call.config.prefill_max_tokens
+    buckets: list[list[int]] = [[]]
+    for index in admitted:
+        width = max([len(call.prompts[i]) for i in buckets[-1]] + [len(call.prompts[index])])
+        if buckets[-1] and limit is not None and width * (len(buckets[-1]) + 1) > limit:
+            buckets.append([])
+        buckets[-1].append(index)
+    return buckets
+
+
+class DPBuckets:
+    """Admission policy: the planner's DP buckets over the admitted prompts (survivors keep their rows)."""
+
+    def __init__(self, call: RouteCall, first_plan: Sequence[Sequence[int]] | None) -> None:
+        self.call = call
+        self.first_plan = first_plan  # a route decision's DP plan, reused when it covers the first admission
+
+    def __call__(self, admitted: Sequence[int]) -> list[list[int]]:
+        if self.first_plan is not None:
+            plan, self.first_plan = self.first_plan, None
+            return [list(bucket) for bucket in plan]
+        call = self.call
+        started = time.perf_counter()
+        lengths = [len(call.prompts[index]) for index in admitted]
+        plan = plan_prefill(lengths, call.geometry, call.costs, call.config.prefill_max_tokens, call.sampling.n)
+        call.profile.plan_ms += (time.perf_counter() - started) * 1e3
+        return [[admitted[position] for position in bucket] for bucket in plan.buckets]
+
+
+# ------------------------------------------------------------------ the CB schedule
+def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> FinishedItems:
+    attention_implementation(call.model)
+    _check_prefill_limit(call)
+    _check_sliding_window(call)
+    shape = cache_shape(call)
+    call.profile.cache_capacity = shape.cache_capacity
+    runner = ModelRunner(
+        call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
+        track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache,
+    )  # fmt: skip
+    batcher = ContinuousBatcher(
+        runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
+        call.profile, call.timer,
+    )  # fmt: skip
+    finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
+    _record_cache(call.profile, runner)
+    return finished
+
+
+def _record_cache(profile: Profile, runner: ModelRunner) -> None:
+    store = runner.store
+    if store is not None:
+        profile.kv_cache_bytes = store.nbytes
+        profile.trims = store.trims
+        profile.trimmed_columns = store.trimmed_columns
+        profile.moved_bytes = store.moved_bytes
+
+
+def cache_shape(call: RouteCall) -> CacheShape:
+    items = len(call.prompts) * call.sampling.n
+    rows = min(call.sampling.continuous_batch_size, items)
+    longest = max(len(p) for p in call.prompts)
+    budget = call.sampling.max_new_tokens
+    columns = call.config.cache_capacity
+    if columns is None:
+        # Enough for any schedule (see StaticKVCache: front - first live column <= longest + budget - 1
+        # after trimming), plus one budget of headroom when refills will come, so trims stay rare.
+        columns = longest + budget + (budget if items > rows else 0)
+    elif columns < longest + budget - 1:
+        # A row holds its prompt plus budget - 1 fed-back tokens; trimming keeps every schedule within
+        # longest + budget - 1 columns (see StaticKVCache), so this is the exact minimum.
+        index = max(range(len(call.prompts)), key=lambda i: len(call.prompts[i]))
+        raise ValueError(
+            f"cache_capacity={columns} is too small: prompt {index} has {longest} tokens and max_new_tokens="
+            f"{budget}, which needs {longest + budget - 1} columns; raise cache_capacity to at least "
+            f"{longest + budget - 1} (or leave it None to size it per call)"
+        )
+    return CacheShape(continuous_batch_size=rows, cache_capacity=columns)
+
+
+def _check_prefill_limit(call: RouteCall) -> None:
+    limit = call.config.prefill_max_tokens
+    if limit is None:
+        return
+    for index, prompt in enumerate(call.prompts):
+        if len(prompt) > limit:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens, more than prefill_max_tokens={limit} allows in one "
+                "prefill forward: raise prefill_max_tokens or set it to None"
+            )
+
+
+def _check_sliding_window(call: RouteCall) -> None:
+    window = sliding_window_limit(call.model.config)
+    needed = max(len(p) for p in call.prompts) + call.sampling.max_new_tokens
+    if window is not None and needed > window:
+        raise ValueError(
+            f"the model uses a sliding attention window of {window} tokens and this call needs {needed}: the "
+            "continuous-batching routes do not implement sliding windows; use route='ordinary'"
+        )

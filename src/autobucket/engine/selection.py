@@ -1,0 +1,185 @@
+"""Token selection for every route: repetition penalty, then greedy or route-invariant sampling.
+
+Why not torch's generator: HF `generate` draws every row's sample from one global generator, so a
+row's tokens depend on how many rows were drawn before it — on batch composition, route and refill
+order. Here each draw uses one uniform number `u = stream(seed, prompt, sample, step)`, a pure hash
+of the request's identity and the step, and picks the token by inverse CDF over the warped
+distribution. The same request gets the same `u` on every route, and a tiny logit difference
+between routes can only change the token if `u` falls within that difference of a CDF boundary.
+
+Warping follows HF's sampling processors in HF's order: temperature, then top-k (ties at the k-th
+logit kept), then top-p (smallest set whose probability exceeds top_p, at least one token kept).
+
+The repetition penalty follows HF's `RepetitionPenaltyLogitsProcessor` exactly (negative logits
+multiplied, positive divided, in fp32), but over a `seen` mask `[rows, vocab]` of the prompt's and
+generated tokens, never of padding: a row's history does not depend on who it was batched with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_uniforms(seeds: Sequence[int], samples: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of (seed, sample index, step).
+
+    `seeds` is each row's request seed: the call's seed mixed with the prompt index, or a per-prompt
+    seed the caller chose (which keeps a prompt's samples independent of its position in the batch).
+    """
+    with np.errstate(over="ignore"):
+        # Each key is finalised on its own before it is combined: combining raw keys first
+        # (e.g. (seed + c) ^ sample) makes distinct (seed, sample) pairs collide.
+        state = _splitmix64(np.asarray(seeds, dtype=np.uint64) + _GOLDEN_GAMMA)
+        for lane, counter in enumerate((samples, steps), start=2):
+            key = _splitmix64(np.asarray(counter, dtype=np.uint64) + _GOLDEN_GAMMA * np.uint64(lane))
+            state = _splitmix64(state + key)
+    return (state >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+def request_seed(call_seed: int, prompt_index: int) -> int:
+    """The stream key of prompt `prompt_index` under one call-wide seed."""
+    with np.errstate(over="ignore"):
+        seed = _splitmix64(np.asarray([call_seed], dtype=np.uint64) + _GOLDEN_GAMMA)
+        index = _splitmix64(np.asarray([prompt_index], dtype=np.uint64) + _GOLDEN_GAMMA * np.uint64(5))
+        mixed = _splitmix64(seed + index)
+    return int(mixed[0])
+
+
+def request_seeds(seed: int | Sequence[int], prompt_count: int) -> tuple[int, ...]:
+    """Every prompt's stream key for one call: a per-prompt list as given, or derived from one int
+    and each prompt's *input* index (a wrapper that reorders or shards prompts must pass these on)."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != prompt_count:
+            raise ValueError(f"seed has {len(seed)} values for {prompt_count} prompts: pass one per prompt or one int")
+        return tuple(seed)
+    return tuple(request_seed(seed, index) for index in range(prompt_count))
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[rows, vocab] fp32 logits -> temperature-scaled logits with filtered tokens at -inf."""
+    scores = logits / temperature
+    if top_k > 0 and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[..., -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return scores
+
+
+def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [rows] and their log-probabilities [rows] under softmax(scores).
+
+    scores: [rows, vocab] warped logits; uniforms: [rows] in [0, 1). Filtered tokens have probability
+    0 and are never chosen: `searchsorted(right=True)` returns the first index whose CDF exceeds the
+    draw, and the draw is kept strictly below the total. fp32 throughout: the CDF's rounding moves
+    token boundaries by ~1e-6 of probability mass, identically on every route.
+    """
+    probs = torch.softmax(scores.float(), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    draws = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, draws, right=True).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float  # 0: greedy
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    request_seeds: tuple[int, ...]  # per prompt: the key of its random streams
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    settings: SamplerSettings,
+    prompts: Sequence[int],
+    samples: Sequence[int],
+    steps: Sequence[int],
+    want_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[rows, vocab] fp32 logits (penalty already applied) -> tokens [rows], logprobs [rows] or None.
+
+    Greedy logprobs are the log-softmax of the (penalised) logits at the argmax; sampled logprobs are
+    under the warped distribution actually sampled from, as RL importance ratios need.
+    """
+    if settings.greedy:
+        tokens = logits.argmax(dim=-1)
+        if not want_logprobs:
+            return tokens, None
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    seeds = [settings.request_seeds[p] for p in prompts]
+    uniforms = torch.from_numpy(stream_uniforms(seeds, samples, steps)).to(logits.device)
+    tokens, logprobs = sample_inverse_cdf(warp_logits(logits, settings.temperature, settings.top_k, settings.top_p), uniforms)
+    return tokens, (logprobs if want_logprobs else None)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [rows, vocab] fp32, seen [rows, vocab] bool -> penalised logits [rows, vocab]."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def seen_tokens(prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] bool: which token ids occur in each prompt."""
+    seen = torch.zeros((len(prompts), vocab_size), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        seen[row, torch.as_tensor(prompt, dtype=torch.long)] = True
+    return seen.to(device)
+
+
+def seen_in_left_padded(input_ids: torch.Tensor, pad_lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: ids occurring in each row's real tokens of a left-padded `[rows, width]` batch."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    rows, columns = torch.nonzero(positions[None, :] >= pad_lengths[:, None], as_tuple=True)
+    seen = torch.zeros((input_ids.shape[0], vocab_size), dtype=torch.bool, device=input_ids.device)
+    seen[rows, input_ids[rows, columns]] = True
+    return seen
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How every route turns one step's logits into tokens for one call."""
+
+    sampler: SamplerSettings
+    repetition_penalty: float
+    want_logprobs: bool
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        seen: torch.Tensor | None,
+        prompts: Sequence[int],
+        samples: Sequence[int],
+        steps: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [rows, vocab] fp32, seen [rows, vocab] bool | None -> (tokens [rows], logprobs [rows] | None)."""
+        if seen is not None and self.uses_penalty:
+            logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
+        return select_tokens(logits, self.sampler, prompts, samples, steps, self.want_logprobs)

@@ -1,0 +1,18 @@
+"""Pure planning (standard library only, never torch): the cost model, the exact prefill-bucket DP,
+the route choice and data-parallel sharding."""
+
+from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.planning.planner import PrefillPlan, plan_prefill
+from autobucket.planning.route_choice import RouteDecision, choose_route
+from autobucket.planning.sharding import ShardPlan, plan_shards
+
+__all__ = [
+    "CostCoefficients",
+    "ModelGeometry",
+    "PrefillPlan",
+    "RouteDecision",
+    "ShardPlan",
+    "choose_route",
+    "plan_prefill",
+    "plan_shards",
+]

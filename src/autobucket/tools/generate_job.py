@@ -1,0 +1,284 @@
+"""`autobucket generate` as library functions: a prompts file -> token ids -> `Rollout` -> JSONL.
+
+The input is parsed and checked completely before the model loads, so a bad line fails at once and
+names its line number. The output is written to a temporary file and renamed only after every prompt
+has finished, so a failed run never leaves a partial output file. Prompts run in chunks of a few
+continuous batches (one `generate` call each) only so that progress can be reported; tokens do not
+depend on the chunking, since every route is exact per request."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autobucket.config import RolloutConfig, SamplingConfig
+
+STDIO = "-"
+INPUT_FORMATS = ("auto", "jsonl", "txt")
+CHUNK_BATCHES = 4  # continuous batches per generate call: progress granularity for long runs
+
+Progress = Callable[[int, int], None]  # (finished prompts, all prompts)
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One input prompt: text or token ids, and where it came from."""
+
+    id: Any  # the line's "id", else the prompt's 0-based position
+    line: int  # 1-based line number in the input
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """What `autobucket generate` does; `prompts` and `out` are paths or "-" for stdin / stdout."""
+
+    prompts: str
+    out: str = STDIO
+    model: str = "smollm2"
+    input_format: str = "auto"
+    chat: bool = False
+    trust_remote_code: bool = False
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(route="auto"))
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chunk_prompts: int | None = None  # prompts per generate call (None: CHUNK_BATCHES continuous batches)
+
+    def __post_init__(self) -> None:
+        if self.input_format not in INPUT_FORMATS:
+            raise ValueError(f"input_format={self.input_format!r} is invalid: choose one of {', '.join(INPUT_FORMATS)}")
+        if self.chunk_prompts is not None and (isinstance(self.chunk_prompts, bool) or self.chunk_prompts < 1):
+            raise ValueError(f"chunk_prompts={self.chunk_prompts!r} is invalid: use an int >= 1 or None")
+
+
+# ------------------------------------------------------------------ input
+def read_prompts(source: str | Path, input_format: str = "auto") -> list[PromptRecord]:
+    """Prompt records from a JSONL or text file ("-": stdin); errors name the line."""
+    name = "<stdin>" if str(source) == STDIO else str(source)
+    if str(source) == STDIO:
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = Path(source).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read prompts from {name!r}: {exc}") from exc
+    return parse_prompt_lines(lines, _input_format(name, lines, input_format), name)
+
+
+def _input_format(name: str, lines: Sequence[str], input_format: str) -> str:
+    """"auto": by suffix (.jsonl/.json, .txt), else JSONL when the first non-blank line is an object."""
+    if input_format != "auto":
+        return input_format
+    suffix = Path(name).suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if suffix == ".txt":
+        return "txt"
+    first = next((line for line in lines if line.strip()), "")
+    return "jsonl" if first.lstrip().startswith("{") else "txt"
+
+
+def parse_prompt_lines(lines: Iterable[str], input_format: str, name: str = "<prompts>") -> list[PromptRecord]:
+    """JSONL: one object per line with "prompt" (text) or "prompt_ids" (token ids), optional "id".
+    txt: one text prompt per line. Blank lines are skipped in both."""
+    records: list[PromptRecord] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if input_format == "txt":
+            records.append(PromptRecord(id=len(records), line=number, text=line))
+        else:
+            records.append(_jsonl_record(line, number, len(records), name))
+    if not records:
+        raise ValueError(f"{name} holds no prompts: give one prompt per line")
+    return records
+
+
+def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRecord:
+    where = f"{name}:{number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f'{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be an object like '
+            '{"prompt": "..."} or {"prompt_ids": [1, 2, 3]}'
+        ) from None
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a JSON object with \"prompt\" or \"prompt_ids\", got {type(item).__name__}")
+    if ("prompt" in item) == ("prompt_ids" in item):
+        raise ValueError(f'{where}: give exactly one of "prompt" (text) or "prompt_ids" (token ids)')
+    record_id = item.get("id", position)
+    if "prompt" in item:
+        text = item["prompt"]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f'{where}: "prompt" must be a non-empty string, got {text!r}')
+        return PromptRecord(id=record_id, line=number, text=text)
+    ids = item["prompt_ids"]
+    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f'{where}: "prompt_ids" must be a non-empty list of token ids (ints >= 0), got {ids!r}')
+    return PromptRecord(id=record_id, line=number, ids=ids)
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text` as one user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template: drop --chat (the prompts are then used as plain text)")
+    messages = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompts(
+    records: Sequence[PromptRecord], tokenizer: Any, chat: bool, vocab_size: int, model_name: str = "the model"
+) -> list[list[int]]:
+    """Token ids per record; text needs a tokenizer, `chat` applies its chat template."""
+    encoded = []
+    for record in records:
+        if record.ids is not None:
+            if chat:
+                raise ValueError(
+                    f"line {record.line}: --chat applies to text prompts but this line gives prompt_ids; "
+                    "drop --chat or give the text as \"prompt\""
+                )
+            ids = record.ids
+        elif tokenizer is None:
+            raise ValueError(
+                f"line {record.line}: a text prompt, but {model_name} has no tokenizer: give token ids as "
+                '{"prompt_ids": [...]}'
+            )
+        else:
+            ids = chat_prompt_ids(tokenizer, record.text) if chat else tokenizer(record.text)["input_ids"]
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"line {record.line}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        encoded.append(list(ids))
+    return encoded
+
+
+# ------------------------------------------------------------------ run
+def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> dict[str, Any]:
+    """Read, generate, write; returns the summary (route, buckets, times, tokens/s)."""
+    from autobucket.engine.rollout import Rollout
+    from autobucket.models import load_model
+
+    records = read_prompts(job.prompts, job.input_format)
+    _check_output_path(job.out)
+    started = time.perf_counter()
+    model, tokenizer = load_model(job.model, trust_remote_code=job.trust_remote_code)
+    load_s = time.perf_counter() - started
+    rollout = Rollout(model, tokenizer, job.rollout)
+    prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
+    chunk = job.chunk_prompts or CHUNK_BATCHES * job.sampling.continuous_batch_size
+    started = time.perf_counter()
+    results = generate_in_chunks(rollout, prompts, job.sampling, chunk, on_progress)
+    generate_s = time.perf_counter() - started
+    tokens = [t for result in results for t in result.tokens]
+    reasons = [r for result in results for r in result.finish_reasons]
+    write_jsonl(output_rows(records, tokens, reasons, tokenizer), job.out)
+    return summarize(job, prompts, results, load_s, generate_s)
+
+
+def generate_in_chunks(
+    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None
+) -> list[Any]:
+    """One `rollout.generate` per `chunk` prompts (input order); `on_progress` after each."""
+    results = []
+    if on_progress is not None:
+        on_progress(0, len(prompts))
+    for start in range(0, len(prompts), chunk):
+        results.append(rollout.generate(prompts[start : start + chunk], sampling))
+        if on_progress is not None:
+            on_progress(min(start + chunk, len(prompts)), len(prompts))
+    return results
+
+
+def output_rows(
+    records: Sequence[PromptRecord], tokens: Sequence[list[int]], reasons: Sequence[str], tokenizer: Any
+) -> list[dict[str, Any]]:
+    """One JSON object per prompt: id, prompt (text; decoded ids; else null), completion, tokens, finish_reason."""
+    rows = []
+    for record, generated, reason in zip(records, tokens, reasons, strict=True):
+        prompt = record.text
+        if prompt is None and tokenizer is not None:
+            prompt = tokenizer.decode(record.ids)
+        completion = None if tokenizer is None else tokenizer.decode(generated, skip_special_tokens=True)
+        rows.append({"id": record.id, "prompt": prompt, "completion": completion, "tokens": generated,
+                     "finish_reason": reason})  # fmt: skip
+    return rows
+
+
+def _check_output_path(out: str) -> None:
+    if out == STDIO:
+        return
+    folder = Path(out).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"cannot write --out {out!r}: the folder {str(folder)!r} does not exist")
+    if Path(out).is_dir():
+        raise ValueError(f"cannot write --out {out!r}: it is a folder; name a .jsonl file")
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], out: str) -> None:
+    """All rows, or nothing: a temporary file in the target's folder renamed over it ("-": stdout)."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if out == STDIO:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = Path(out)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def summarize(
+    job: GenerateJob, prompts: Sequence[list[int]], results: Sequence[Any], load_s: float, generate_s: float
+) -> dict[str, Any]:
+    """What ran and what it cost, summed over the chunks."""
+    profiles = [result.profile for result in results]
+    output_tokens = sum(p.output_tokens for p in profiles)
+    reasons = Counter(r for result in results for r in result.finish_reasons)
+    return {
+        "model": job.model,
+        "prompts": len(prompts),
+        "route": job.rollout.route,
+        "routes_run": dict(Counter(result.route for result in results)),
+        "bucket_widths": [_first_admission_widths(p, prompts, start) for p, start in _chunk_starts(results)],
+        "prefill_forwards": sum(p.prefill_forwards for p in profiles),
+        "decode_forwards": sum(p.decode_forwards for p in profiles),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prefill_tokens": sum(p.prefill_tokens for p in profiles),
+        "output_tokens": output_tokens,
+        "finish_reasons": dict(reasons),
+        "load_s": load_s,
+        "generate_s": generate_s,
+        "tokens_per_s": output_tokens / max(generate_s, 1e-9),
+        "out": job.out,
+    }
+
+
+def _chunk_starts(results: Sequence[Any]) -> list[tuple[Any, int]]:
+    starts, start = [], 0
+    for result in results:
+        starts.append((result.profile, start))
+        start += len(result.tokens)
+    return starts
+
+
+def _first_admission_widths(profile: Any, prompts: Sequence[list[int]], start: int) -> list[int]:
+    """Padded width of each prefill group of a chunk's first admission (empty for plain ordinary)."""
+    if not profile.prefill_buckets:
+        return []
+    return [max(len(prompts[start + i]) for i in group) for group in profile.prefill_buckets[0]]
