@@ -23,7 +23,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -280,41 +279,3 @@ def _vocab_size(model: torch.nn.Module) -> int:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---------------------------------------------------------------------------------------------- models
-def random_model_from_config(
-    path: str | Path,
-    dtype: torch.dtype | str = torch.bfloat16,
-    seed: int = 0,
-    attn_implementation: str = "sdpa",
-    device: str | torch.device = "cpu",
-) -> torch.nn.Module:
-    """A random-weight causal LM from an HF ``config.json`` (no download), built directly on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read model config {str(path)!r}: {exc}") from exc
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    return model.to(dtype).eval()
-
-
-def load_any_model(
-    name: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"
-) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer): a config JSON path gives a random-weight model (no tokenizer); anything else
-    goes through `autobucket.models.load_model` (tiny names, local folders, HF ids)."""
-    from autobucket.models import load_model
-
-    if name.endswith(".json") and Path(name).is_file():
-        return random_model_from_config(
-            name, dtype, attn_implementation=attn_implementation, device=device
-        ), None
-    model, tokenizer = load_model(name, dtype=dtype, attn_implementation=attn_implementation)
-    return model.to(device), tokenizer

@@ -111,7 +111,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
-    from autobucket.calibration.measure import load_any_model
+    from autobucket.models import load_any_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # recorded in the calibration metadata
