@@ -146,3 +146,27 @@ def test_model_errors_propagate_without_retry(tiny_models, monkeypatch):
     assert len(calls) == 1, "auto must not retry another route"
     monkeypatch.undo()
     assert len(rollout.generate(prompts, SamplingConfig(max_new_tokens=3)).tokens) == 8
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bucketed_route_matches_oracle_and_plans_every_admission(tiny_models, arch):
+    """route="bucketed" is auto's CB branch without the route choice: the DP's buckets on every admission
+    (first and refills), and no ordinary estimate is made."""
+    from autobucket.planning.costs import ModelGeometry
+    from autobucket.planning.planner import plan_prefill
+
+    model = tiny_models(arch)
+    prompts = random_prompts([40, 3, 12, 3, 5, 33, 21, 2, 30, 7], seed=6)
+    free_run, _ = oracle_batch(model, prompts, 8, eos_token_id=[])
+    eos = choose_firing_eos(free_run)
+    tokens, reasons = oracle_batch(model, prompts, 8, eos_token_id=eos)
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", costs=CPU_LIKE))
+    result = rollout.generate(prompts, SamplingConfig(max_new_tokens=8, continuous_batch_size=4, eos_token_id=eos))
+    assert_matches_oracle(result, tokens, reasons)
+    assert result.route == "bucketed" and result.profile.estimated_ordinary_ms is None
+    geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+    for buckets in result.profile.prefill_buckets:
+        admitted = sorted(index for bucket in buckets for index in bucket)
+        plan = plan_prefill([len(prompts[i]) for i in admitted], geometry, CPU_LIKE, 65536)
+        assert sorted(sorted(b) for b in buckets) == sorted(sorted(admitted[i] for i in b) for b in plan.buckets)
