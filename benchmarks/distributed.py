@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from autobucket import CostCoefficients, Rollout, RolloutConfig, SamplingConfig
+from autobucket import CostCoefficients, RolloutConfig, SamplingConfig
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
-from autobucket.tools.workloads import time_interleaved, tokens_agree
+from autobucket.tools.workloads import rollout_contender, time_interleaved, tokens_agree
 
 # Fitted on this model on the 2-core development machine (ENVIRONMENT.md): ms ~ 5.8 + 0.0537·B·L + 4.1e-5·B·L².
 CPU_COSTS = CostCoefficients(fixed_ms=5.8, token_ms=0.0537, attention_ms=10.0)
@@ -39,12 +39,11 @@ def long_tail_lengths(count: int, seed: int) -> list[int]:
 
 
 def single_contender(model, config: RolloutConfig, sampling: SamplingConfig, threads: int):
-    rollout = Rollout(model, config=config)
+    run_route = rollout_contender(model, config.route, sampling, config.costs)
 
     def run(prompts):
-        torch.set_num_threads(threads)
-        result = rollout.generate(prompts, sampling)
-        return result.tokens, result.profile.to_dict()
+        torch.set_num_threads(threads)  # the contenders differ only in threads: set before each run
+        return run_route(prompts)
 
     return run
 

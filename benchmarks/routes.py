@@ -24,18 +24,8 @@ import torch
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
-from autobucket.tools.baselines import has_generate_batch, hf_generate_batch
-from autobucket.tools.workloads import reference_workloads, time_interleaved, tokens_agree
-
-
-def rollout_contender(model, route: str, sampling: SamplingConfig, costs=None):
-    rollout = Rollout(model, config=RolloutConfig(route=route, costs=costs))
-
-    def run(prompts):
-        result = rollout.generate(prompts, sampling)
-        return result.tokens, result.profile.to_dict()
-
-    return run
+from autobucket.tools.baselines import has_generate_batch, hf_batch_contender
+from autobucket.tools.workloads import reference_workloads, rollout_contender, time_interleaved, tokens_agree
 
 
 def contenders_for(model, sampling: SamplingConfig, costs, with_hf_batch: bool):
@@ -43,8 +33,7 @@ def contenders_for(model, sampling: SamplingConfig, costs, with_hf_batch: bool):
     if costs is not None:
         contenders["auto"] = rollout_contender(model, "auto", sampling, costs)
     if with_hf_batch and has_generate_batch(model):
-        contenders["hf_generate_batch"] = lambda prompts: (
-            hf_generate_batch(model, prompts, sampling.max_new_tokens), None)
+        contenders["hf_generate_batch"] = hf_batch_contender(model, sampling.max_new_tokens)
     return contenders
 
 

@@ -40,13 +40,13 @@ def test_json_plan_for_the_long_tail(capsys, costs_file):
     assert result["widths"] == [512, 16]
     assert result["ordinary_ms"] > result["bucketed_ms"] > 0
     assert result["geometry"]["layers"] == 36 and result["geometry"]["max_positions"] == 32768
-    assert result["costs"]["decode_ms"] == 10.0 and result["max_tokens"] == 65536
+    assert result["costs"]["decode_ms"] == 10.0 and result["prefill_max_tokens"] == 65536
 
 
 def test_json_uses_costs_from_the_file(capsys, tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"fixed_ms": 5000.0}))  # huge fixed cost: one bucket beats two
-    result = run_json(capsys, "--lengths", "512,16x31", "--costs", str(path), "--capacity", "16")
+    result = run_json(capsys, "--lengths", "512,16x31", "--costs", str(path), "--continuous-batch-size", "16")
     assert result["route"] == "bucketed" and result["buckets"] == [list(range(32))]
     assert result["costs"]["fixed_ms"] == 5000.0
 
@@ -65,11 +65,42 @@ def test_default_geometry_and_dp_skip(capsys):
     assert result["route"] == "ordinary" and result["bucketed_ms"] is None and result["buckets"] == []
 
 
-def test_token_limit_flags(capsys):
-    limited = run_json(capsys, "--lengths", "512x129", "--capacity", "256")
+def test_prefill_limit_flags(capsys):
+    limited = run_json(capsys, "--lengths", "512x129", "--continuous-batch-size", "256")
     assert "max_tokens 65536" in limited["reason"] and limited["route"] == "bucketed"
-    unlimited = run_json(capsys, "--lengths", "512x129", "--capacity", "256", "--no-token-limit")
-    assert unlimited["max_tokens"] is None and unlimited["route"] == "ordinary"
+    assert limited["continuous_batch_size"] == 256 and limited["prefill_max_tokens"] == 65536
+    unlimited = run_json(capsys, "--lengths", "512x129", "--continuous-batch-size", "256", "--no-prefill-limit")
+    assert unlimited["prefill_max_tokens"] is None and unlimited["route"] == "ordinary"
+    lowered = run_json(capsys, "--lengths", "512x4", "--prefill-max-tokens", "1024")
+    assert lowered["prefill_max_tokens"] == 1024 and all(len(bucket) <= 2 for bucket in lowered["buckets"])
+
+
+# Renamed flags (one word per concept) keep their old spelling as a hidden alias for one release.
+RENAMED = [
+    (["--capacity", "16"], ["--continuous-batch-size", "16"]),
+    (["--max-tokens", "1024"], ["--prefill-max-tokens", "1024"]),
+    (["--no-token-limit"], ["--no-prefill-limit"]),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), RENAMED)
+def test_old_flag_spellings_still_work_and_say_the_new_one(capsys, old, new):
+    argv = ["--lengths", "512,16x31,512x3"]
+    assert run_json(capsys, *argv, *old) == run_json(capsys, *argv, *new)
+    assert main(["plan", "--json", *argv, *old]) == 0
+    assert f"{old[0]} is deprecated and will be removed: use {new[0]}" in capsys.readouterr().err
+    assert main(["plan", "--help"]) == 0
+    assert old[0] not in capsys.readouterr().out  # hidden
+
+
+def test_library_errors_use_the_cli_words():
+    """Issue 16 item 4, through the real console script: no API wording (`prefill_max_tokens`, `None`)."""
+    completed = run_cli("plan", "--lengths", "1000000")
+    assert completed.returncode == 2 and completed.stdout == ""
+    assert completed.stderr.strip() == (
+        "autobucket plan: error: prompt 0 has 1000000 tokens, over --prefill-max-tokens 65536 per prefill "
+        "forward; raise --prefill-max-tokens (or pass --no-prefill-limit) or shorten the prompt"
+    )
 
 
 def test_model_config_file(capsys, tmp_path):
@@ -113,7 +144,7 @@ def test_bad_lengths_exit_2_with_the_item_and_an_example(capsys, bad):
 
 def test_library_errors_exit_2(capsys, tmp_path):
     assert main(["plan", "--lengths", "70000"]) == 2
-    assert "max_tokens" in capsys.readouterr().err
+    assert "--prefill-max-tokens" in capsys.readouterr().err
     missing = tmp_path / "nope.json"
     assert main(["plan", "--lengths", "5", "--costs", str(missing)]) == 2
     assert "nope.json" in capsys.readouterr().err
@@ -124,7 +155,9 @@ def test_library_errors_exit_2(capsys, tmp_path):
 def test_usage_errors_exit_2(capsys):
     assert main([]) == 2
     assert main(["plan"]) == 2  # --lengths is required
+    assert main(["plan", "--lengths", "5", "--prefill-max-tokens", "10", "--no-prefill-limit"]) == 2
     assert main(["plan", "--lengths", "5", "--max-tokens", "10", "--no-token-limit"]) == 2
+    assert main(["plan", "--lengths", "5", "--continuous-batch-size", "0"]) == 2
     assert main(["plan", "--lengths", "5", "--capacity", "0"]) == 2
     capsys.readouterr()
 
@@ -134,22 +167,13 @@ def test_help_exits_0(capsys):
     assert "--lengths" in capsys.readouterr().out
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """The real command line in a fresh process (`python -m autobucket.cli` is what the console script runs)."""
+    return subprocess.run([sys.executable, "-m", "autobucket.cli", *argv], capture_output=True, text=True, timeout=60)
+
+
 def test_module_entry_point_prints_json():
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autobucket.cli",
-            "plan",
-            "--json",
-            "--lengths",
-            "512,16x31",
-            *QWEN25_3B_FLAGS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    completed = run_cli("plan", "--json", "--lengths", "512,16x31", *QWEN25_3B_FLAGS)
+    assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)
     assert result["route"] == "bucketed" and result["widths"] == [512, 16]

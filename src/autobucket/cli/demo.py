@@ -18,7 +18,7 @@ _WHAT_RAN = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli.args import positive_int
+    from autobucket.cli.args import add_alias, add_threads_argument, finish_parser, positive_int
 
     parser = subparsers.add_parser(
         "demo",
@@ -33,17 +33,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--costs", type=Path, help="calibration or coefficients JSON for the auto route")
     parser.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                         help="timed runs per route, interleaved; medians are shown (default: 1)")  # fmt: skip
-    parser.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false",
+    parser.add_argument("--no-hf-batch", dest="with_hf_batch", action="store_false",
                         help="skip transformers' generate_batch")  # fmt: skip
-    parser.set_defaults(handler=_run_demo)
+    add_alias(parser, "--no-hf-baseline", "--no-hf-batch", "with_hf_batch", nargs=0, const=False)
+    add_threads_argument(parser)
+    finish_parser(parser, _run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from autobucket.cli.args import apply_threads
     from autobucket.tools.demo import DemoConfig, run_demo
 
-    config = DemoConfig(args.out_dir, args.max_new_tokens, args.costs, args.repeats, args.hf_baseline)
+    config = DemoConfig(args.out_dir, args.max_new_tokens, args.costs, args.repeats, args.with_hf_batch)
+    apply_threads(args)
     console = Console(highlight=False)
     report = run_demo(config, lambda message: console.print(f"[dim]{message}...[/dim]"))
     _print_report(console, report)
@@ -84,7 +88,7 @@ def _timing_table(report: Any) -> Any:
             f"{timing.tokens_per_s:.1f}",
             f"{report.speedup(name):.2f}x",
             f"{timing.matching_prompts}/{len(report.prompts)}",
-            str(timing.profile["prefill_tokens"]) if timing.profile else "",
+            str((timing.profile or {}).get("prefill_tokens", "")),
             _what_ran(name, timing, report),
             style="bold green" if name == "auto" else None,
         )

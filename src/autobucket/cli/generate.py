@@ -13,7 +13,7 @@ from autobucket.config import ROUTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli.args import positive_int
+    from autobucket.cli.args import add_model_arguments, finish_parser, positive_int
 
     parser = subparsers.add_parser(
         "generate",
@@ -21,9 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Greedy generation for every prompt in a file; writes one JSON object per prompt "
         "(id, prompt, completion, tokens, finish_reason) and prints a summary on stderr.",
     )
-    parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (embedded SmolLM2-135M-Instruct), tiny-* (random weights), a local "
-                        "path or an HF id (default: smollm2)")  # fmt: skip
+    add_model_arguments(parser, default="smollm2")
     parser.add_argument("--prompts", required=True, metavar="FILE",
                         help='JSONL with "prompt" or "prompt_ids" (optional "id") per line, a text file with '
                         "one prompt per line, or - for stdin")  # fmt: skip
@@ -36,12 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
-    parser.set_defaults(handler=_run_generate)
+    finish_parser(parser, _run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from autobucket.cli.args import apply_threads, model_device
     from autobucket.config import RolloutConfig, SamplingConfig
     from autobucket.tools.generate_job import GenerateJob, run_generate_job
 
@@ -52,6 +50,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         input_format=args.input_format,
         chat=args.chat,
         trust_remote_code=args.trust_remote_code,
+        dtype=args.dtype,
+        device=model_device(args),
+        attn_implementation=args.attn_implementation,
         rollout=RolloutConfig(route=args.route, costs=args.costs),
         sampling=SamplingConfig(
             max_new_tokens=args.max_new_tokens,
@@ -59,6 +60,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             repetition_penalty=args.repetition_penalty,
         ),
     )
+    apply_threads(args)
     if args.quiet:
         run_generate_job(job)
         return 0

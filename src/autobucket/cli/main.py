@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from autobucket.cli import calibrate, demo, generate, plan, sweep
+from autobucket.cli.args import in_cli_words
 
 _USAGE_ERROR = 2
 
@@ -22,11 +24,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a usage error: return the status instead of exiting
         return exc.code if isinstance(exc.code, int) else _USAGE_ERROR
-    try:
-        return args.handler(args)
-    except ValueError as exc:
-        print(f"autobucket {args.command}: error: {exc}", file=sys.stderr)
-        return _USAGE_ERROR
+    prefix = f"autobucket {args.command}"
+    with warnings.catch_warnings():
+        # A warning is one line on stderr, in the command's words (the library's warnings.warn shows the
+        # source line too, which tells a CLI user nothing).
+        warnings.showwarning = lambda message, *_: print(
+            f"{prefix}: warning: {in_cli_words(str(message), args.cli_words)}", file=sys.stderr
+        )
+        try:
+            return args.handler(args)
+        except ValueError as exc:
+            print(f"{prefix}: error: {in_cli_words(str(exc), args.cli_words)}", file=sys.stderr)
+            return _USAGE_ERROR
 
 
 def build_parser() -> argparse.ArgumentParser:

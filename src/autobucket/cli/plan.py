@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autobucket.cli.args import parse_lengths, positive_int
+from autobucket.cli.args import add_alias, finish_parser, parse_lengths, positive_int
 from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
@@ -49,17 +49,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "20.3M-parameter benchmark Qwen2)",
         )
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-    parser.add_argument("--capacity", type=positive_int, default=32, help="continuous batch size")
+    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
+                        help="most rows decoded at once (default: 32)")  # fmt: skip
+    add_alias(parser, "--capacity", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     limit = parser.add_mutually_exclusive_group()
-    limit.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=DEFAULT_PREFILL_MAX_TOKENS,
-        help="padded token positions per prefill forward",
-    )
-    limit.add_argument("--no-token-limit", dest="max_tokens", action="store_const", const=None)
+    limit.add_argument("--prefill-max-tokens", type=positive_int, default=DEFAULT_PREFILL_MAX_TOKENS, metavar="N",
+                       help=f"padded token positions per prefill forward (default: {DEFAULT_PREFILL_MAX_TOKENS})")
+    limit.add_argument("--no-prefill-limit", dest="prefill_max_tokens", action="store_const", const=None,
+                       help="no limit on the tokens of one prefill forward")  # fmt: skip
+    add_alias(limit, "--max-tokens", "--prefill-max-tokens", "prefill_max_tokens", type=positive_int)
+    add_alias(limit, "--no-token-limit", "--no-prefill-limit", "prefill_max_tokens", nargs=0, const=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.set_defaults(handler=_run_plan)
+    finish_parser(parser, _run_plan, phrases={"pass None for no limit": "pass --no-prefill-limit"})
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -68,10 +69,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     decision = choose_route(
         args.lengths,
         max_new_tokens=args.max_new_tokens,
-        continuous_batch_size=args.capacity,
+        continuous_batch_size=args.continuous_batch_size,
         geometry=geometry,
         costs=costs,
-        prefill_max_tokens=args.max_tokens,
+        prefill_max_tokens=args.prefill_max_tokens,
         max_positions=geometry.max_positions,
     )
     if args.json:
@@ -117,8 +118,8 @@ def _plan_json(
         "bucketed_lower_bound_ms": decision.bucketed_lower_bound_ms,
         "prompts": len(args.lengths),
         "max_new_tokens": args.max_new_tokens,
-        "capacity": args.capacity,
-        "max_tokens": args.max_tokens,
+        "continuous_batch_size": args.continuous_batch_size,
+        "prefill_max_tokens": args.prefill_max_tokens,
         "costs": costs.to_dict(),
         "geometry": asdict(geometry),
     }

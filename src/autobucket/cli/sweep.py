@@ -14,8 +14,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autobucket.cli.args import parse_lengths, positive_int
-from autobucket.cli.calibrate import add_model_arguments, load_model_from_args, progress_bar
+from autobucket.cli.args import (
+    add_alias,
+    add_model_arguments,
+    finish_parser,
+    load_model_from_args,
+    parse_lengths,
+    positive_int,
+)
+from autobucket.cli.console import progress_bar
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,12 +55,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender")
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="continuous batch size")
+    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
+                        help="most rows decoded at once, every route (default: 32)")  # fmt: skip
+    add_alias(parser, "--batch-size", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     parser.add_argument("--no-hf-batch", action="store_true", help="skip transformers' generate_batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("sweep.json"), help="report JSON (raw samples)")
     parser.add_argument("--plot", type=Path, help="PNG of ms per route per workload")
-    parser.set_defaults(handler=_run_sweep)  # fmt: skip
+    finish_parser(parser, _run_sweep)
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
@@ -61,13 +70,15 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from autobucket.tools.baselines import has_generate_batch
     from autobucket.tools.sweep import HF_BATCH, SweepOptions, plot_sweep, run_sweep, select_workloads
 
+    options = SweepOptions(repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                           continuous_batch_size=args.continuous_batch_size, with_hf_batch=not args.no_hf_batch)
     model, tokenizer = load_model_from_args(args)
-    costs = load_calibration(args.costs, model=model, strict=not args.allow_mismatch)
     workloads, notes = select_workloads(args.workloads, tokenizer, args.lengths, args.seed)
     if not workloads:
         raise ValueError("no workloads selected: pass --workloads and/or --lengths")
-    options = SweepOptions(repeats=args.repeats, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                           with_hf_batch=not args.no_hf_batch, seed=args.seed)  # fmt: skip
+    for note in notes:  # said before the long part, e.g. that lengths are estimated without a tokenizer
+        Console(stderr=True).print(f"note: {note}", highlight=False)
+    costs = load_calibration(args.costs, model=model, strict=not args.allow_mismatch)
     contenders = 4 + (options.with_hf_batch and has_generate_batch(model))
     with progress_bar(len(workloads) * contenders * (options.warmup + options.repeats), "sweeping") as step:
         report = run_sweep(model, costs, workloads, options, progress=step)

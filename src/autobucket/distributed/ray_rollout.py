@@ -1,14 +1,14 @@
 """`RayRollout`: data-parallel rollout on Ray — one actor per worker, each holding one `Rollout`.
 
-One `generate` call: prompts are normalised and checked on the driver (so errors name the caller's
-prompt index), sharded by `plan_shards` over the cost model (a prompt and its n samples stay on one
+The actor body is `worker.Worker`. One `generate` call: prompts are normalised and checked on the
+driver (so errors name the caller's prompt index), sharded by `plan_shards` over the cost model (a prompt and its n samples stay on one
 worker), run on every worker at once, and merged back in input order. Tokens do not depend on the
 sharding: greedy routes are token-exact per row, and sampling draws from streams keyed by each prompt's
 request seed, which the driver derives from the *input* index and passes to the workers per prompt.
 
 Design choices:
 
-* **Result.** `DistributedResult` (see `distributed_result.py`) is a `RolloutResult` with per-worker
+* **Result.** `DistributedResult` (see `result.py`) is a `RolloutResult` with per-worker
   reports (predicted and measured ms) and the imbalance properties; its route is the workers' common
   route, or "distributed" when they differ.
 * **Geometry and costs** for sharding come from worker 0 once (`describe`), cached until the model
@@ -27,92 +27,21 @@ Design choices:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from autobucket.checks import optional_int, require_int
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.distributed.result import DistributedResult, merge_shard_results
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.distributed.worker import ModelFactory, Worker, WorkerInfo
 from autobucket.planning.sharding import STRATEGIES, ShardPlan, plan_shards, prompt_cost_ms
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
 
-ModelFactory = Callable[[], Any] | str
 _CANCEL_WAIT_S = 60.0  # most time to wait for cancelled shards to stop before raising the first error
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the driver needs from a worker's model to validate and shard prompts."""
-
-    geometry: ModelGeometry
-    costs: CostCoefficients
-    vocab_size: int
-    max_positions: int | None
-
-
-class _Worker:
-    """The actor body. The model is loaded by `load`, not the constructor, so a failing factory raises
-    a normal task error (original type visible) and leaves a live actor that a new factory can fix."""
-
-    def __init__(self, config: RolloutConfig, torch_threads: int | None) -> None:
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
-        self.config = config
-        self.rollout: Any = None
-
-    def load(self, factory: ModelFactory) -> None:
-        from autobucket.engine.rollout import Rollout
-
-        self.rollout = None
-        model, tokenizer = _build_model(factory)
-        self.rollout = Rollout(model, tokenizer, self.config)
-        self.rollout.model.register_forward_pre_hook(_stop_if_cancelled)
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self._rollout().model.load_state_dict(state_dict)
-
-    def describe(self) -> WorkerInfo:
-        rollout = self._rollout()
-        return WorkerInfo(rollout.geometry, rollout.costs, rollout.vocab_size, rollout.max_positions)
-
-    def normalize(self, prompts: Sequence[Any]) -> list[list[int]]:
-        rollout = self._rollout()
-        return normalize_prompts(prompts, rollout.tokenizer, rollout.vocab_size)
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, overrides: dict) -> RolloutResult:
-        return self._rollout().generate(prompts, sampling, **overrides)
-
-    def _rollout(self) -> Any:
-        if self.rollout is None:
-            raise RuntimeError("this worker has no model: its factory failed; pass a working one to update_weights")
-        return self.rollout
-
-
-def _build_model(factory: ModelFactory) -> tuple[Any, Any]:
-    if isinstance(factory, str):
-        from autobucket.models import load_model
-
-        return load_model(factory)
-    built = factory()
-    return built if isinstance(built, tuple) else (built, None)
-
-
-class ShardCancelled(RuntimeError):
-    """Raised inside a worker whose shard was cancelled because another shard failed."""
-
-
-def _stop_if_cancelled(module: torch.nn.Module, args: Any) -> None:
-    import ray
-
-    context = ray.get_runtime_context()
-    # Ray flags a running sync-actor task on ray.cancel since ray-project/ray#58914 (late 2025);
-    # on older Ray `is_canceled` is missing, only queued shards are cancelled, running ones finish.
-    if getattr(context, "is_canceled", None) is not None and context.is_canceled():
-        raise ShardCancelled("shard cancelled: another worker failed")
 
 
 def _import_ray() -> Any:
@@ -132,7 +61,8 @@ class RayRollout:
     ...     result = rr.generate(prompts, SamplingConfig(max_new_tokens=16))
 
     model_factory: a picklable callable returning (model, tokenizer) or a bare model, built inside each
-      worker; or a string for `autobucket.models.load_model` (tiny name, local path, HF id).
+      worker; or a string for `autobucket.models.load_any_model` (tiny name, smollm2, folder, HF id,
+      config.json). A path that does not exist is refused here, before any actor starts.
     worker_options: Ray actor options (`num_cpus`, `num_gpus`, `resources`, `runtime_env`, ...);
       `num_cpus` defaults to 1.
     torch_threads: `torch.set_num_threads` in each worker; None: the actor's `num_cpus` (an int).
@@ -149,8 +79,8 @@ class RayRollout:
         sharding: str = "cost",
     ) -> None:
         self._ray = _import_ray()
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers={num_workers!r} is invalid: pass a positive int")
+        require_int("num_workers", num_workers, fix="pass the number of Ray actors to start")
+        optional_int("torch_threads", torch_threads, fix="pass None to use each actor's num_cpus")
         if sharding not in STRATEGIES:
             raise ValueError(f"sharding={sharding!r} is invalid: choose one of {', '.join(STRATEGIES)}")
         self.config = config if config is not None else RolloutConfig()
@@ -164,7 +94,7 @@ class RayRollout:
         self._info: WorkerInfo | None = None
         if not self._ray.is_initialized():
             self._ray.init()
-        self._actor_class = self._ray.remote(_Worker)
+        self._actor_class = self._ray.remote(Worker)
         self._actors: list[Any] = [None] * num_workers
         self._loading: list[Any] = []  # refs of load tasks not yet confirmed
         for worker in range(num_workers):
@@ -314,7 +244,13 @@ def _request_seeds(sampling: SamplingConfig, count: int) -> list[int]:
 
 
 def _check_factory(factory: Any) -> None:
-    if not (isinstance(factory, str) or callable(factory)):
+    """On the driver, before any actor starts: a factory must be callable, or a model name that can exist
+    (a path that does not exist is refused here, naming it, instead of failing in every worker)."""
+    from autobucket.models import check_model_name
+
+    if isinstance(factory, str):
+        check_model_name(factory)
+    elif not callable(factory):
         raise TypeError(
             f"model_factory must be a callable returning (model, tokenizer) or a model name/path string, "
             f"got {type(factory).__name__}"

@@ -25,6 +25,7 @@ from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
+from autobucket.threads import warn_if_oversubscribed
 
 
 class Rollout:
@@ -45,6 +46,7 @@ class Rollout:
         self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
         self.max_positions = self.geometry.max_positions
         self.costs = _resolve_costs(self.config, self.model)
+        warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
 
     @property
     def device(self) -> torch.device:

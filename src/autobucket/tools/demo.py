@@ -21,11 +21,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autobucket.checks import require_bool, require_int
 from autobucket.config import SamplingConfig
 from autobucket.planning.costs import CostCoefficients
 
 ROUTES = ("ordinary", "equal_width", "aligned", "auto")
-HF_BASELINE = "hf_generate_batch"
+HF_BATCH = "hf_generate_batch"  # = tools.baselines.HF_BATCH (not imported: that module needs torch)
 REFERENCE = "ordinary"
 QUESTIONS_FILE = "demo_questions.txt"
 HUMANEVAL_TASKS = ("HumanEval/129", "HumanEval/0", "HumanEval/12", "HumanEval/23")  # 436, 166, 142, 82 tokens
@@ -42,12 +43,12 @@ class DemoConfig:
     max_new_tokens: int = 48
     costs: Path | None = None  # calibration / coefficients JSON for auto; None: default coefficients
     repeats: int = 1
-    hf_baseline: bool = True  # also time transformers' own continuous batching when the version has it
+    with_hf_batch: bool = True  # also time transformers' own continuous batching when the version has it
 
     def __post_init__(self) -> None:
         SamplingConfig(max_new_tokens=self.max_new_tokens)  # validates the budget
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"repeats={self.repeats!r} is invalid: time each route at least once (repeats >= 1)")
+        require_int("repeats", self.repeats, fix="time each route at least once")
+        require_bool("with_hf_batch", self.with_hf_batch)
 
 
 @dataclass(frozen=True)
@@ -148,31 +149,15 @@ def demo_costs(model: Any, costs_path: Path | None) -> tuple[CostCoefficients, s
 
 def route_contenders(model: Any, tokenizer: Any, costs: CostCoefficients, sampling: SamplingConfig, hf: bool):
     """name -> contender (prompts -> (tokens, profile dict)) for every route, plus HF's own CB if asked."""
-    from autobucket.config import RolloutConfig
-    from autobucket.engine.rollout import Rollout
-    from autobucket.tools.workloads import Contender
+    from autobucket.tools.baselines import hf_batch_contender
+    from autobucket.tools.workloads import Contender, rollout_contender
 
-    def rollout_contender(route: str) -> Contender:
-        rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs))
-
-        def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
-            result = rollout.generate(prompts, sampling)
-            return result.tokens, result.profile.to_dict()
-
-        return run
-
-    contenders: dict[str, Contender] = {route: rollout_contender(route) for route in ROUTES}
+    contenders: dict[str, Contender] = {
+        route: rollout_contender(model, route, sampling, costs, tokenizer) for route in ROUTES
+    }
     if hf:
-        from autobucket.tools.baselines import hf_generate_batch
-
-        eos = _eos_ids(model)
-        contenders[HF_BASELINE] = lambda prompts: (hf_generate_batch(model, prompts, sampling.max_new_tokens, eos), None)
+        contenders[HF_BATCH] = hf_batch_contender(model, sampling.max_new_tokens)
     return contenders
-
-
-def _eos_ids(model: Any) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def run_demo(config: DemoConfig, on_status: Status | None = None) -> DemoReport:
@@ -188,7 +173,7 @@ def run_demo(config: DemoConfig, on_status: Status | None = None) -> DemoReport:
     costs, label = demo_costs(model, config.costs)
     report = DemoReport(config, demo_prompts(tokenizer), costs, label, time.perf_counter() - started)
     prompts = [p.ids for p in report.prompts]
-    hf = config.hf_baseline and has_generate_batch(model)
+    hf = config.with_hf_batch and has_generate_batch(model)
     status(f"warming up {len(ROUTES) + hf} contenders ({WARMUP_NEW_TOKENS} new tokens each)")
     warmup = SamplingConfig(max_new_tokens=WARMUP_NEW_TOKENS, continuous_batch_size=len(prompts))
     time_interleaved(route_contenders(model, tokenizer, costs, warmup, hf), prompts, 1, warmup=0)

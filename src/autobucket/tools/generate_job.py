@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autobucket.checks import optional_int, require_bool, require_int
 from autobucket.config import RolloutConfig, SamplingConfig
 
 STDIO = "-"
@@ -40,7 +41,8 @@ class PromptRecord:
 
 @dataclass(frozen=True)
 class GenerateJob:
-    """What `autobucket generate` does; `prompts` and `out` are paths or "-" for stdin / stdout."""
+    """What `autobucket generate` does; `prompts` and `out` are paths or "-" for stdin / stdout; `model`
+    and its loading options as `autobucket.models.load_any_model` takes them."""
 
     prompts: str
     out: str = STDIO
@@ -48,6 +50,9 @@ class GenerateJob:
     input_format: str = "auto"
     chat: bool = False
     trust_remote_code: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn_implementation: str = "sdpa"
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(route="auto"))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chunk_prompts: int | None = None  # prompts per generate call (None: CHUNK_BATCHES continuous batches)
@@ -55,8 +60,9 @@ class GenerateJob:
     def __post_init__(self) -> None:
         if self.input_format not in INPUT_FORMATS:
             raise ValueError(f"input_format={self.input_format!r} is invalid: choose one of {', '.join(INPUT_FORMATS)}")
-        if self.chunk_prompts is not None and (isinstance(self.chunk_prompts, bool) or self.chunk_prompts < 1):
-            raise ValueError(f"chunk_prompts={self.chunk_prompts!r} is invalid: use an int >= 1 or None")
+        optional_int("chunk_prompts", self.chunk_prompts, fix="use None for a few continuous batches per call")
+        require_bool("chat", self.chat)
+        require_bool("trust_remote_code", self.trust_remote_code)
 
 
 # ------------------------------------------------------------------ input
@@ -122,9 +128,17 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
             raise ValueError(f'{where}: "prompt" must be a non-empty string, got {text!r}')
         return PromptRecord(id=record_id, line=number, text=text)
     ids = item["prompt_ids"]
-    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+    if not isinstance(ids, list) or not ids or not all(_is_token_id(token) for token in ids):
         raise ValueError(f'{where}: "prompt_ids" must be a non-empty list of token ids (ints >= 0), got {ids!r}')
     return PromptRecord(id=record_id, line=number, ids=ids)
+
+
+def _is_token_id(value: Any) -> bool:
+    try:
+        require_int("token id", value, minimum=0)
+    except ValueError:
+        return False
+    return True
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -167,12 +181,12 @@ def encode_prompts(
 def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> dict[str, Any]:
     """Read, generate, write; returns the summary (route, buckets, times, tokens/s)."""
     from autobucket.engine.rollout import Rollout
-    from autobucket.models import load_model
+    from autobucket.models import load_any_model
 
     records = read_prompts(job.prompts, job.input_format)
     _check_output_path(job.out)
     started = time.perf_counter()
-    model, tokenizer = load_model(job.model, trust_remote_code=job.trust_remote_code)
+    model, tokenizer = load_any_model(job.model, job.dtype, job.device, job.attn_implementation, job.trust_remote_code)
     load_s = time.perf_counter() - started
     rollout = Rollout(model, tokenizer, job.rollout)
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))

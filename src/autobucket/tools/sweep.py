@@ -24,15 +24,22 @@ from typing import Any
 
 import torch
 
-from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.checks import require_bool, require_int
+from autobucket.config import SamplingConfig
 from autobucket.planning.costs import CostCoefficients
-from autobucket.profile import PeakMemory
 from autobucket.prompts import random_prompts
-from autobucket.tools.baselines import has_generate_batch, hf_generate_batch
-from autobucket.tools.workloads import ContenderRun, Workload, reference_workloads, time_interleaved
+from autobucket.tools.baselines import HF_BATCH, has_generate_batch, hf_batch_contender, hf_generate_batch
+from autobucket.tools.workloads import (
+    Contender,
+    ContenderRun,
+    Workload,
+    reference_workloads,
+    reporting,
+    rollout_contender,
+    time_interleaved,
+)
 
 MANUAL_ROUTES = ("ordinary", "equal_width", "aligned")
-HF_BATCH = "hf_generate_batch"
 BYTES_PER_TOKEN = 4  # approximate BPE token length of HumanEval text when the model has no tokenizer
 Progress = Callable[[str], None]
 
@@ -42,15 +49,15 @@ class SweepOptions:
     repeats: int = 5
     warmup: int = 1
     max_new_tokens: int = 16
-    batch_size: int = 32  # continuous_batch_size for every route
+    continuous_batch_size: int = 32  # for every route
     with_hf_batch: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, minimum in (("repeats", 1), ("warmup", 0), ("max_new_tokens", 1), ("batch_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} is invalid: expected an int >= {minimum}")
+        for name, minimum in (("repeats", 1), ("warmup", 0), ("max_new_tokens", 1), ("continuous_batch_size", 1)):
+            require_int(name, getattr(self, name), minimum)
+        require_int("seed", self.seed, minimum=0)
+        require_bool("with_hf_batch", self.with_hf_batch)
 
 
 def workload_key(name: str) -> str:
@@ -144,45 +151,22 @@ def run_sweep(
 
 def _contenders(
     model, costs: CostCoefficients, options: SweepOptions, progress: Progress
-) -> tuple[dict[str, Callable], list[str]]:
-    from autobucket.engine.rollout import Rollout
-
-    sampling = SamplingConfig(max_new_tokens=options.max_new_tokens, continuous_batch_size=options.batch_size)
-
-    def rollout_contender(route: str) -> Callable:
-        rollout = Rollout(model, config=RolloutConfig(route=route, costs=costs))
-
-        def run(prompts):
-            result = rollout.generate(prompts, sampling)
-            progress(route)
-            return result.tokens, result.profile.to_dict()
-
-        return run
-
-    contenders = {route: rollout_contender(route) for route in (*MANUAL_ROUTES, "auto")}
+) -> tuple[dict[str, Contender], list[str]]:
+    sampling = SamplingConfig(max_new_tokens=options.max_new_tokens, continuous_batch_size=options.continuous_batch_size)
+    contenders = {route: rollout_contender(model, route, sampling, costs) for route in (*MANUAL_ROUTES, "auto")}
     notes = []
     if options.with_hf_batch and has_generate_batch(model):
         try:  # a baseline that cannot run here must not stop the sweep
             hf_generate_batch(model, [[3, 4, 5]], 2)
-            contenders[HF_BATCH] = lambda prompts: _run_hf_batch(model, prompts, options, progress)
+            contenders[HF_BATCH] = hf_batch_contender(model, options.max_new_tokens)
         except Exception as exc:  # any failure of the third-party baseline
             notes.append(f"{HF_BATCH} skipped: it failed on a 3-token probe ({type(exc).__name__}: {exc})")
     elif options.with_hf_batch:
         notes.append(f"{HF_BATCH} skipped: this transformers/model has no generate_batch")
-    return contenders, notes
+    return reporting(contenders, progress), notes
 
 
-def _run_hf_batch(model, prompts, options: SweepOptions, progress: Progress):
-    eos = model.generation_config.eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    device = next(model.parameters()).device
-    with PeakMemory(device) as memory:
-        tokens = hf_generate_batch(model, prompts, options.max_new_tokens, eos_ids)
-    progress(HF_BATCH)
-    return tokens, {"peak_memory_bytes": memory.peak_bytes()}
-
-
-def _run_workload(model, contenders: dict[str, Callable], workload: Workload, options: SweepOptions) -> dict:
+def _run_workload(model, contenders: dict[str, Contender], workload: Workload, options: SweepOptions) -> dict:
     prompts = random_prompts(
         workload.lengths, int(model.get_output_embeddings().weight.shape[0]), seed=options.seed
     )

@@ -12,11 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobucket.checks import require_int
+from autobucket.config import RolloutConfig, SamplingConfig
+
 
 @dataclass(frozen=True)
 class Workload:
+    """Prompt lengths in tokens; every prompt needs one token at least, checked here so that a bad
+    workload (e.g. lengths from an empty tokenizer) is refused when it is chosen, not minutes later."""
+
     name: str
     lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for index, length in enumerate(self.lengths):
+            try:
+                require_int(f"prompt {index}'s length", length, fix="every prompt needs at least one token")
+            except ValueError as exc:
+                raise ValueError(f"workload {self.name!r}: {exc}") from None
 
 
 def reference_workloads() -> list[Workload]:
@@ -49,6 +62,35 @@ class ContenderRun:
 
 # A contender: prompts -> (generated tokens, profile dict or None)
 Contender = Callable[[list[list[int]]], tuple[list[list[int]], dict[str, Any] | None]]
+
+
+def rollout_contender(
+    model: Any, route: str, sampling: SamplingConfig, costs: Any = None, tokenizer: Any = None
+) -> Contender:
+    """One route as a contender: prompts -> (tokens, profile dict); the `Rollout` is built once."""
+    from autobucket.engine.rollout import Rollout
+
+    rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs))
+
+    def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+        result = rollout.generate(prompts, sampling)
+        return result.tokens, result.profile.to_dict()
+
+    return run
+
+
+def reporting(contenders: dict[str, Contender], done: Callable[[str], None]) -> dict[str, Contender]:
+    """The same contenders, each calling `done(name)` after every run (for a progress bar)."""
+
+    def wrap(name: str, contender: Contender) -> Contender:
+        def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any] | None]:
+            outcome = contender(prompts)
+            done(name)
+            return outcome
+
+        return run
+
+    return {name: wrap(name, contender) for name, contender in contenders.items()}
 
 
 def time_interleaved(
