@@ -204,3 +204,10 @@ def test_bad_arguments_are_rejected_before_any_actor_starts() -> None:
         RayRollout("tiny-qwen2", sharding="random")
     with pytest.raises(TypeError, match="model_factory must be"):
         RayRollout(42)
+    with pytest.raises(ValueError, match="num_workers=True"):
+        RayRollout("tiny-qwen2", num_workers=True)
+    with pytest.raises(ValueError, match="torch_threads=0"):
+        RayRollout("tiny-qwen2", torch_threads=0)
+    # Issue 16 item 2: a model path that does not exist is named on the driver, with what a name may be.
+    with pytest.raises(ValueError, match=r"model './no-such-model' does not exist: pass a model folder.*smollm2"):
+        RayRollout("./no-such-model")

@@ -131,7 +131,7 @@ def _load_pretrained(
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
-    except OSError as exc:  # not a folder with weights, not a cached or reachable HF id
+    except (OSError, ValueError) as exc:  # not a folder with a model, not a cached or reachable HF id
         raise ValueError(f"cannot load model {name!r} ({_first_line(exc)}): pass {MODEL_FORMS}") from exc
     return model.eval(), load_tokenizer(name, trust_remote_code)
 

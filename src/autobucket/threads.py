@@ -10,6 +10,7 @@ Troubleshooting section says what to do about them."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -39,13 +40,18 @@ def oversubscription_message(threads: int, cpus: int) -> str | None:
 
 
 def warn_if_oversubscribed() -> None:
-    """Warn (once per distinct message: the warning is raised from this line) when torch has more
-    threads than this process's CPUs."""
+    """Warn, once per process and thread count, when torch has more threads than this process's CPUs."""
     import torch
 
     message = oversubscription_message(torch.get_num_threads(), usable_cpus())
     if message is not None:
-        warnings.warn(message, ThreadOversubscriptionWarning, stacklevel=1)
+        _warn_once(message)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    # Not left to the warnings registry: importing transformers resets it, and every Rollout checks.
+    warnings.warn(message, ThreadOversubscriptionWarning, stacklevel=3)
 
 
 def set_torch_threads(threads: int | None) -> int:

