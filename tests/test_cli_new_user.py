@@ -189,3 +189,38 @@ def test_every_model_command_takes_threads(command, capsys):
 
     assert main([command, "--help"]) == 0
     assert "--threads N" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ renamed flags (issue 11) and CLI wording (16.4)
+ALIASES = [  # (command and required arguments, old spelling, new spelling, destination)
+    (["plan", "--lengths", "4"], ["--capacity", "8"], ["--continuous-batch-size", "8"], "continuous_batch_size"),
+    (["plan", "--lengths", "4"], ["--max-tokens", "64"], ["--prefill-max-tokens", "64"], "prefill_max_tokens"),
+    (["plan", "--lengths", "4"], ["--no-token-limit"], ["--no-prefill-limit"], "prefill_max_tokens"),
+    (["sweep", "--model", "m", "--costs", "c"], ["--batch-size", "8"], ["--continuous-batch-size", "8"],
+     "continuous_batch_size"),
+    (["calibrate", "--model", "m"], ["--shapes", "1:8"], ["--prefill-shapes", "1:8"], "prefill_shapes"),
+    (["demo"], ["--no-hf-baseline"], ["--no-hf-batch"], "with_hf_batch"),
+]
+
+
+@pytest.mark.parametrize(("base", "old", "new", "dest"), ALIASES)
+def test_every_renamed_flag_parses_like_its_new_spelling(capsys, base, old, new, dest):
+    from autobucket.cli.main import build_parser
+
+    parser = build_parser()
+    default = vars(parser.parse_args(base))[dest]
+    with_new = vars(parser.parse_args(base + new))
+    assert with_new[dest] != default  # the flag does something
+    assert vars(parser.parse_args(base + old)) == with_new
+    assert f"{old[0]} is deprecated and will be removed: use {new[0]}" in capsys.readouterr().err
+
+
+def test_generate_errors_name_the_flags(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
+    completed = run_cli("generate", "--model", "tiny-qwen2", "--prompts", str(prompts), "--quiet",
+                        "--repetition-penalty", "0", "--continuous-batch-size", "2")  # fmt: skip
+    assert completed.returncode == 2
+    assert completed.stderr.strip() == (
+        "autobucket generate: error: --repetition-penalty 0.0 is invalid: it must be > 0 (1.0 disables it)"
+    )

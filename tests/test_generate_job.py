@@ -153,3 +153,10 @@ def test_output_folder_must_exist_before_the_model_loads(tmp_path, capsys):
     argv = ["generate", "--model", MODEL, "--prompts", str(path), "--out", str(tmp_path / "nope" / "out.jsonl")]
     assert main(argv) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("field", "value"), [("chunk_prompts", 0), ("chunk_prompts", True), ("chat", "yes"),
+                                              ("input_format", "csv")])  # fmt: skip
+def test_bad_job_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
+        GenerateJob(prompts="-", **{field: value})

@@ -121,3 +121,12 @@ def test_gpu_check_skips_cleanly_without_a_gpu(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "no CUDA GPU: skipping" in result.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_sweep_options_are_checked_with_their_field_names():
+    from autobucket.tools.sweep import SweepOptions
+
+    assert SweepOptions(continuous_batch_size=4).continuous_batch_size == 4
+    for field, value in (("repeats", 0), ("warmup", -1), ("continuous_batch_size", True), ("seed", 1.5)):
+        with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
+            SweepOptions(**{field: value})

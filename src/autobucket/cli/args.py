@@ -41,6 +41,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    from autobucket.checks import require_finite
+
+    try:
+        return require_finite("value", float(text), minimum=0.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
+
+
 # ---------------------------------------------------------------- model and threads
 def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
     """--model and how to load it (--dtype, --device, --attn-implementation, --trust-remote-code),

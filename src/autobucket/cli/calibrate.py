@@ -20,6 +20,7 @@ from autobucket.cli.args import (
     add_model_arguments,
     finish_parser,
     load_model_from_args,
+    non_negative_float,
     positive_int,
 )
 from autobucket.cli.console import progress_bar
@@ -37,28 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_model_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("costs.json"), help="calibration JSON to write")
-    parser.add_argument(
-        "--prefill-shapes",
-        type=parse_shapes,
-        metavar="B:L,...",
-        help="prefill shapes to fit (default: B in 1..32, L up to --max-length)",
-    )
-    add_alias(parser, "--shapes", "--prefill-shapes", "prefill_shapes", type=parse_shapes)
-    holdout = parser.add_mutually_exclusive_group()
-    holdout.add_argument(
-        "--holdout-shapes",
-        type=parse_shapes,
-        metavar="B:L,...",
-        help="shapes measured but not fitted, to report held-out error (default: a grid "
-        "between the fitted shapes)",
-    )
-    holdout.add_argument("--no-holdout", action="store_true", help="measure no held-out shapes")
-    parser.add_argument(
-        "--decode-shapes",
-        type=parse_shapes,
-        metavar="B:L,...",
-        help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)",
-    )
+    _add_shape_arguments(parser)
     parser.add_argument(
         "--decode-new-tokens",
         type=positive_int,
@@ -73,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape (median)")
     parser.add_argument(
         "--max-error",
-        type=float,
+        type=non_negative_float,
         default=0.5,
         metavar="FRACTION",
         help="refuse the fit when the median relative error of the fitted prefill shapes "
@@ -81,6 +61,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--seed", type=int, default=0)
     finish_parser(parser, _run_calibrate, phrases={"max_median_error": "--max-error"})
+
+
+def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    shapes = {"type": parse_shapes, "metavar": "B:L,..."}
+    parser.add_argument("--prefill-shapes", **shapes,
+                        help="prefill shapes to fit (default: B in 1..32, L up to --max-length)")  # fmt: skip
+    add_alias(parser, "--shapes", "--prefill-shapes", "prefill_shapes", type=parse_shapes)
+    holdout = parser.add_mutually_exclusive_group()
+    holdout.add_argument("--holdout-shapes", **shapes, help="shapes measured but not fitted, to report held-out "
+                         "error (default: a grid between the fitted shapes)")  # fmt: skip
+    holdout.add_argument("--no-holdout", action="store_true", help="measure no held-out shapes")
+    parser.add_argument("--decode-shapes", **shapes,
+                        help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)")  # fmt: skip
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
