@@ -199,6 +199,7 @@ ALIASES = [  # (command and required arguments, old spelling, new spelling, dest
     (["sweep", "--model", "m", "--costs", "c"], ["--batch-size", "8"], ["--continuous-batch-size", "8"],
      "continuous_batch_size"),
     (["calibrate", "--model", "m"], ["--shapes", "1:8"], ["--prefill-shapes", "1:8"], "prefill_shapes"),
+    (["calibrate", "--model", "m"], ["--max-error", "0.2"], ["--max-median-error", "0.2"], "max_median_error"),
     (["demo"], ["--no-hf-baseline"], ["--no-hf-batch"], "with_hf_batch"),
 ]
 

@@ -51,16 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="longest prompt of the default grids (default: min(512, model context))",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape (median)")
-    parser.add_argument(
-        "--max-error",
-        type=non_negative_float,
-        default=0.5,
-        metavar="FRACTION",
-        help="refuse the fit when the median relative error of the fitted prefill shapes "
-        "exceeds this (default 0.5)",
-    )
+    parser.add_argument("--max-median-error", type=non_negative_float, default=0.5, metavar="FRACTION",
+                        help="refuse the fit when the median relative error of the fitted prefill shapes "
+                        "exceeds this (default 0.5)")  # fmt: skip
+    add_alias(parser, "--max-error", "--max-median-error", "max_median_error", type=non_negative_float)
     parser.add_argument("--seed", type=int, default=0)
-    finish_parser(parser, _run_calibrate, phrases={"max_median_error": "--max-error"})
+    finish_parser(parser, _run_calibrate)
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +92,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     model, _ = load_model_from_args(args)
     plan = _plan_from_args(args, model_geometry(model).max_positions)
     with progress_bar(plan.items, "measuring") as step:
-        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_error)
+        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_median_error)
     console = Console()
     console.print(fit_table(result.report.rows))
     console.print(coefficients_table(result.costs.to_dict()))
