@@ -37,11 +37,19 @@ def run_cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def fresh_tiny_model():
+    """Not the session's shared tiny model: `save_pretrained` and `generate_batch` change a model's config
+    (dtype, attention implementation), which would change its calibration fingerprint for later tests."""
+    from autobucket.models import build_tiny_model
+
+    return build_tiny_model("tiny-qwen2")
+
+
 @pytest.fixture(scope="module")
-def weights_only(tmp_path_factory, tiny_models):
+def weights_only(tmp_path_factory):
     """A folder written by `save_pretrained` of a model alone: config and weights, no tokenizer files."""
     folder = tmp_path_factory.mktemp("weights-only")
-    tiny_models("tiny-qwen2").save_pretrained(folder)
+    fresh_tiny_model().save_pretrained(folder)
     return folder
 
 
@@ -89,10 +97,10 @@ def test_sweep_on_a_weights_only_folder_estimates_lengths_and_prints_no_eos_warn
     assert has_hf == hasattr(model, "generate_batch")
 
 
-def test_generate_batch_warns_without_an_eos_so_the_check_above_can_fail(tiny_models, caplog):
+def test_generate_batch_warns_without_an_eos_so_the_check_above_can_fail(caplog):
     """Negative control for item 6: the warning text the sweep test looks for is what transformers prints
     when the generation config has no EOS (our baseline passes -1, "disabled", instead)."""
-    model = tiny_models("tiny-qwen2")
+    model = fresh_tiny_model()
     if not hasattr(model, "generate_batch"):
         pytest.skip("transformers 4.x has no generate_batch")
     from transformers import GenerationConfig

@@ -65,7 +65,7 @@ class RouteTiming:
     name: str
     samples_ms: list[float]
     tokens: list[list[int]]
-    profile: dict[str, Any] | None  # the last run's `Profile`; None for the HF baseline
+    profile: dict[str, Any] | None  # the last run's `Profile`; only peak memory for the HF baseline
     matching_prompts: int  # prompts whose tokens equal the reference's
 
     @property
