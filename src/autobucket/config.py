@@ -21,7 +21,9 @@ class RolloutConfig:
       prefilled as one padded batch), "aligned" (CB, one prefill per request), "bucketed" (CB, each
       admission split into the planner's DP buckets) or "auto" (the cost model picks "ordinary" or
       "bucketed" per call).
-    costs: `CostCoefficients` or a path to a calibration / coefficients JSON (used by "auto").
+    costs: the cost model's coefficients (used by "auto" and "bucketed"): None or "online" (learned from
+      every call, starting from what earlier processes learned for this model on this machine, else from a
+      probe of a few seconds), a `CostCoefficients`, or a path to a calibration / coefficients JSON.
     costs_strict: a calibration file whose model, dtype, device or attention backend differs from this
       model's is an error (False: a warning).
     prefill_max_tokens: most padded token positions in one prefill forward (None: no limit).
@@ -52,7 +54,8 @@ class RolloutConfig:
 
             if not isinstance(self.costs, CostCoefficients):
                 raise ValueError(
-                    f"costs={self.costs!r} is invalid: pass a CostCoefficients, a path to a costs JSON, or None"
+                    f"costs={self.costs!r} is invalid: pass a CostCoefficients, a path to a costs JSON, or "
+                    "None / 'online' to learn them"
                 )
 
 

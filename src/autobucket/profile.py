@@ -3,17 +3,34 @@
 Counters (forwards, groups, bytes) are always exact. Phase times (`prefill_ms`, `decode_ms`,
 `cache_ms`) are host wall-clock; on a GPU they only mean something with `RolloutConfig(profile=True)`,
 which synchronises the device at phase boundaries. `total_ms` is the wall time of the whole call,
-planning and result normalisation included, and always ends with a device sync."""
+planning and result normalisation included, and always ends with a device sync.
+
+`timings` lists every event the cost model describes (each prefill forward, KV copy and decode step,
+with its shape and ms); online cost learning feeds on them. `predicted_ms` is what the coefficients in
+`costs` (from `costs_source`) predict for those same events, `measured_ms` their measured sum: the
+two agree when the cost model is right for this machine."""
 
 from __future__ import annotations
 
+import copy
 import resource
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One measured event: `kind` (see `planning.costs.TIMING_KINDS`), its rows, width (prefill: padded
+    tokens; KV copy: prompt tokens; decode step: KV columns attended) and wall ms."""
+
+    kind: str
+    rows: int
+    width: int
+    ms: float
 
 
 @dataclass
@@ -40,9 +57,19 @@ class Profile:
     estimated_ordinary_ms: float | None = None
     estimated_bucketed_ms: float | None = None
     decision_reason: str = ""
+    costs_source: str = ""  # file, given, defaults (the reference's GPU values), probe, stored or online
+    costs: dict[str, float] = field(default_factory=dict)  # the coefficients this call planned with
+    predicted_ms: float | None = None  # the cost model's ms for this call's timed events
+    measured_ms: float = 0.0  # the measured ms of the same events (sum of `timings`)
+    timings: list[Timing] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field but the raw `timings` (one entry per decode step: long)."""
+        return copy.deepcopy({f.name: getattr(self, f.name) for f in fields(self) if f.name != "timings"})
+
+    def record(self, kind: str, rows: int, width: int, started: float) -> None:
+        """Append a `Timing` of `kind` that began at `time.perf_counter()` value `started`."""
+        self.timings.append(Timing(kind, rows, width, (time.perf_counter() - started) * 1e3))
 
 
 class PhaseTimer:

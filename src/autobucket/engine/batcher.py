@@ -15,6 +15,7 @@ happen on those host integers."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from autobucket.engine.finished import Finished
 from autobucket.engine.model_runner import ModelRunner, RowInsert
 from autobucket.engine.prefill import PrefillOutput
 from autobucket.engine.selection import Selection
+from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
 from autobucket.profile import PhaseTimer, Profile
 
 # A route's admission policy: the admission's prompt indices -> prefill buckets of prompt indices.
@@ -104,10 +106,14 @@ class ContinuousBatcher:
         self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
 
     def _prefill(self, bucket: list[int], bucket_prompts: list[Sequence[int]]) -> dict[int, _Source]:
+        width = max(len(p) for p in bucket_prompts)
         with self.timer.phase("prefill_ms"):
+            started = time.perf_counter()
             output, seen = self.runner.prefill(bucket_prompts)
+            self.timer.sync()
+            self.profile.record(PREFILL_FORWARD, len(bucket), width, started)
         self.profile.prefill_forwards += 1
-        self.profile.prefill_tokens += len(bucket) * max(len(p) for p in bucket_prompts)
+        self.profile.prefill_tokens += len(bucket) * width
         return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(bucket)}
 
     def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
@@ -137,14 +143,21 @@ class ContinuousBatcher:
         if seen is not None:
             seen[torch.arange(len(keep), device=self.runner.device), first] = True
         lengths = [len(prompts[row.prompt]) for _, row in keep]
+        # The first insert also allocates the cache (a per-call cost): only later copies are KV-copy timings.
+        allocates, started = self.runner.store is None, time.perf_counter()
         self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
+        if not allocates:
+            self.timer.sync()
+            self.profile.record(KV_COPY, len(keep), max(lengths), started)
         self.rows.extend(row for _, row in keep)
         self.profile.max_active_rows = max(self.profile.max_active_rows, len(self.rows))
 
     # ------------------------------------------------------------ decode
     def _decode_step(self) -> None:
+        started, rows = time.perf_counter(), len(self.rows)
         with self.timer.phase("cache_ms"):
             self.runner.prepare_decode()
+        attended = self.runner.store.front + 1  # the columns this step's forward attends over
         with self.timer.phase("decode_ms"):
             logits = self.runner.decode_logits()
             tokens, logprobs = self.selection.choose(logits, self.runner.seen, *self._stream_keys())
@@ -157,6 +170,7 @@ class ContinuousBatcher:
             with self.timer.phase("cache_ms"):
                 self.runner.retire(keep)
                 self.rows = [self.rows[r] for r in keep]
+        self.profile.record(CB_STEP, rows, attended, started)
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
         """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""

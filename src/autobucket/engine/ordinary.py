@@ -18,14 +18,20 @@ from autobucket.engine.finished import Finished, cut_at_eos
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.prefill import left_pad
 from autobucket.engine.selection import Selection, seen_in_left_padded
-from autobucket.profile import PhaseTimer, Profile
+from autobucket.planning.costs import ORDINARY_STEP, PREFILL_FORWARD
+from autobucket.profile import PhaseTimer, Profile, Timing
 
 
 class _ForwardClock:
-    """Forward hooks that split one generate call's forwards into prefill (first) and decode."""
+    """Forward hooks that split one generate call's forwards into prefill (first) and decode.
 
-    def __init__(self, model: torch.nn.Module, profile: Profile, timer: PhaseTimer) -> None:
+    For the cost model it also records the prefill forward and each decode *step*: from one decode
+    forward's start to the next one's (to `remove` for the last), so HF's per-step work between
+    forwards (logits processors, stopping checks, growing `input_ids`) counts, as it does in a CB step."""
+
+    def __init__(self, model: torch.nn.Module, profile: Profile, timer: PhaseTimer, rows: int, width: int) -> None:
         self.profile, self.timer, self.calls, self.started = profile, timer, 0, 0.0
+        self.rows, self.width, self.step_started = rows, width, None
         self.handles = [
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after),
@@ -34,6 +40,9 @@ class _ForwardClock:
     def _before(self, *args: object) -> None:
         self.timer.sync()
         self.started = time.perf_counter()
+        self._end_step(self.started)
+        if self.calls > 0:
+            self.step_started = self.started
 
     def _after(self, *args: object) -> None:
         self.timer.sync()
@@ -41,12 +50,22 @@ class _ForwardClock:
         if self.calls == 0:
             self.profile.prefill_ms += elapsed_ms
             self.profile.prefill_forwards += 1
+            self.profile.record(PREFILL_FORWARD, self.rows, self.width, self.started)
         else:
             self.profile.decode_ms += elapsed_ms
             self.profile.decode_forwards += 1
         self.calls += 1
 
+    def _end_step(self, now: float) -> None:
+        if self.step_started is not None:
+            # Decode forward k (k = self.calls - 1 >= 1) attends the prompt width plus k positions.
+            ms = (now - self.step_started) * 1e3
+            self.profile.timings.append(Timing(ORDINARY_STEP, self.rows, self.width + self.calls - 1, ms))
+            self.step_started = None
+
     def remove(self) -> None:
+        self.timer.sync()
+        self._end_step(time.perf_counter())
         for handle in self.handles:
             handle.remove()
 
@@ -113,7 +132,7 @@ def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selec
     # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,
     # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
     exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
-    clock = _ForwardClock(model, profile, timer)
+    clock = _ForwardClock(model, profile, timer, len(batch), width)
     try:
         output = model.generate(
             input_ids=input_ids,

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from autobucket.coefficients.file import load_calibration
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
+from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import resolve_generation
 from autobucket.engine.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
-from autobucket.engine.routes import ROUTES, RouteCall
+from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
@@ -45,8 +45,13 @@ class Rollout:
         self.vocab_size = vocab_size(self.model)
         self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
         self.max_positions = self.geometry.max_positions
-        self.costs = _resolve_costs(self.config, self.model)
+        self.cost_source = CostSource(self.config, self.model, self.geometry)
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
+
+    @property
+    def costs(self) -> CostCoefficients:
+        """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
+        return self.cost_source.current(_probe_runner(self.model))
 
     @property
     def device(self) -> torch.device:
@@ -62,19 +67,24 @@ class Rollout:
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.max_new_tokens, self.max_positions)
         profile = Profile(route=self.config.route)
-        timer = PhaseTimer(profile, self.device, synchronize=self.config.profile)
+        # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
+        timer = PhaseTimer(profile, self.device, synchronize=self.config.profile or self.cost_source.online)
         if not token_prompts:
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
         selection = Selection(
             _sampler_settings(sampling, len(token_prompts)), generation.repetition_penalty, sampling.logprobs
         )
+        # Only the planning routes need coefficients: the others never trigger the online probe.
+        costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
         call = RouteCall(
-            self.model, self.spec, self.geometry, self.costs, self.config, token_prompts, generation,
-            sampling, selection, profile, timer, self.vocab_size, self.max_positions,
+            self.model, self.spec, self.geometry, costs or CostCoefficients(), self.config, token_prompts,
+            generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
         )  # fmt: skip
         with PeakMemory(self.device) as memory:
             finished = ROUTES[self.config.route](call)
-        return _result(call, finished, memory, started)
+        result = _result(call, finished, memory, started)
+        self.cost_source.after_call(profile, costs)
+        return result
 
     def generate_padded(
         self,
@@ -87,15 +97,14 @@ class Rollout:
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
 
 
-def _resolve_costs(config: RolloutConfig, model: torch.nn.Module) -> CostCoefficients:
-    """Coefficients for the planner: given, a calibration file validated against the model, or the
-    reference defaults."""
-    costs = config.costs
-    if costs is None:
-        return CostCoefficients()
-    if isinstance(costs, CostCoefficients):
-        return costs
-    return load_calibration(costs, model=model, strict=config.costs_strict)
+def _probe_runner(model: torch.nn.Module) -> RunRoute:
+    """The online probe's calls: the real routes, on fixed coefficients (so a probe never probes)."""
+
+    def run(route: str, prompts: list[list[int]], sampling: SamplingConfig) -> Profile:
+        config = RolloutConfig(route=route, costs=CostCoefficients())
+        return Rollout(model, config=config).generate(prompts, sampling).profile
+
+    return run
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:

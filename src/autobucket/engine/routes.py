@@ -114,6 +114,9 @@ ROUTES: dict[str, Route] = {
 }
 
 
+PLANNING_ROUTES = ("bucketed", "auto")  # the routes that read the cost coefficients
+
+
 def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
     if config.cache_capacity is not None:
         return f"an explicit cache_capacity={config.cache_capacity} was requested"

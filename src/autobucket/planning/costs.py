@@ -9,7 +9,14 @@ row, so the shared part is not modelled; what is modelled is
 * the bucketed route's extra cost per decode step (``decode_ms``);
 * two signed extensions for ordinary ``generate``: an extra per-step cost (``ordinary_decode_ms``) and a
   per-step term proportional to the cache size, because HF's DynamicCache re-concatenates the whole cache
-  every step (``ordinary_decode_kv_ms``). With both at 0 the model is the reference's.
+  every step (``ordinary_decode_kv_ms``). With both at 0 the model is the reference's;
+* the decode work both routes share (``step_ms + step_row_ms·rows + step_kv_ms·MiB attended``). It cancels
+  in the route choice, so the reference leaves it out (all three 0); it is what lets a profile compare the
+  model's prediction with a call's measured time, and what online learning fits from every decode step.
+
+`timing_features` writes each measurable event of a call (a prefill forward, a KV copy, a decode step of
+either route) as a linear function of the coefficients: the one place both the fits and the predictions
+read the model from.
 
 Costs are estimates, not device constants: calibrate them per model, device, dtype and attention backend.
 """
@@ -40,6 +47,9 @@ class CostCoefficients:
     decode_ms: float = 10.0  # extra per continuous-batching decode step over ordinary generation
     ordinary_decode_ms: float = 0.0  # extra per ordinary decode step over the engine's decode step
     ordinary_decode_kv_ms: float = 0.0  # per MiB of KV cache per ordinary decode step (cache re-copy)
+    step_ms: float = 0.0  # shared decode work per decode forward (both routes; cancels in route choice)
+    step_row_ms: float = 0.0  # shared decode work per row per decode forward
+    step_kv_ms: float = 0.0  # shared decode work per MiB of KV attended per decode forward
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -246,3 +256,33 @@ def ordinary_cost_ms(
 def continuous_decode_cost_ms(max_new_tokens: int, costs: CostCoefficients) -> float:
     """Extra ms of the continuous-batching decode loop; the first token comes from prefill."""
     return costs.decode_ms * max(max_new_tokens - 1, 0)
+
+
+# ------------------------------------------------------------------ measurable events of a call
+PREFILL_FORWARD = "prefill"  # one prefill forward of `rows` prompts padded to `width` (no KV copy)
+KV_COPY = "insert"  # copying `rows` prefilled prompts of `width` tokens into the continuous-batching cache
+CB_STEP = "cb_step"  # one continuous-batching decode step of `rows` rows attending `width` columns
+ORDINARY_STEP = "ordinary_step"  # one HF `generate` decode step of `rows` rows holding `width` positions
+TIMING_KINDS = (PREFILL_FORWARD, KV_COPY, CB_STEP, ORDINARY_STEP)
+
+
+def timing_features(kind: str, rows: int, width: float, geometry: ModelGeometry) -> dict[str, float]:
+    """The event's cost as ``sum(coefficient · feature)``: coefficient name -> feature value."""
+    if kind == PREFILL_FORWARD:
+        return {"fixed_ms": 1.0, "token_ms": float(rows * width),
+                "attention_ms": attention_gflops(rows, width, geometry)}  # fmt: skip
+    if kind == KV_COPY:
+        return {"kv_ms": kv_mib(rows, width, geometry)}
+    attended_mib = kv_mib(rows, width, geometry)
+    shared = {"step_ms": 1.0, "step_row_ms": float(rows), "step_kv_ms": attended_mib}
+    if kind == CB_STEP:
+        return {**shared, "decode_ms": 1.0}
+    if kind == ORDINARY_STEP:
+        return {**shared, "ordinary_decode_ms": 1.0, "ordinary_decode_kv_ms": attended_mib}
+    raise ValueError(f"timing kind {kind!r} is unknown; expected one of {TIMING_KINDS}")
+
+
+def timing_ms(kind: str, rows: int, width: float, geometry: ModelGeometry, costs: CostCoefficients) -> float:
+    """Predicted ms of one measurable event (see `timing_features`)."""
+    features = timing_features(kind, rows, width, geometry)
+    return sum(getattr(costs, name) * value for name, value in features.items())

@@ -1,0 +1,125 @@
+"""Where a `Rollout`'s cost coefficients come from, and how they improve from call to call.
+
+`RolloutConfig.costs` selects the source:
+
+* a `CostCoefficients`: used as given ("given"; "defaults" when they are the reference's GPU values);
+* a path: a calibration file, validated against the model ("file");
+* ``"online"`` or None (the default): learned. The prior is the cache entry for this model's fingerprint
+  ("stored", see `coefficients.store`), else a built-in probe of a few small calls through the real
+  routes, sized from a first tiny call to take about `PROBE_BUDGET_MS` ("probe"). After every call the
+  call's timings refine the coefficients (`coefficients.online.OnlineCosts`) and the entry is saved
+  ("online"). The probe runs only when a route needs coefficients (auto, bucketed): other routes'
+  timings are kept and join the probe's.
+
+Every call's profile gets the coefficients it used, their source, and what they predict for the
+call's timed events next to what those events measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import fields
+
+import torch
+
+from autobucket.coefficients.file import load_calibration
+from autobucket.coefficients.online import OnlineCosts, predicted_ms
+from autobucket.coefficients.store import load_entry, save_entry, store_metadata
+from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
+from autobucket.profile import Profile, Timing
+from autobucket.prompts import random_prompts
+
+ONLINE = "online"
+PROBE_BUDGET_MS = 3000.0  # the built-in probe's target duration
+RunRoute = Callable[[str, list[list[int]], SamplingConfig], Profile]  # (route, prompts, sampling) -> profile
+_ZERO = CostCoefficients(**{f.name: 0.0 for f in fields(CostCoefficients)})
+
+
+class CostSource:
+    """The coefficients of one `Rollout`: fixed (given, file) or learned online."""
+
+    def __init__(self, config: RolloutConfig, model: torch.nn.Module, geometry: ModelGeometry) -> None:
+        self.model, self.geometry = model, geometry
+        self.learner: OnlineCosts | None = None
+        self.pending: list[Timing] = []  # online timings seen before the learner exists
+        costs = config.costs
+        self.online = costs is None or (isinstance(costs, str) and costs == ONLINE)
+        if self.online:
+            self.fixed, self.source = None, ONLINE
+        elif isinstance(costs, CostCoefficients):
+            self.fixed, self.source = costs, "defaults" if costs == CostCoefficients() else "given"
+        else:
+            self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
+        self.metadata = store_metadata(model) if self.online else {}
+
+    def current(self, run: RunRoute | None) -> CostCoefficients | None:
+        """Coefficients to plan with; online without a prior, `run` probes (None: do not probe)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.learner is None:
+            self._start(run)
+        return None if self.learner is None else self.learner.costs
+
+    def _start(self, run: RunRoute | None) -> None:
+        entry = load_entry(self.metadata)
+        if entry is not None:
+            costs, observations, _ = entry
+            self.learner, self.source = OnlineCosts(costs, self.geometry, observations), "stored"
+        elif run is not None:
+            timings = probe(run, self.geometry, self.model)
+            self.learner, self.source = OnlineCosts(_ZERO, self.geometry), "probe"
+            self.learner.observe(timings + self.pending)
+            self._save()
+        else:
+            return
+        self.pending = []
+
+    def after_call(self, profile: Profile, costs: CostCoefficients | None) -> None:
+        """Fill the profile's cost fields (`costs`: what the call planned with), then learn from it."""
+        profile.measured_ms = sum(t.ms for t in profile.timings)
+        used = costs if costs is not None else self.current(None)
+        profile.costs_source = self.source
+        if used is not None:
+            profile.costs = used.to_dict()
+            profile.predicted_ms = predicted_ms(profile.timings, self.geometry, used)
+        if not self.online:
+            return
+        if self.learner is None:
+            self.pending = (self.pending + profile.timings)[-1000:]
+            return
+        self.learner.observe(profile.timings)
+        self.source = ONLINE
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            save_entry(self.metadata, self.learner.costs, self.learner.observations(), self.source)
+        except OSError as exc:  # a read-only cache must not fail generation
+            import warnings
+
+            warnings.warn(f"could not save the learned costs: {exc}", stacklevel=3)
+
+
+def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:
+    """Timings of a few small calls through the real routes (prefill shapes of several B and L, CB and
+    ordinary decode steps), sized so that the whole probe takes about PROBE_BUDGET_MS."""
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    sampling = SamplingConfig(max_new_tokens=6, continuous_batch_size=64, eos_token_id=[])
+    first = run("ordinary", random_prompts([32, 32], vocab, seed=1), sampling)
+    forward_ms = sum(t.ms for t in first.timings if t.kind == PREFILL_FORWARD)
+    unit = _probe_unit(forward_ms / 64, geometry.max_positions)
+    calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, 2 * unit]),
+             ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))  # fmt: skip
+    timings = list(first.timings)
+    for seed, (route, lengths) in enumerate(calls, start=2):
+        timings += run(route, random_prompts(lengths, vocab, seed=seed), sampling).timings
+    return timings
+
+
+def _probe_unit(token_ms: float, max_positions: int | None) -> int:
+    """A power-of-two prompt length u: the probe prefills about 16·u tokens."""
+    budget_tokens = PROBE_BUDGET_MS / max(token_ms, 1e-6) / 16
+    limit = 256 if max_positions is None else max(min(256, (max_positions - 8) // 2), 2)
+    return 2 ** max(1, min(int(math.log2(max(budget_tokens, 2))), int(math.log2(limit))))
