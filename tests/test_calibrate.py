@@ -72,7 +72,8 @@ def test_nnls_recovers_known_coefficients(seed):
     prefill = synthetic_prefill(TRUE, noise=0.002, seed=seed)
     report = fit_costs(prefill, synthetic_decode(TRUE, seed=seed), GEOMETRY)
     assert report.ok, report.problems
-    for name, expected in TRUE.to_dict().items():
+    for name in PREFILL_TERMS + DECODE_TERMS:  # the shared step terms only serve predictions
+        expected = getattr(TRUE, name)
         got = getattr(report.costs, name)
         assert got == pytest.approx(expected, rel=0.1, abs=0.05), f"{name}: fitted {got}, true {expected}"
     assert report.median_error(holdout=False) < 0.02
@@ -284,7 +285,7 @@ def test_calibrate_cli_end_to_end_writes_a_loadable_file(tmp_path, model, capsys
     out = tmp_path / "cal.json"
     argv = ["calibrate", "--model", "tiny-qwen2", "--out", str(out), "--shapes", "1:8,1:48,4:8,4:48,8:24",
             "--holdout-shapes", "2:16,6:32", "--decode-shapes", "2:8,6:40", "--decode-new-tokens", "4",
-            "--repeats", "2", "--max-error", "1000"]  # fmt: skip
+            "--repeats", "2", "--max-error", "1000", "--max-holdout-error", "1000"]  # fmt: skip
     # A shared 2-core machine can be arbitrarily noisy: --max-error keeps this a test of the pipeline.
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -313,3 +314,45 @@ def test_calibrate_cli_refuses_a_degenerate_fit(tmp_path, capsys):
 def test_calibrate_cli_rejects_a_bad_shape(capsys):
     assert main(["calibrate", "--model", "tiny-qwen2", "--shapes", "8x16"]) == 2
     assert "expected B:L" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- measuring
+def test_calibration_times_the_engines_own_prefill_and_insert(model, monkeypatch):
+    from autobucket.calibration.measure import measure
+    from autobucket.engine.model_runner import ModelRunner
+
+    calls = {"prefill": 0, "insert": 0}
+    for name in calls:
+        original = getattr(ModelRunner, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(ModelRunner, name, counted)
+    plan = CalibrationPlan((Shape(1, 8), Shape(2, 16)), (Shape(3, 4),), (), repeats=2, warmup=0)
+    measurements = measure(model, plan, lambda description: None)
+    # 3 shapes x 2 repeats: one prefill and two inserts each (the first allocates, the second is timed).
+    assert calls == {"prefill": 6, "insert": 12}
+    assert all(len(item["insert_ms"]) == 2 for item in measurements["prefill"])
+
+
+def test_measuring_stops_at_the_deadline_and_the_refusal_names_the_shapes(model):
+    from autobucket.calibration.measure import calibrate
+
+    plan = CalibrationPlan((Shape(1, 8), Shape(4, 8), Shape(1, 32), Shape(4, 32)), (Shape(2, 16),),
+                           (Shape(2, 8), Shape(4, 16)), decode_new_tokens=3, repeats=50, warmup=0,
+                           max_seconds=0.05)  # fmt: skip
+    result = calibrate(model, plan)
+    assert result.measurements["stopped_at_deadline"] and not result.report.ok
+    refusal = next(p for p in result.report.problems if "were not enough" in p)
+    assert "decode 4:16" in refusal and "--max-seconds" in refusal and "taskset" in refusal
+
+
+def test_outlier_rejection_drops_a_slowed_sample_but_keeps_honest_spread():
+    from autobucket.calibration.timing import inliers, robust_median, spread
+
+    assert inliers([10.0, 10.2, 9.9, 10.1, 60.0]) == [10.0, 10.2, 9.9, 10.1]
+    assert robust_median([10.0, 10.2, 9.9, 10.1, 60.0]) == pytest.approx(10.05)
+    assert inliers([10.0, 14.0, 20.0]) == [10.0, 14.0, 20.0]  # spread, not outliers
+    assert spread([10.0, 10.0, 10.0]) == 0.0 and spread([5.0, 10.0, 20.0]) > 0.25

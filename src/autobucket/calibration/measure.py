@@ -1,25 +1,22 @@
 """Calibration: measure what prefill and decode cost on this model and device, then fit `CostCoefficients`.
 
-What is measured, and why:
+What is measured (see `timing` for how):
 
-* **Prefill** of uniform (B, L) shapes on two paths, interleaved per shape so that a slow phase of the
-  machine hits both alike: (a) the plain forward (`prefill_bucket`, what ordinary `generate` runs first) and
-  (b) the same forward plus the copy into a `StaticKVCache` (`admit`), the engine's bucketed-prefill path.
-  Both are needed: on (b) alone the per-token and KV-copy terms are collinear (both ∝ B·L).
-* **Decode**: the same uniform batch through route "ordinary" (HF `generate`) and route "equal_width"
-  (the CB loop), per step = (call − prefill) / decode forwards. The CB side still holds its KV copy, which
-  the fit removes (`calibration_fit`). Per-call constants (HF's generation setup, allocating the static
-  cache) are spread over the steps, so decode is measured at the budget the workload uses
-  (`decode_new_tokens`, 16 by default like the sweep).
+* **Prefill** of uniform (B, L) shapes through the engine's `ModelRunner.prefill` + `.insert`: the forward
+  and the KV copy of the same run. The forward alone is what ordinary `generate` pays; forward + copy is
+  the bucketed path. Timing them separately identifies ``kv_ms`` directly.
+* **Decode**: HF `generate` and the CB loop on the same uniform batch, per-step medians.
 * **Held-out shapes** are measured like the fitted ones but never fitted: their error says how well the
   coefficients predict shapes they have not seen.
 
-Every timing is the median of `repeats` after `warmup` runs, with the device synchronised (CUDA).
+Built for a busy machine: every round visits every shape once (in a rotating order), so a slow phase of
+the machine hits all shapes alike; each shape's value is the median of its samples after outlier
+rejection; measuring stops at `max_seconds` whatever is left, and a fit whose shapes were too noisy (or
+whose held-out error is too large) is refused naming those shapes and what to do.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,16 +24,22 @@ from typing import Any
 
 import torch
 
+from autobucket.calibration.timing import (
+    robust_median,
+    shape_prompts,
+    spread,
+    time_decode_steps,
+    time_prefill_insert,
+)
 from autobucket.coefficients.fit import MAX_MEDIAN_ERROR, DecodePoint, FitReport, PrefillPoint, fit_costs
-from autobucket.engine.hf_compat import forward_spec
-from autobucket.engine.prefill import prefill_bucket
-from autobucket.engine.static_cache import StaticKVCache
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
-from autobucket.prompts import random_prompts
 
 Progress = Callable[[str], None]  # called after each measured shape with a description of it
 DEFAULT_MAX_LENGTH = 512
 DEFAULT_MAX_SHAPE_TOKENS = 16384  # largest B·L of the default grid (32 × 512)
+DEFAULT_MAX_SECONDS = 60.0  # measuring stops here, finished or not
+MAX_SPREAD = 0.25  # a shape whose samples spread more than this (scaled MAD / median) is noisy
+MAX_HOLDOUT_ERROR = 0.2  # a fit whose held-out median error exceeds this is refused
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,11 @@ class CalibrationPlan:
     repeats: int = 5
     warmup: int = 1
     seed: int = 0
+    max_seconds: float = DEFAULT_MAX_SECONDS
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.max_seconds, (int, float)) and self.max_seconds > 0):
+            raise ValueError(f"max_seconds={self.max_seconds!r} is invalid: expected seconds > 0")
         for name in ("repeats", "warmup", "decode_new_tokens"):
             value = getattr(self, name)
             minimum = {"repeats": 1, "warmup": 0, "decode_new_tokens": 2}[name]
@@ -106,13 +112,16 @@ def default_plan(
     return CalibrationPlan(fitted, holdout, tuple(dict.fromkeys(decode)), decode_new_tokens, repeats)
 
 
-def quick_plan(max_positions: int | None, repeats: int = 2) -> CalibrationPlan:
-    """A small grid (~20–40 s on the 20.3M CPU model): enough for every coefficient, no held-out shapes."""
-    longest = _default_max_length(max_positions, None, 16)
-    widths = sorted({max(1, round(longest * f)) for f in (1 / 32, 1 / 8, 1 / 2, 1)})
-    prefill = tuple(Shape(b, w) for b in (1, 8, 32) for w in widths)
-    decode = (Shape(32, widths[0]), Shape(8, longest), Shape(32, longest))
-    return CalibrationPlan(prefill, (), decode, 16, repeats)
+def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float = DEFAULT_MAX_SECONDS) -> CalibrationPlan:
+    """A small grid: every coefficient, two held-out shapes, at most 512 tokens per forward and short
+    decode calls (~2,500 prompt tokens a round), so SmolLM2-135M gets rounds in within a minute on one
+    busy CPU core."""
+    longest = min(128, _default_max_length(max_positions, None, 8))
+    widths = sorted({max(1, round(longest * f)) for f in (1 / 16, 1 / 4, 1)})
+    prefill = tuple(Shape(b, w) for b in (1, 4, 16) for w in widths if b * w <= 512)
+    holdout = (Shape(2, max(1, longest // 2)), Shape(8, max(1, longest // 8)))
+    decode = (Shape(4, widths[0]), Shape(8, widths[1]))
+    return CalibrationPlan(prefill, holdout, decode, 6, repeats, warmup=0, max_seconds=max_seconds)
 
 
 def _default_max_length(max_positions: int | None, max_length: int | None, new_tokens: int) -> int:
@@ -143,23 +152,15 @@ def calibrate(
     model_name: str = "",
     progress: Progress | None = None,
     max_median_error: float = MAX_MEDIAN_ERROR,
+    max_holdout_error: float = MAX_HOLDOUT_ERROR,
 ) -> Calibration:
     """Measure `plan` on `model` and fit the coefficients; check `result.report.ok` before trusting them."""
     from autobucket.coefficients.file import calibration_metadata
 
     metadata = calibration_metadata(model, model_name)
-    step = progress or (lambda description: None)
-    prefill = []
-    for holdout, shapes in ((False, plan.prefill_shapes), (True, plan.holdout_shapes)):
-        for shape in shapes:
-            prefill.append({**measure_prefill(model, shape, plan), "holdout": holdout})
-            step(f"prefill {shape}{' (held out)' if holdout else ''}")
-    decode = []
-    for shape in plan.decode_shapes:
-        decode.append(measure_decode(model, shape, plan))
-        step(f"decode {shape}")
-    measurements = {"prefill": prefill, "decode": decode}
+    measurements = measure(model, plan, progress or (lambda description: None))
     report = fit_measurements(measurements, model_geometry(model), max_median_error)
+    report.problems += measurement_problems(measurements, report, plan, max_holdout_error)
     return Calibration(report.costs, report, metadata, plan, measurements)
 
 
@@ -178,104 +179,94 @@ def model_geometry(model: torch.nn.Module) -> ModelGeometry:
 def fit_measurements(
     measurements: dict[str, Any], geometry: ModelGeometry, max_median_error: float = MAX_MEDIAN_ERROR
 ) -> FitReport:
-    """Medians of the raw samples -> `fit_costs` (also refits a saved calibration's measurements)."""
+    """Robust medians of the raw samples -> `fit_costs` (also refits a saved calibration's measurements)."""
     prefill = []
     for item in measurements["prefill"]:
         for kv_copy, key in ((False, "plain_ms"), (True, "kv_copy_ms")):
-            median = statistics.median(item[key])
-            prefill.append(PrefillPoint(item["rows"], item["width"], kv_copy, median, item["holdout"]))
+            if item[key]:
+                prefill.append(PrefillPoint(item["rows"], item["width"], kv_copy, robust_median(item[key]), item["holdout"]))
     decode = [
-        DecodePoint(item["rows"], item["width"], item["steps"], statistics.median(item["cb_step_ms"]),
-                    statistics.median(item["ordinary_step_ms"]))
-        for item in measurements["decode"]
+        DecodePoint(item["rows"], item["width"], item["steps"], robust_median(item["cb_step_ms"]),
+                    robust_median(item["ordinary_step_ms"]), item.get("cb_includes_copy", True))
+        for item in measurements["decode"] if item["cb_step_ms"]
     ]  # fmt: skip
     return fit_costs(prefill, decode, geometry, max_median_error)
 
 
-# ---------------------------------------------------------------------------------------------- prefill
-def measure_prefill(model: torch.nn.Module, shape: Shape, plan: CalibrationPlan) -> dict[str, Any]:
-    """ms of the plain prefill forward and of forward + cache copy, alternating, after warm-up."""
-    spec = forward_spec(model)
-    prompts = random_prompts([shape.width] * shape.rows, _vocab_size(model), seed=plan.seed)
-    columns = shape.width + plan.decode_new_tokens
-    samples: dict[str, list[float]] = {"plain_ms": [], "kv_copy_ms": []}
-    for repeat in range(plan.warmup + plan.repeats):
-        order = ("plain_ms", "kv_copy_ms") if repeat % 2 == 0 else ("kv_copy_ms", "plain_ms")
-        for key in order:
-            elapsed_ms = _time_prefill(model, spec, prompts, columns, copy=key == "kv_copy_ms")
-            if repeat >= plan.warmup:
-                samples[key].append(elapsed_ms)
-    return {"rows": shape.rows, "width": shape.width, **samples}
+# ---------------------------------------------------------------------------------------------- measuring
+def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> dict[str, Any]:
+    """Raw samples of every shape, in rounds that visit each shape once (rotating order), until every
+    shape has `plan.repeats` samples or `plan.max_seconds` have passed."""
+    items = ([("prefill", s, False) for s in plan.prefill_shapes] + [("prefill", s, True) for s in plan.holdout_shapes]
+             + [("decode", s, False) for s in plan.decode_shapes])  # fmt: skip
+    records = [_empty_record(kind, shape, holdout, plan) for kind, shape, holdout in items]
+    prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
+    deadline = time.perf_counter() + plan.max_seconds
+    for _ in range(plan.warmup):  # untimed: first-touch allocations and lazy initialisation
+        time_prefill_insert(model, prompts[0], plan.decode_new_tokens)
+    for round_index in range(plan.repeats):
+        for offset in range(len(items)):
+            position = (offset + round_index) % len(items)
+            if time.perf_counter() > deadline:
+                return _measurements(records, stopped=True)
+            _sample(model, items[position][0], prompts[position], records[position], plan)
+            if round_index == 0:
+                step(f"{items[position][0]} {items[position][1]}{' (held out)' if items[position][2] else ''}")
+    return _measurements(records, stopped=False)
 
 
-@torch.inference_mode()  # as `ContinuousBatcher.run`
-def _time_prefill(
-    model: torch.nn.Module, spec: Any, prompts: list[list[int]], columns: int, copy: bool
-) -> float:
-    """One prefill as the engine runs it (`ContinuousBatcher._prefill`, `_start_samples`, `_insert`):
-    forward, first tokens read to the host, then (copy) the K/V copied right-aligned into a fresh static
-    cache (every row kept, one sample per prompt: the engine copies without a gather then)."""
-    device = next(model.parameters()).device
-    store = _static_cache(model, len(prompts), columns) if copy else None
-    _synchronize(device)
-    started = time.perf_counter()
-    output = prefill_bucket(model, spec, prompts, pad_token_id=0)
-    output.last_logits.argmax(dim=-1).tolist()  # first tokens: the engine's host read (a device sync)
-    if store is not None:
-        store.admit(output.keys, output.values, [len(p) for p in prompts])
-    _synchronize(device)
-    return (time.perf_counter() - started) * 1e3
+def _empty_record(kind: str, shape: Shape, holdout: bool, plan: CalibrationPlan) -> dict[str, Any]:
+    if kind == "prefill":
+        return {"kind": kind, "rows": shape.rows, "width": shape.width, "holdout": holdout,
+                "plain_ms": [], "insert_ms": [], "kv_copy_ms": []}  # fmt: skip
+    return {"kind": kind, "rows": shape.rows, "width": shape.width, "new_tokens": plan.decode_new_tokens,
+            "steps": plan.decode_new_tokens - 1, "cb_includes_copy": False, "cb_step_ms": [], "ordinary_step_ms": []}  # fmt: skip
 
 
-def _static_cache(model: torch.nn.Module, rows: int, columns: int) -> StaticKVCache:
-    geometry = model_geometry(model)
-    parameter = next(model.parameters())
-    return StaticKVCache(
-        num_layers=geometry.layers, rows=rows, kv_heads=geometry.kv_heads, columns=columns,
-        head_dim=geometry.head_dim, dtype=parameter.dtype, device=parameter.device,
-    )  # fmt: skip
+def _sample(model: torch.nn.Module, kind: str, prompts: list[list[int]], record: dict, plan: CalibrationPlan) -> None:
+    if kind == "prefill":
+        forward_ms, insert_ms = time_prefill_insert(model, prompts, plan.decode_new_tokens)
+        record["plain_ms"].append(forward_ms)
+        record["insert_ms"].append(insert_ms)
+        record["kv_copy_ms"].append(forward_ms + insert_ms)
+    else:
+        for key, value in time_decode_steps(model, prompts, plan.decode_new_tokens).items():
+            record[key].append(value)
 
 
-# ---------------------------------------------------------------------------------------------- decode
-def measure_decode(model: torch.nn.Module, shape: Shape, plan: CalibrationPlan) -> dict[str, Any]:
-    """Per-step ms of HF `generate`'s decode and of the CB loop's, on one uniform batch."""
-    from autobucket.config import RolloutConfig, SamplingConfig
-    from autobucket.engine.rollout import Rollout
-
-    prompts = random_prompts([shape.width] * shape.rows, _vocab_size(model), seed=plan.seed)
-    sampling = SamplingConfig(max_new_tokens=plan.decode_new_tokens, continuous_batch_size=shape.rows)
-    # profile=True: phase timers synchronise a CUDA device, so prefill_ms is the prefill's own time.
-    rollouts = {
-        "ordinary_step_ms": Rollout(model, config=RolloutConfig(route="ordinary", profile=True)),
-        "cb_step_ms": Rollout(model, config=RolloutConfig(route="equal_width", profile=True)),
-    }
-    samples: dict[str, list[float]] = {key: [] for key in rollouts}
-    steps = 0
-    for repeat in range(plan.warmup + plan.repeats):
-        for key, rollout in rollouts.items():
-            started = time.perf_counter()
-            profile = rollout.generate(prompts, sampling).profile
-            call_ms = (time.perf_counter() - started) * 1e3
-            steps = profile.decode_forwards
-            if repeat >= plan.warmup and steps > 0:
-                samples[key].append((call_ms - profile.prefill_ms) / steps)
-    if not samples["cb_step_ms"]:
-        raise ValueError(
-            f"decode shape {shape}: every row stopped at its first token (EOS); no decode step to time"
-        )
-    return {
-        "rows": shape.rows,
-        "width": shape.width,
-        "new_tokens": plan.decode_new_tokens,
-        "steps": steps,
-        **samples,
-    }
+def _measurements(records: list[dict[str, Any]], stopped: bool) -> dict[str, Any]:
+    prefill = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "prefill"]
+    decode = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "decode"]
+    return {"prefill": prefill, "decode": decode, "stopped_at_deadline": stopped}
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+def measurement_problems(
+    measurements: dict[str, Any], report: FitReport, plan: CalibrationPlan, max_holdout_error: float = MAX_HOLDOUT_ERROR
+) -> list[str]:
+    """Why a fit from these measurements should not be trusted: shapes left with fewer than 2 samples, or a
+    held-out error above `max_holdout_error`; each names the noisiest shapes and what to do."""
+    advice = ("rerun with --threads 1 pinned to one core (taskset -c 0), on a quieter machine, or give it "
+              "more time (--max-seconds) or fewer shapes (--quick)")  # fmt: skip
+    items = measurements["prefill"] + measurements["decode"]
+    short = [_label(i) for i in items if len(i.get("plain_ms", i.get("cb_step_ms"))) < 2]
+    noisy = sorted(items, key=_spread, reverse=True)
+    noisy_text = ", ".join(f"{_label(i)} ({_spread(i):.0%})" for i in noisy[:4] if _spread(i) > MAX_SPREAD)
+    cause = f"; noisy shapes (spread > {MAX_SPREAD:.0%}): {noisy_text}" if noisy_text else ""
+    problems = []
+    if short:
+        problems.append(f"{plan.max_seconds:.0f} s were not enough for 2 samples of {', '.join(short)}: {advice}")
+    held_out = report.median_error(holdout=True)
+    if held_out is not None and held_out > max_holdout_error:
+        problems.append(f"the median error on held-out shapes is {held_out:.0%} (> {max_holdout_error:.0%}){cause}: {advice}")
+    elif report.problems and cause:
+        problems.append(cause.removeprefix("; ") + f": {advice}")
+    return problems
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _label(item: dict[str, Any]) -> str:
+    return f"{'decode' if 'cb_step_ms' in item else 'prefill'} {item['rows']}:{item['width']}"
+
+
+def _spread(item: dict[str, Any]) -> float:
+    keys = ("plain_ms", "insert_ms") if "plain_ms" in item else ("cb_step_ms", "ordinary_step_ms")
+    return max(spread(item[key]) for key in keys)

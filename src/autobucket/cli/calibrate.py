@@ -50,11 +50,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=positive_int,
         help="longest prompt of the default grids (default: min(512, model context))",
     )
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape (median)")
+    parser.add_argument("--repeats", type=positive_int, help="timed runs per shape (median; default 5, --quick 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid (at most 512 tokens per forward, short decode calls) that fits in a minute")  # fmt: skip
+    parser.add_argument("--max-seconds", type=non_negative_float, default=60.0, metavar="S",
+                        help="stop measuring by S seconds (default 60); shapes left unmeasured are named")  # fmt: skip
     parser.add_argument("--max-median-error", type=non_negative_float, default=0.5, metavar="FRACTION",
                         help="refuse the fit when the median relative error of the fitted prefill shapes "
                         "exceeds this (default 0.5)")  # fmt: skip
     add_alias(parser, "--max-error", "--max-median-error", "max_median_error", type=non_negative_float)
+    parser.add_argument("--max-holdout-error", type=non_negative_float, default=0.2, metavar="FRACTION",
+                        help="refuse the fit when the median relative error of the held-out shapes exceeds "
+                        "this (default 0.2)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     finish_parser(parser, _run_calibrate)
 
@@ -92,7 +99,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     model, _ = load_model_from_args(args)
     plan = _plan_from_args(args, model_geometry(model).max_positions)
     with progress_bar(plan.items, "measuring") as step:
-        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_median_error)
+        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_median_error,
+                           max_holdout_error=args.max_holdout_error)  # fmt: skip
     console = Console()
     console.print(fit_table(result.report.rows))
     console.print(coefficients_table(result.costs.to_dict()))
@@ -104,16 +112,36 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     save_calibration(args.out, result.costs, result.metadata, result.measurements,
                      extra={"plan": plan.to_dict(), "fit": result.report.to_dict()})  # fmt: skip
     console.print(f"saved {args.out}")
+    _seed_online_costs(model, result.costs, console)
     return 0
+
+
+def _seed_online_costs(model: Any, costs: Any, console: Console) -> None:
+    """A successful calibration also becomes this machine's prior for online learning (costs="online")."""
+    from autobucket.coefficients.store import save_entry, store_metadata
+
+    try:
+        path = save_entry(store_metadata(model), costs, [], "file")
+    except OSError as exc:
+        console.print(f"(could not seed the online cost cache: {exc})")
+        return
+    console.print(f"online cost learning starts from it too ({path})", highlight=False)
 
 
 def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
     from dataclasses import replace
 
-    from autobucket.calibration.measure import Shape, default_plan
+    from autobucket.calibration.measure import Shape, default_plan, quick_plan
 
-    plan = default_plan(max_positions, args.max_length, args.repeats, args.decode_new_tokens)
-    overrides: dict[str, Any] = {"seed": args.seed}
+    if args.max_seconds <= 0:
+        raise ValueError(f"--max-seconds {args.max_seconds} is invalid: give a positive number of seconds")
+    if args.quick:
+        plan = quick_plan(max_positions, args.repeats or 3)
+    else:
+        plan = default_plan(max_positions, args.max_length, args.repeats or 5, args.decode_new_tokens)
+    overrides: dict[str, Any] = {"seed": args.seed, "max_seconds": args.max_seconds}
+    if not args.quick or args.decode_new_tokens != 16:  # --quick uses short decode calls unless told
+        overrides["decode_new_tokens"] = args.decode_new_tokens
     for field, value in (("prefill_shapes", args.prefill_shapes), ("holdout_shapes", args.holdout_shapes),
                          ("decode_shapes", args.decode_shapes)):  # fmt: skip
         if value is not None:

@@ -30,6 +30,7 @@ from autobucket.planning.costs import CostCoefficients, ModelGeometry, attention
 
 PREFILL_TERMS = ("fixed_ms", "token_ms", "attention_ms", "kv_ms")
 DECODE_TERMS = ("decode_ms", "ordinary_decode_ms", "ordinary_decode_kv_ms")
+SHARED_TERMS = ("step_ms", "step_row_ms", "step_kv_ms")
 MAX_MEDIAN_ERROR = 0.5  # a fit whose median relative error is worse than this is refused
 _RANK_TOLERANCE = 1e-9  # relative singular value below which a (column-normalised) direction is missing
 _MIN_SCALE_MS = 1e-6  # relative errors are taken relative to at least this (a 0 ms reading stays finite)
@@ -59,6 +60,7 @@ class DecodePoint:
     steps: int  # decode forwards per call (max_new_tokens - 1)
     cb_step_ms: float
     ordinary_step_ms: float
+    cb_includes_copy: bool = True  # False: per-step medians of the steps alone (no admission copy in them)
 
     def mean_context(self) -> float:
         # Ordinary step t (1..steps) holds width + t positions (see costs.ordinary_cost_ms).
@@ -156,7 +158,8 @@ def fit_costs(
     prefill_values = _fit_prefill(fitted, geometry, problems)
     kv_ms = prefill_values["kv_ms"]
     decode_values = _fit_decode(decode, geometry, kv_ms, problems)
-    costs = CostCoefficients(**prefill_values, **decode_values)
+    shared_values = _fit_shared(decode, geometry, decode_values["decode_ms"], kv_ms)
+    costs = CostCoefficients(**prefill_values, **decode_values, **shared_values)
     report = FitReport(costs, _prefill_rows(prefill, geometry, costs) + _decode_rows(decode, geometry, costs))
     median = report.median_error(holdout=False)
     if median is not None and median > max_median_error:
@@ -209,9 +212,21 @@ def _fit_decode(
     return dict(zip(DECODE_TERMS, values.tolist(), strict=True))
 
 
+def _fit_shared(points: Sequence[DecodePoint], geometry: ModelGeometry, decode_ms: float, kv_ms: float) -> dict:
+    """The decode work both routes share (`SHARED_TERMS`), from the CB steps: cb − decode_ms ≈ step_ms +
+    step_row_ms·B + step_kv_ms·MiB(B, context). Only the profile's predictions use it; 0 when unidentified."""
+    if len(points) < len(SHARED_TERMS):
+        return dict.fromkeys(SHARED_TERMS, 0.0)
+    design = np.array([[1.0, p.rows, kv_mib(p.rows, p.mean_context(), geometry)] for p in points])
+    copy = [kv_ms * kv_mib(p.rows, p.width, geometry) / max(p.steps, 1) if p.cb_includes_copy else 0.0 for p in points]
+    shared = np.array([p.cb_step_ms - c - decode_ms for p, c in zip(points, copy, strict=True)])
+    values = weighted_nnls(design, np.maximum(shared, 0.0), np.array([p.cb_step_ms for p in points]))
+    return dict(zip(SHARED_TERMS, values.tolist(), strict=True))
+
+
 def _step_difference_ms(point: DecodePoint, geometry: ModelGeometry, kv_ms: float) -> float:
     """Measured CB − ordinary ms per step, without the admission's KV copy (already in the prefill)."""
-    copy_ms = kv_ms * kv_mib(point.rows, point.width, geometry)
+    copy_ms = kv_ms * kv_mib(point.rows, point.width, geometry) if point.cb_includes_copy else 0.0
     return point.cb_step_ms - copy_ms / max(point.steps, 1) - point.ordinary_step_ms
 
 
