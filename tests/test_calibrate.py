@@ -342,11 +342,13 @@ def test_measuring_stops_at_the_deadline_and_the_refusal_names_the_shapes(model)
 
     plan = CalibrationPlan((Shape(1, 8), Shape(4, 8), Shape(1, 32), Shape(4, 32)), (Shape(2, 16),),
                            (Shape(2, 8), Shape(4, 16)), decode_new_tokens=3, repeats=50, warmup=0,
-                           max_seconds=0.05)  # fmt: skip
+                           max_seconds=1e-9)  # fmt: skip
     result = calibrate(model, plan)
-    assert result.measurements["stopped_at_deadline"] and not result.report.ok
+    assert result.measurements["rounds"] == 0 and not result.report.ok
     refusal = next(p for p in result.report.problems if "were not enough" in p)
-    assert "decode 4:16" in refusal and "--max-seconds" in refusal and "taskset" in refusal
+    assert "prefill 1:8" in refusal and "decode 4:16" in refusal and "--max-seconds" in refusal and "taskset" in refusal
+    # Stopped at the deadline: nothing was measured, where 50 rounds were asked for.
+    assert not any(item["plain_ms"] for item in result.measurements["prefill"])
 
 
 def test_outlier_rejection_drops_a_slowed_sample_but_keeps_honest_spread():

@@ -119,7 +119,7 @@ def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float =
     longest = min(128, _default_max_length(max_positions, None, 8))
     widths = sorted({max(1, round(longest * f)) for f in (1 / 16, 1 / 4, 1)})
     prefill = tuple(Shape(b, w) for b in (1, 4, 16) for w in widths if b * w <= 512)
-    holdout = (Shape(2, max(1, longest // 2)), Shape(8, max(1, longest // 8)))
+    holdout = tuple(Shape(b, max(1, longest // d)) for b, d in ((2, 2), (8, 8), (1, 2), (4, 8)))
     decode = (Shape(4, widths[0]), Shape(8, widths[1]))
     return CalibrationPlan(prefill, holdout, decode, 6, repeats, warmup=0, max_seconds=max_seconds)
 
@@ -195,24 +195,30 @@ def fit_measurements(
 
 # ---------------------------------------------------------------------------------------------- measuring
 def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> dict[str, Any]:
-    """Raw samples of every shape, in rounds that visit each shape once (rotating order), until every
-    shape has `plan.repeats` samples or `plan.max_seconds` have passed."""
+    """Raw samples of every shape, in rounds that visit each shape once (rotating order). A round starts
+    only while the last one's duration still fits before `plan.max_seconds`, so every shape keeps the same
+    number of samples; the first round stops at the deadline, leaving later shapes unmeasured."""
     items = ([("prefill", s, False) for s in plan.prefill_shapes] + [("prefill", s, True) for s in plan.holdout_shapes]
              + [("decode", s, False) for s in plan.decode_shapes])  # fmt: skip
     records = [_empty_record(kind, shape, holdout, plan) for kind, shape, holdout in items]
     prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
-    deadline = time.perf_counter() + plan.max_seconds
+    started = time.perf_counter()
+    deadline, round_s, completed = started + plan.max_seconds, 0.0, 0
     for _ in range(plan.warmup):  # untimed: first-touch allocations and lazy initialisation
         time_prefill_insert(model, prompts[0], plan.decode_new_tokens)
     for round_index in range(plan.repeats):
+        round_started = time.perf_counter()
+        if round_started + round_s > deadline:
+            break
         for offset in range(len(items)):
             position = (offset + round_index) % len(items)
             if time.perf_counter() > deadline:
-                return _measurements(records, stopped=True)
+                return _measurements(records, completed, started)
             _sample(model, items[position][0], prompts[position], records[position], plan)
             if round_index == 0:
                 step(f"{items[position][0]} {items[position][1]}{' (held out)' if items[position][2] else ''}")
-    return _measurements(records, stopped=False)
+        round_s, completed = time.perf_counter() - round_started, completed + 1
+    return _measurements(records, completed, started)
 
 
 def _empty_record(kind: str, shape: Shape, holdout: bool, plan: CalibrationPlan) -> dict[str, Any]:
@@ -234,10 +240,10 @@ def _sample(model: torch.nn.Module, kind: str, prompts: list[list[int]], record:
             record[key].append(value)
 
 
-def _measurements(records: list[dict[str, Any]], stopped: bool) -> dict[str, Any]:
+def _measurements(records: list[dict[str, Any]], rounds: int, started: float) -> dict[str, Any]:
     prefill = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "prefill"]
     decode = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "decode"]
-    return {"prefill": prefill, "decode": decode, "stopped_at_deadline": stopped}
+    return {"prefill": prefill, "decode": decode, "rounds": rounds, "seconds": time.perf_counter() - started}
 
 
 def measurement_problems(
@@ -248,14 +254,16 @@ def measurement_problems(
     advice = ("rerun with --threads 1 pinned to one core (taskset -c 0), on a quieter machine, or give it "
               "more time (--max-seconds) or fewer shapes (--quick)")  # fmt: skip
     items = measurements["prefill"] + measurements["decode"]
-    short = [_label(i) for i in items if len(i.get("plain_ms", i.get("cb_step_ms"))) < 2]
+    short = [_label(i) for i in items if not i.get("plain_ms", i.get("cb_step_ms"))]
     noisy = sorted(items, key=_spread, reverse=True)
     noisy_text = ", ".join(f"{_label(i)} ({_spread(i):.0%})" for i in noisy[:4] if _spread(i) > MAX_SPREAD)
     cause = f"; noisy shapes (spread > {MAX_SPREAD:.0%}): {noisy_text}" if noisy_text else ""
     problems = []
     if short:
-        problems.append(f"{plan.max_seconds:.0f} s were not enough for 2 samples of {', '.join(short)}: {advice}")
+        problems.append(f"{plan.max_seconds:.0f} s were not enough to measure {', '.join(short)}: {advice}")
     held_out = report.median_error(holdout=True)
+    if held_out is None and measurements.get("rounds", 2) < 2:
+        problems.append(f"one round of samples and no held-out shapes: nothing validates the fit: {advice}")
     if held_out is not None and held_out > max_holdout_error:
         problems.append(f"the median error on held-out shapes is {held_out:.0%} (> {max_holdout_error:.0%}){cause}: {advice}")
     elif report.problems and cause:

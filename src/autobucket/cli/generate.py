@@ -30,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
     parser.add_argument("--route", choices=ROUTES, default="auto")
-    parser.add_argument("--costs", type=Path, help="cost coefficients or calibration JSON for --route auto")
+    parser.add_argument("--costs", type=Path,
+                        help="cost coefficients or calibration JSON for --route auto (default: learned online)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
@@ -106,6 +107,19 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"{summary['prefill_forwards']} prefill forwards ({summary['prefill_tokens']} padded tokens), "
         f"{summary['decode_forwards']} decode forwards; finish: {reasons}; out: {summary['out']}"
     )
+    console.print(cost_model_line(summary))
+
+
+def cost_model_line(summary: dict[str, Any]) -> str:
+    """Predicted vs measured ms of the timed forwards and steps, and where the coefficients came from."""
+    source = summary.get("costs_source") or "?"
+    if summary.get("predicted_ms") is None:
+        return f"cost model: no prediction (coefficients: {source})"
+    note = {"defaults": " - the built-in reference (GPU) defaults, not measured here: expect large errors",
+            "probe": " - from a short probe on this machine", "online": " - learned from earlier calls",
+            "stored": " - learned by an earlier run", "file": " - from the calibration file"}.get(source, "")  # fmt: skip
+    return (f"cost model: predicted {summary['predicted_ms']:.0f} ms vs measured {summary['measured_ms']:.0f} ms "
+            f"for the timed forwards and steps (coefficients: {source}{note})")  # fmt: skip
 
 
 def _short_list(values: list[int], limit: int = 8) -> str:

@@ -33,7 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "one warm-up, interleaved repeats, token agreement, Auto / best manual route.",
     )
     add_model_arguments(parser)
-    parser.add_argument("--costs", required=True, type=Path, help="calibration JSON (autobucket calibrate)")
+    parser.add_argument(
+        "--costs",
+        default="online",
+        help="calibration JSON (autobucket calibrate), or 'online' (default): Auto learns from its own calls "
+        "and --plot also draws its learning curve",
+    )
     parser.add_argument(
         "--allow-mismatch",
         action="store_true",
@@ -78,7 +83,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
         raise ValueError("no workloads selected: pass --workloads and/or --lengths")
     for note in notes:  # said before the long part, e.g. that lengths are estimated without a tokenizer
         Console(stderr=True).print(f"note: {note}", highlight=False)
-    costs = load_calibration(args.costs, model=model, strict=not args.allow_mismatch)
+    online = args.costs == "online"
+    costs = "online" if online else load_calibration(Path(args.costs), model=model, strict=not args.allow_mismatch)
     contenders = 4 + (options.with_hf_batch and has_generate_batch(model))
     with progress_bar(len(workloads) * contenders * (options.warmup + options.repeats), "sweeping") as step:
         report = run_sweep(model, costs, workloads, options, progress=step)
@@ -93,6 +99,12 @@ def _run_sweep(args: argparse.Namespace) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_sweep(report, str(args.plot), title=plot_title(report, args.model, args.dtype))
+        if online:
+            from autobucket.tools.learning_curve import plot_learning_curve
+
+            curve_path = args.plot.with_name(f"{args.plot.stem}-learning{args.plot.suffix}")
+            plot_learning_curve(report["learning_curve"], str(curve_path))
+            print(f"wrote {curve_path}")
     _print_report(report, HF_BATCH, notes)
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0

@@ -26,6 +26,7 @@ Design choices:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -37,6 +38,7 @@ from autobucket.checks import optional_int, require_int
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.distributed.result import DistributedResult, merge_shard_results
 from autobucket.distributed.worker import ModelFactory, Worker, WorkerInfo
+from autobucket.planning.costs import CostCoefficients
 from autobucket.planning.sharding import STRATEGIES, ShardPlan, plan_shards, prompt_cost_ms
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
@@ -116,6 +118,9 @@ class RayRollout:
         ]
         plan = plan_shards(unit_costs, self.num_workers, self.sharding)
         results = self._run_shards(plan, token_prompts, sampling, request_seeds, overrides)
+        learned = _learned_costs(results.values())
+        if learned is not None and self._info is info:  # the next call shards with what the workers learned
+            self._info = replace(info, costs=learned)
         return merge_shard_results(
             plan, results, len(token_prompts), sampling.logprobs, self.config.route, self.sharding, started
         )
@@ -233,6 +238,14 @@ class RayRollout:
                 pass
         for worker in sorted(dead):
             self._start(worker)
+
+
+def _learned_costs(results: Any) -> CostCoefficients | None:
+    """The per-coefficient median of the costs online-learning workers planned with (None if none learn)."""
+    learned = [r.profile.costs for r in results if r.profile.costs_source in ("probe", "stored", "online")]
+    if not learned:
+        return None
+    return CostCoefficients(**{name: statistics.median(c[name] for c in learned) for name in learned[0]})
 
 
 def _request_seeds(sampling: SamplingConfig, count: int) -> list[int]:

@@ -132,28 +132,36 @@ def _describe(lengths: Sequence[int]) -> str:
 # -------------------------------------------------------------------------------------------- running
 def run_sweep(
     model: torch.nn.Module,
-    costs: CostCoefficients,
+    costs: CostCoefficients | str,
     workloads: Sequence[Workload],
     options: SweepOptions,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Time every contender on every workload; the JSON-ready report (raw samples included)."""
-    contenders, notes = _contenders(model, costs, options, progress or (lambda description: None))
+    """Time every contender on every workload; the JSON-ready report (raw samples included).
+
+    ``costs="online"``: Auto learns its coefficients from its own calls (the manual routes, which plan
+    nothing, run on fixed ones so that only Auto learns); the report's ``learning_curve`` lists each Auto
+    call's predicted and measured ms in call order."""
+    curve: list[dict[str, Any]] = []
+    contenders, notes = _contenders(model, costs, options, progress or (lambda description: None), curve)
     results = [_run_workload(model, contenders, workload, options) for workload in workloads]
     return {
         "options": asdict(options),
-        "costs": costs.to_dict(),
+        "costs": costs if isinstance(costs, str) else costs.to_dict(),
         "workloads": results,
         "summary": summarize(results),
+        "learning_curve": curve,
         "notes": notes,
     }
 
 
 def _contenders(
-    model, costs: CostCoefficients, options: SweepOptions, progress: Progress
+    model, costs: CostCoefficients | str, options: SweepOptions, progress: Progress, curve: list
 ) -> tuple[dict[str, Contender], list[str]]:
     sampling = SamplingConfig(max_new_tokens=options.max_new_tokens, continuous_batch_size=options.continuous_batch_size)
-    contenders = {route: rollout_contender(model, route, sampling, costs) for route in (*MANUAL_ROUTES, "auto")}
+    fixed = CostCoefficients() if isinstance(costs, str) else costs  # online: manual routes plan nothing; only Auto learns
+    contenders = {route: rollout_contender(model, route, sampling, fixed) for route in MANUAL_ROUTES}
+    contenders["auto"] = _recording(rollout_contender(model, "auto", sampling, costs), curve)
     notes = []
     if options.with_hf_batch and has_generate_batch(model):
         try:  # a baseline that cannot run here must not stop the sweep
@@ -164,6 +172,23 @@ def _contenders(
     elif options.with_hf_batch:
         notes.append(f"{HF_BATCH} skipped: this transformers/model has no generate_batch")
     return reporting(contenders, progress), notes
+
+
+def learning_point(profile: dict[str, Any], call: int) -> dict[str, Any]:
+    """One point of the learning curve from a profile dict (`Profile.to_dict`)."""
+    return {"call": call, "route": profile["route"], "source": profile["costs_source"], "total_ms": profile["total_ms"],
+            "predicted_ms": profile["predicted_ms"], "measured_ms": profile["measured_ms"]}  # fmt: skip
+
+
+def _recording(contender: Contender, curve: list[dict[str, Any]]) -> Contender:
+    """Auto's contender, appending each call's learning-curve point to `curve`."""
+
+    def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+        tokens, profile = contender(prompts)
+        curve.append(learning_point(profile, len(curve)))
+        return tokens, profile
+
+    return run
 
 
 def _run_workload(model, contenders: dict[str, Contender], workload: Workload, options: SweepOptions) -> dict:
