@@ -257,7 +257,11 @@ def measurement_problems(
     short = [_label(i) for i in items if not i.get("plain_ms", i.get("cb_step_ms"))]
     noisy = sorted(items, key=_spread, reverse=True)
     noisy_text = ", ".join(f"{_label(i)} ({_spread(i):.0%})" for i in noisy[:4] if _spread(i) > MAX_SPREAD)
+    worst = sorted((r for r in report.rows if r.kind != "decode"), key=lambda r: -abs(r.relative_error))
+    worst_text = ", ".join(f"{r.rows}:{r.width}{' held out' if r.holdout else ''} ({r.relative_error:+.0%})"
+                           for r in worst[:4])  # fmt: skip
     cause = f"; noisy shapes (spread > {MAX_SPREAD:.0%}): {noisy_text}" if noisy_text else ""
+    cause += f"; worst-predicted prefill shapes: {worst_text}" if worst_text else ""
     problems = []
     if short:
         problems.append(f"{plan.max_seconds:.0f} s were not enough to measure {', '.join(short)}: {advice}")
