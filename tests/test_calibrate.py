@@ -27,7 +27,7 @@ from autobucket.coefficients.fit import (
     numerical_rank,
     prefill_features,
 )
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib
+from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib, prefill_cost_ms
 
 GEOMETRY = BENCH_QWEN2_GEOMETRY
 TRUE = CostCoefficients(
@@ -358,3 +358,20 @@ def test_outlier_rejection_drops_a_slowed_sample_but_keeps_honest_spread():
     assert robust_median([10.0, 10.2, 9.9, 10.1, 60.0]) == pytest.approx(10.05)
     assert inliers([10.0, 14.0, 20.0]) == [10.0, 14.0, 20.0]  # spread, not outliers
     assert spread([10.0, 10.0, 10.0]) == 0.0 and spread([5.0, 10.0, 20.0]) > 0.25
+
+
+@pytest.mark.parametrize("forward_sq_ms", [0.0, 2.0])
+def test_the_super_linear_term_is_kept_only_when_held_out_shapes_need_it(forward_sq_ms):
+    from dataclasses import replace
+
+    truth = replace(TRUE, forward_sq_ms=forward_sq_ms)
+    fitted = [PrefillPoint(p.rows, p.width, p.kv_copy, p.measured_ms + forward_sq_ms * (p.rows * p.width / 1e3) ** 2)
+              for p in synthetic_prefill(TRUE, noise=0.01)]  # fmt: skip
+    held_out = [PrefillPoint(rows, width, kv, prefill_cost_ms(rows, width, GEOMETRY, truth, kv), holdout=True)
+                for rows, width in ((2, 384), (8, 96), (24, 300), (12, 512)) for kv in (False, True)]  # fmt: skip
+    report = fit_costs(fitted + held_out, synthetic_decode(TRUE), GEOMETRY)
+    if forward_sq_ms:
+        assert report.costs.forward_sq_ms == pytest.approx(forward_sq_ms, rel=0.2)
+        assert report.median_error(holdout=True) < 0.05
+    else:
+        assert report.costs.forward_sq_ms == 0.0  # the reference's special case

@@ -37,6 +37,10 @@ def test_defaults_are_the_reference_values_plus_zero_extensions():
         "decode_ms": 10.0,
         "ordinary_decode_ms": 0.0,
         "ordinary_decode_kv_ms": 0.0,
+        "step_ms": 0.0,
+        "step_row_ms": 0.0,
+        "step_kv_ms": 0.0,
+        "forward_sq_ms": 0.0,
     }
 
 
@@ -291,3 +295,23 @@ def test_real_transformers_configs_and_torch_dtypes():
     assert gpt2 == ModelGeometry(12, 12, 12, 64, 2, 1024)
     gemma3 = ModelGeometry.from_config(transformers.Gemma3Config(), torch.float16)  # decoder in text_config
     assert (gemma3.layers, gemma3.kv_heads, gemma3.head_dim) == (26, 4, 256)
+
+
+# ---- the super-linear forward term and the planner's cap ------------------------------------------------
+
+
+def test_forward_sq_term_is_zero_by_default_and_caps_planning_where_splitting_pays():
+    from autobucket.planning.costs import planning_token_limit, split_forward_tokens
+
+    assert split_forward_tokens(CostCoefficients()) is None
+    assert planning_token_limit(4096, CostCoefficients(), 512) == 4096
+    costs = CostCoefficients(fixed_ms=8.0, token_ms=0.05, attention_ms=0.0, forward_sq_ms=1.0)
+    cap = split_forward_tokens(costs)
+    assert cap == 4000  # 1.0·(T/1000)²/2 = 8 ms at T = 4000
+    # Brute force: one forward of T tokens vs two of T/2, on either side of the cap.
+    for tokens, split_pays in ((cap - 200, False), (cap + 200, True)):
+        one = prefill_cost_ms(1, tokens, BENCH_QWEN2_GEOMETRY, costs, include_kv_copy=False)
+        two = 2 * prefill_cost_ms(1, tokens // 2, BENCH_QWEN2_GEOMETRY, costs, include_kv_copy=False)
+        assert (two < one) == split_pays
+    assert planning_token_limit(65536, costs, 512) == 4000 and planning_token_limit(None, costs, 512) == 4000
+    assert planning_token_limit(2048, costs, 512) == 2048 and planning_token_limit(None, costs, 9000) == 9000

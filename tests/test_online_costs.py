@@ -40,7 +40,7 @@ TOLERANCE = 0.15  # worst relative error of the learned model's predictions over
 WORKLOADS = [[16] * 31 + [512], [64] * 8, [8, 100, 300, 40, 12, 500, 77, 3], [256] * 32]
 
 
-def synthetic_call(rng: random.Random, slow: float, spike: bool) -> list[Timing]:
+def synthetic_call(rng: random.Random, slow: float, spike: bool, truth: CostCoefficients = TRUE) -> list[Timing]:
     """One call's timings from TRUE: a few prefill buckets with their KV copies and 15 decode steps of
     one route, 5% log-normal noise, every timing × `slow` (a competing job), one timing ×20 if `spike`."""
     timings = []
@@ -50,7 +50,7 @@ def synthetic_call(rng: random.Random, slow: float, spike: bool) -> list[Timing]
     kind, rows, width = rng.choice([CB_STEP, ORDINARY_STEP]), rng.choice([4, 8, 16, 32]), rng.choice([64, 256, 600])
     timings += [Timing(kind, rows, width + step, 0.0) for step in range(15)]
     measured = [Timing(t.kind, t.rows, t.width,
-                       timing_ms(t.kind, t.rows, t.width, GEOMETRY, TRUE) * slow * rng.lognormvariate(0, 0.05))
+                       timing_ms(t.kind, t.rows, t.width, GEOMETRY, truth) * slow * rng.lognormvariate(0, 0.05))
                 for t in timings]  # fmt: skip
     if spike:
         index = rng.randrange(len(measured))
@@ -62,12 +62,12 @@ def vars_of(timing: Timing) -> tuple:
     return (timing.kind, timing.rows, timing.width, timing.ms)
 
 
-def learn(prior: CostCoefficients, robust: bool, calls: int = 24, seed: int = 0) -> OnlineCosts:
+def learn(prior: CostCoefficients, robust: bool, calls: int = 24, seed: int = 0, truth=TRUE) -> OnlineCosts:
     rng = random.Random(seed)
     learner = OnlineCosts(prior, GEOMETRY, robust=robust)
     for call in range(calls):
         # Every third call runs while another job halves the machine (3x slower); every fifth has a spike.
-        learner.observe(synthetic_call(rng, slow=3.0 if call % 3 == 2 else 1.0, spike=call % 5 == 4))
+        learner.observe(synthetic_call(rng, slow=3.0 if call % 3 == 2 else 1.0, spike=call % 5 == 4, truth=truth))
     return learner
 
 
@@ -98,6 +98,17 @@ def test_negative_control_without_the_outlier_guard_learning_fails(seed):
     learner = learn(WRONG, robust=False, seed=seed)
     # The same stream and the same check as the convergence test above: only the guard differs.
     assert worst_error(learner.costs) > TOLERANCE, "the guard-free fit should be pulled off by the slow calls"
+
+
+@pytest.mark.parametrize("forward_sq_ms", [0.0, 3.0])
+def test_the_super_linear_term_is_learned_only_when_held_out_timings_need_it(forward_sq_ms):
+    from dataclasses import replace
+
+    learner = learn(WRONG, robust=True, calls=30, truth=replace(TRUE, forward_sq_ms=forward_sq_ms))
+    if forward_sq_ms:
+        assert learner.costs.forward_sq_ms == pytest.approx(forward_sq_ms, rel=0.3)
+    else:
+        assert learner.costs.forward_sq_ms == 0.0
 
 
 def test_one_noisy_call_cannot_swing_the_coefficients():

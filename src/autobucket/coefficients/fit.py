@@ -26,11 +26,18 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from autobucket.planning.costs import CostCoefficients, ModelGeometry, attention_gflops, kv_mib
+from autobucket.planning.costs import (
+    CostCoefficients,
+    ModelGeometry,
+    attention_gflops,
+    kv_mib,
+    prefill_cost_ms,
+)
 
 PREFILL_TERMS = ("fixed_ms", "token_ms", "attention_ms", "kv_ms")
 DECODE_TERMS = ("decode_ms", "ordinary_decode_ms", "ordinary_decode_kv_ms")
 SHARED_TERMS = ("step_ms", "step_row_ms", "step_kv_ms")
+EXTENSION_TERM = "forward_sq_ms"  # kept only when it lowers the held-out error (see _with_extension_if_better)
 MAX_MEDIAN_ERROR = 0.5  # a fit whose median relative error is worse than this is refused
 _RANK_TOLERANCE = 1e-9  # relative singular value below which a (column-normalised) direction is missing
 _MIN_SCALE_MS = 1e-6  # relative errors are taken relative to at least this (a 0 ms reading stays finite)
@@ -124,8 +131,7 @@ def decode_features(point: DecodePoint, geometry: ModelGeometry) -> np.ndarray:
 
 
 def predict_prefill_ms(point: PrefillPoint, geometry: ModelGeometry, costs: CostCoefficients) -> float:
-    coefficients = np.array([getattr(costs, name) for name in PREFILL_TERMS])
-    return float(prefill_features(point.rows, point.width, point.kv_copy, geometry) @ coefficients)
+    return prefill_cost_ms(point.rows, point.width, geometry, costs, include_kv_copy=point.kv_copy)
 
 
 def weighted_nnls(design: np.ndarray, measured: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -156,6 +162,7 @@ def fit_costs(
     problems: list[str] = []
     fitted = [p for p in prefill if not p.holdout]
     prefill_values = _fit_prefill(fitted, geometry, problems)
+    prefill_values = _with_extension_if_better(prefill, prefill_values, geometry)
     kv_ms = prefill_values["kv_ms"]
     decode_values = _fit_decode(decode, geometry, kv_ms, problems)
     shared_values = _fit_shared(decode, geometry, decode_values["decode_ms"], kv_ms)
@@ -192,6 +199,26 @@ def _fit_prefill(points: Sequence[PrefillPoint], geometry: ModelGeometry, proble
     if not np.any(values > 0):
         problems.append("all prefill coefficients fitted to zero: the measurements carry no signal")
     return dict(zip(PREFILL_TERMS, values.tolist(), strict=True))
+
+
+def _with_extension_if_better(points: Sequence[PrefillPoint], reference: dict, geometry: ModelGeometry) -> dict:
+    """The reference's prefill terms, or those plus `EXTENSION_TERM` when that fit's median error on the
+    *held-out* shapes is at least 10% lower (no held-out shapes: the reference model)."""
+    fitted, held_out = [p for p in points if not p.holdout], [p for p in points if p.holdout]
+    reference = {**reference, EXTENSION_TERM: 0.0}
+    if not held_out or len(fitted) <= len(PREFILL_TERMS) + 1:
+        return reference
+    design = np.stack([np.append(prefill_features(p.rows, p.width, p.kv_copy, geometry), (p.rows * p.width / 1e3) ** 2)
+                       for p in fitted])  # fmt: skip
+    measured = np.array([p.measured_ms for p in fitted])
+    values = weighted_nnls(design, measured, measured)
+    extended = dict(zip((*PREFILL_TERMS, EXTENSION_TERM), values.tolist(), strict=True))
+
+    def held_out_error(values: dict) -> float:
+        costs = CostCoefficients(**values)
+        return statistics.median(abs(predict_prefill_ms(p, geometry, costs) / p.measured_ms - 1) for p in held_out)
+
+    return extended if held_out_error(extended) < 0.9 * held_out_error(reference) else reference
 
 
 def _fit_decode(

@@ -4,7 +4,8 @@ Each call's `Profile.timings` (prefill forwards, KV copies, decode steps of eith
 shapes) join a window of recent observations; the coefficients are refitted per *block* of terms that
 the observations touch:
 
-* ``prefill``: ``fixed_ms``, ``token_ms``, ``attention_ms`` from prefill forwards;
+* ``prefill``: ``fixed_ms``, ``token_ms``, ``attention_ms`` from prefill forwards, and the super-linear
+  ``forward_sq_ms`` only when it lowers the error on held-out observations (`select_and_fit`);
 * ``kv``: ``kv_ms`` from KV copies (timed on their own, so not collinear with ``token_ms``);
 * ``decode``: the shared step terms and the route-specific ``decode_ms``, ``ordinary_decode_ms``,
   ``ordinary_decode_kv_ms`` from decode steps (CB − ordinary is what the route choice uses).
@@ -44,11 +45,12 @@ from autobucket.planning.costs import (
 from autobucket.profile import Timing
 
 BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # block -> (timing kinds, coefficient names)
-    "prefill": ((PREFILL_FORWARD,), ("fixed_ms", "token_ms", "attention_ms")),
+    "prefill": ((PREFILL_FORWARD,), ("fixed_ms", "token_ms", "attention_ms", "forward_sq_ms")),
     "kv": ((KV_COPY,), ("kv_ms",)),
     "decode": ((CB_STEP, ORDINARY_STEP), ("step_ms", "step_row_ms", "step_kv_ms", "decode_ms",
                                           "ordinary_decode_ms", "ordinary_decode_kv_ms")),
 }  # fmt: skip
+OPTIONAL_TERMS = ("forward_sq_ms",)  # fitted only when they lower the split-half held-out error
 WINDOW = 96  # observations kept per block (older ones are forgotten)
 PRIOR_WEIGHT = 0.1  # the prior counts like this fraction of one observation, per coefficient
 OUTLIER_MADS = 4.0  # residuals beyond this many (scaled) MADs are rejected ...
@@ -93,7 +95,7 @@ class OnlineCosts:
             window = self.window[block]
             if not window:
                 continue
-            candidate = fit_block(window, names, self.geometry, self.prior, self.robust)
+            candidate = select_and_fit(window, names, self.geometry, self.prior, self.robust)
             trial = replace(self.costs, **candidate)
             before[block] = median_relative_error(window, self.geometry, self.costs)
             after[block] = median_relative_error(window, self.geometry, trial)
@@ -131,6 +133,31 @@ def median_relative_error(timings: Sequence[Timing], geometry: ModelGeometry, co
     errors = [abs(timing_ms(t.kind, t.rows, t.width, geometry, costs) - t.ms) / max(t.ms, _MIN_MS)
               for t in timings]  # fmt: skip
     return statistics.median(errors) if errors else 0.0
+
+
+def select_and_fit(
+    timings: Sequence[Timing], names: tuple[str, ...], geometry: ModelGeometry, prior: CostCoefficients, robust: bool
+) -> dict[str, float]:
+    """`fit_block` of the block's terms; an `OPTIONAL_TERMS` term is kept (else set to 0) only when fitting
+    it lowers the error on held-out observations by 10%: fit on every other observation, test on the rest,
+    both ways round."""
+    optional = [name for name in names if name in OPTIONAL_TERMS]
+    base = tuple(name for name in names if name not in optional)
+    without = {**fit_block(timings, base, geometry, prior, robust), **dict.fromkeys(optional, 0.0)}
+    if not optional or len(timings) < 4 * len(names):
+        return without
+    halves = (timings[0::2], timings[1::2])
+
+    def held_out_error(terms: tuple[str, ...]) -> float:
+        errors = []
+        for train, test in (halves, halves[::-1]):
+            values = {**dict.fromkeys(optional, 0.0), **fit_block(train, terms, geometry, prior, robust)}
+            errors.append(median_relative_error(test, geometry, replace(prior, **values)))
+        return statistics.fmean(errors)
+
+    if held_out_error(names) < 0.9 * held_out_error(base):
+        return fit_block(timings, names, geometry, prior, robust)
+    return without
 
 
 def fit_block(

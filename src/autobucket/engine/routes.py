@@ -29,7 +29,7 @@ from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, s
 from autobucket.engine.model_runner import CacheShape, ModelRunner
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.selection import Selection
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.planning.costs import CostCoefficients, ModelGeometry, planning_token_limit
 from autobucket.planning.planner import plan_prefill
 from autobucket.planning.route_choice import ROUTE_ORDINARY, choose_route
 from autobucket.profile import PhaseTimer, Profile
@@ -152,7 +152,8 @@ class DPBuckets:
         call = self.call
         started = time.perf_counter()
         lengths = [len(call.prompts[index]) for index in admitted]
-        plan = plan_prefill(lengths, call.geometry, call.costs, call.config.prefill_max_tokens, call.sampling.n)
+        limit = planning_token_limit(call.config.prefill_max_tokens, call.costs, max(lengths))
+        plan = plan_prefill(lengths, call.geometry, call.costs, limit, call.sampling.n)
         call.profile.plan_ms += (time.perf_counter() - started) * 1e3
         return [[admitted[position] for position in bucket] for bucket in plan.buckets]
 

@@ -10,6 +10,9 @@ row, so the shared part is not modelled; what is modelled is
 * two signed extensions for ordinary ``generate``: an extra per-step cost (``ordinary_decode_ms``) and a
   per-step term proportional to the cache size, because HF's DynamicCache re-concatenates the whole cache
   every step (``ordinary_decode_kv_ms``). With both at 0 the model is the reference's;
+* a super-linear per-forward term ``forward_sq_ms·(thousand tokens)²`` (0 in the reference) where a CPU's
+  caches make one large forward slower per token than several small ones; the planner respects it by
+  capping a forward's tokens (`planning_token_limit`), so its DP stays linear in rows;
 * the decode work both routes share (``step_ms + step_row_ms·rows + step_kv_ms·MiB attended``). It cancels
   in the route choice, so the reference leaves it out (all three 0); it is what lets a profile compare the
   model's prediction with a call's measured time, and what online learning fits from every decode step.
@@ -50,6 +53,7 @@ class CostCoefficients:
     step_ms: float = 0.0  # shared decode work per decode forward (both routes; cancels in route choice)
     step_row_ms: float = 0.0  # shared decode work per row per decode forward
     step_kv_ms: float = 0.0  # shared decode work per MiB of KV attended per decode forward
+    forward_sq_ms: float = 0.0  # per (thousand padded tokens in one prefill forward)²; 0: the reference
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -216,11 +220,30 @@ def prefill_cost_ms(
     include_kv_copy: bool = True,
 ) -> float:
     """Estimated ms of one prefill forward; the KV term is the copy into the continuous-batching cache."""
-    total_ms = costs.fixed_ms + costs.token_ms * rows * width
+    total_ms = costs.fixed_ms + costs.token_ms * rows * width + costs.forward_sq_ms * (rows * width / 1e3) ** 2
     total_ms += costs.attention_ms * attention_gflops(rows, width, geometry)
     if include_kv_copy:
         total_ms += costs.kv_ms * kv_mib(rows, width, geometry)
     return total_ms
+
+
+def split_forward_tokens(costs: CostCoefficients) -> int | None:
+    """Padded tokens above which one prefill forward is estimated to cost more than two forwards of half
+    the tokens (``forward_sq_ms·T²/2 > fixed_ms``); None when the super-linear term is 0."""
+    if costs.forward_sq_ms <= 0:
+        return None
+    return int(1e3 * math.sqrt(2 * costs.fixed_ms / costs.forward_sq_ms))
+
+
+def planning_token_limit(prefill_max_tokens: int | None, costs: CostCoefficients, longest: int) -> int | None:
+    """The per-forward token limit the bucket DP plans with: the caller's, lowered to
+    `split_forward_tokens` (never below the longest prompt, which cannot be split). The DP's per-row costs
+    leave out the super-linear term; capping the forward size is how it respects it (see architecture.md)."""
+    cap = split_forward_tokens(costs)
+    if cap is None:
+        return prefill_max_tokens
+    cap = max(cap, longest)
+    return cap if prefill_max_tokens is None else min(prefill_max_tokens, cap)
 
 
 def prefill_row_terms_ms(geometry: ModelGeometry, costs: CostCoefficients) -> tuple[float, float]:
@@ -270,7 +293,8 @@ def timing_features(kind: str, rows: int, width: float, geometry: ModelGeometry)
     """The event's cost as ``sum(coefficient · feature)``: coefficient name -> feature value."""
     if kind == PREFILL_FORWARD:
         return {"fixed_ms": 1.0, "token_ms": float(rows * width),
-                "attention_ms": attention_gflops(rows, width, geometry)}  # fmt: skip
+                "attention_ms": attention_gflops(rows, width, geometry),
+                "forward_sq_ms": (rows * width / 1e3) ** 2}  # fmt: skip
     if kind == KV_COPY:
         return {"kv_ms": kv_mib(rows, width, geometry)}
     attended_mib = kv_mib(rows, width, geometry)

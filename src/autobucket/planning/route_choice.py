@@ -13,6 +13,7 @@ from autobucket.planning.costs import (
     ModelGeometry,
     continuous_decode_cost_ms,
     ordinary_cost_ms,
+    planning_token_limit,
     prefill_row_terms_ms,
 )
 from autobucket.planning.planner import (
@@ -99,7 +100,7 @@ def choose_route(
                 f"ordinary {ordinary_ms:.1f} ms; DP skipped)"
             )
             return RouteDecision(ROUTE_ORDINARY, (), (), ordinary_ms, None, lower_bound_ms, reason)
-    plan = planchecked_lengths(checked, geometry, costs, prefill_max_tokens)
+    plan = planchecked_lengths(checked, geometry, costs, planning_token_limit(prefill_max_tokens, costs, max(checked)))
     return _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
 
 
