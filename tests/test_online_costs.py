@@ -13,6 +13,7 @@ import pytest
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.online import OnlineCosts, median_relative_error
 from autobucket.coefficients.store import entry_path, load_entry, save_entry, store_metadata
+from autobucket.models import CACHE_DIR_ENV
 from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CB_STEP,
@@ -170,7 +171,8 @@ def _edit(path, change) -> None:
 
 # ------------------------------------------------------------------------------------ through Rollout
 @pytest.mark.usefixtures("single_thread")
-def test_rollout_learns_persists_and_reports_predicted_vs_measured(tiny_models):
+def test_rollout_learns_persists_and_reports_predicted_vs_measured(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # a fresh cache: the first call probes
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([5, 40, 7, 100, 12, 3], 1024, seed=0)
     sampling = SamplingConfig(max_new_tokens=5, continuous_batch_size=4)
@@ -199,3 +201,30 @@ def test_every_route_records_its_forwards_and_steps(tiny_models, route):
     widths = [t.width for t in profile.timings if t.kind == step]
     assert widths == [41 + k for k in range(5)]  # the prompt width plus each step's fed-back tokens
     assert profile.costs_source == "defaults"
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def test_sweep_cli_online_writes_the_learning_curve(tmp_path, capsys, monkeypatch):
+    from autobucket.cli import main
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))  # a fresh cache: the first call probes
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["sweep", "--model", "tiny-qwen2", "--costs", "online", "--workloads", "none", "--lengths", "40,3x6",
+            "--repeats", "2", "--max-new-tokens", "4", "--no-hf-batch", "--out", str(out), "--plot", str(plot)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    curve = report["learning_curve"]
+    assert report["costs"] == "online" and len(curve) == 3  # one warm-up and two timed Auto calls
+    assert [point["source"] for point in curve] == ["probe", "online", "online"]
+    assert all(point["predicted_ms"] > 0 and point["measured_ms"] > 0 for point in curve)
+    assert report["workloads"][0]["tokens_match_all"]
+    learning = tmp_path / "sweep-learning.png"
+    assert learning.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {learning}" in capsys.readouterr().out
+
+
+def test_generate_summary_says_when_the_coefficients_are_the_defaults():
+    from autobucket.cli.generate import cost_model_line
+
+    line = cost_model_line({"costs_source": "defaults", "predicted_ms": 25.8, "measured_ms": 2824.0})
+    assert "predicted 26 ms vs measured 2824 ms" in line and "built-in reference (GPU) defaults" in line
+    assert "learned from earlier calls" in cost_model_line({"costs_source": "online", "predicted_ms": 1.0, "measured_ms": 1.0})

@@ -110,7 +110,10 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> lis
     first = run("ordinary", random_prompts([32, 32], vocab, seed=1), sampling)
     forward_ms = sum(t.ms for t in first.timings if t.kind == PREFILL_FORWARD)
     unit = _probe_unit(forward_ms / 64, geometry.max_positions)
-    calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, 2 * unit]),
+    # One long prompt whatever the budget: the attention term (∝ L²) is not identified by short ones, and
+    # extrapolating it from them was off by 10x and more on a slow machine.
+    long = max(2 * unit, min(512, ((geometry.max_positions or 1024) - 8) // 2))
+    calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, long]),
              ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))  # fmt: skip
     timings = list(first.timings)
     for seed, (route, lengths) in enumerate(calls, start=2):

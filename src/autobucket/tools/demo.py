@@ -41,7 +41,7 @@ Status = Callable[[str], None]
 class DemoConfig:
     out_dir: Path = Path("results/demo")
     max_new_tokens: int = 48
-    costs: Path | None = None  # calibration / coefficients JSON for auto; None: default coefficients
+    costs: Path | None = None  # calibration / coefficients JSON for auto; None: learned online
     repeats: int = 1
     with_hf_batch: bool = True  # also time transformers' own continuous batching when the version has it
 
@@ -141,9 +141,11 @@ def demo_costs(model: Any, costs_path: Path | None) -> tuple[CostCoefficients, s
 
     if costs_path is not None:
         return Rollout(model, None, RolloutConfig(route="auto", costs=costs_path)).costs, f"from {costs_path}"
-    return CostCoefficients(), (
-        "default coefficients, not calibrated for this machine "
-        "(pass --costs with a file from `autobucket calibrate --model smollm2`)"
+    rollout = Rollout(model, None, RolloutConfig(route="auto"))  # online: cached entry, else a short probe
+    costs = rollout.costs
+    return costs, (
+        f"learned online on this machine ({rollout.cost_source.source}; a file from "
+        "`autobucket calibrate --model smollm2` can be passed with --costs)"
     )
 
 
