@@ -228,3 +228,16 @@ def test_generate_summary_says_when_the_coefficients_are_the_defaults():
     line = cost_model_line({"costs_source": "defaults", "predicted_ms": 25.8, "measured_ms": 2824.0})
     assert "predicted 26 ms vs measured 2824 ms" in line and "built-in reference (GPU) defaults" in line
     assert "learned from earlier calls" in cost_model_line({"costs_source": "online", "predicted_ms": 1.0, "measured_ms": 1.0})
+
+
+def test_the_ray_driver_takes_the_median_of_what_online_workers_learned():
+    from types import SimpleNamespace
+
+    from autobucket.distributed.ray_rollout import _learned_costs
+
+    def result(source, fixed_ms):
+        return SimpleNamespace(profile=SimpleNamespace(costs_source=source, costs=TRUE.to_dict() | {"fixed_ms": fixed_ms}))
+
+    learned = _learned_costs([result("online", 1.0), result("stored", 3.0), result("online", 8.0), result("file", 99.0)])
+    assert learned.fixed_ms == 3.0 and learned.token_ms == TRUE.token_ms  # the file-pinned worker does not vote
+    assert _learned_costs([result("given", 1.0)]) is None

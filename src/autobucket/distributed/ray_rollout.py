@@ -94,6 +94,7 @@ class RayRollout:
         self._threads = torch_threads if torch_threads is not None else _default_threads(self._options)
         self._factory, self._state_ref = model_factory, None
         self._info: WorkerInfo | None = None
+        self._learned: CostCoefficients | None = None  # online-learned costs of the last call's workers
         if not self._ray.is_initialized():
             self._ray.init()
         self._actor_class = self._ray.remote(Worker)
@@ -110,6 +111,9 @@ class RayRollout:
         started = time.perf_counter()
         sampling = sampling_or_default(sampling)
         info = self.worker_info()
+        if self._learned is not None:  # shard with what the workers learned in the last call
+            info = self._info = replace(info, costs=self._learned)
+            self._learned = None
         token_prompts = self._normalize(prompts, info)
         check_context(token_prompts, sampling.max_new_tokens, info.max_positions)
         request_seeds = _request_seeds(sampling, len(token_prompts))
@@ -118,9 +122,7 @@ class RayRollout:
         ]
         plan = plan_shards(unit_costs, self.num_workers, self.sharding)
         results = self._run_shards(plan, token_prompts, sampling, request_seeds, overrides)
-        learned = _learned_costs(results.values())
-        if learned is not None and self._info is info:  # the next call shards with what the workers learned
-            self._info = replace(info, costs=learned)
+        self._learned = _learned_costs(results.values())
         return merge_shard_results(
             plan, results, len(token_prompts), sampling.logprobs, self.config.route, self.sharding, started
         )
@@ -145,7 +147,7 @@ class RayRollout:
             refs = self._loading + [actor.load_state_dict.remote(self._state_ref) for actor in self._actors]
         else:  # pending loads of the old factory are superseded: a failed one must not block the fix
             _check_factory(state_dict_or_factory)
-            self._factory, self._state_ref, self._info = state_dict_or_factory, None, None
+            self._factory, self._state_ref, self._info, self._learned = state_dict_or_factory, None, None, None
             refs = [actor.load.remote(self._factory) for actor in self._actors]
         self._loading = []
         self._ray.get(refs)
