@@ -205,7 +205,9 @@ def test_every_route_records_its_forwards_and_steps(tiny_models, route):
 
 # ------------------------------------------------------------------------------------ the CLI
 def test_sweep_cli_online_writes_the_learning_curve(tmp_path, capsys, monkeypatch):
-    from autobucket.cli import main
+    from autobucket.cli.main import (
+        main,  # (the package's `main` name is shadowed once this module is imported)
+    )
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))  # a fresh cache: the first call probes
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"

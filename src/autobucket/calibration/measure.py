@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from autobucket.calibration.timing import (
+    WorkClock,
     robust_median,
     shape_prompts,
     spread,
@@ -195,33 +196,42 @@ def fit_measurements(
 
 # ---------------------------------------------------------------------------------------------- measuring
 def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> dict[str, Any]:
-    """Raw samples of every shape, in rounds that visit each shape once (rotating order). A round starts
-    only while the last one's duration still fits before `plan.max_seconds`, so every shape keeps the same
-    number of samples; the first round stops at the deadline, leaving later shapes unmeasured."""
+    """Raw samples of every shape, in rounds that visit each shape once (rotating order), within
+    `plan.max_seconds`: a round starts only if the last one's duration still fits, and a sample only if
+    its estimated duration (its tokens at the ms per token seen so far) does, so every shape keeps the same
+    number of samples and measuring ends by the deadline; shapes left unmeasured are named by the fit."""
     items = ([("prefill", s, False) for s in plan.prefill_shapes] + [("prefill", s, True) for s in plan.holdout_shapes]
              + [("decode", s, False) for s in plan.decode_shapes])  # fmt: skip
-    # Most work first (a decode sample prefills twice): when the deadline stops the first round, the
-    # sample that overruns it is a small one.
-    items.sort(key=lambda item: -item[1].rows * item[1].width * (2 if item[0] == "decode" else 1))
+    items.sort(key=lambda item: -_work(item[0], item[1], plan))  # most work first: later overruns are small
     records = [_empty_record(kind, shape, holdout, plan) for kind, shape, holdout in items]
     prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
     started = time.perf_counter()
-    deadline, round_s, completed = started + plan.max_seconds, 0.0, 0
-    for _ in range(plan.warmup):  # untimed: first-touch allocations and lazy initialisation
-        time_prefill_insert(model, prompts[0], plan.decode_new_tokens)
+    deadline, round_s, completed, clock = started + plan.max_seconds, 0.0, 0, WorkClock()
+    for _ in range(plan.warmup):  # first-touch allocations and lazy initialisation; gives a first ms/token
+        with clock.timing(_work("prefill", items[-1][1], plan)):
+            time_prefill_insert(model, prompts[-1], plan.decode_new_tokens)
     for round_index in range(plan.repeats):
-        round_started = time.perf_counter()
-        if round_started + round_s > deadline:
+        if time.perf_counter() + round_s > deadline:
             break
+        round_started = time.perf_counter()
         for offset in range(len(items)):
             position = (offset + round_index) % len(items)
-            if time.perf_counter() > deadline:
+            kind, shape, holdout = items[position]
+            if time.perf_counter() + clock.estimate_s(_work(kind, shape, plan)) > deadline:
                 return _measurements(records, completed, started)
-            _sample(model, items[position][0], prompts[position], records[position], plan)
+            with clock.timing(_work(kind, shape, plan)):
+                _sample(model, kind, prompts[position], records[position], plan)
             if round_index == 0:
-                step(f"{items[position][0]} {items[position][1]}{' (held out)' if items[position][2] else ''}")
+                step(f"{kind} {shape}{' (held out)' if holdout else ''}")
         round_s, completed = time.perf_counter() - round_started, completed + 1
     return _measurements(records, completed, started)
+
+
+def _work(kind: str, shape: Shape, plan: CalibrationPlan) -> float:
+    """Token positions one sample runs: a prefill forward, or (decode) two calls' prefills and steps."""
+    if kind == "prefill":
+        return shape.rows * shape.width
+    return 2 * shape.rows * (shape.width + plan.decode_new_tokens)
 
 
 def _empty_record(kind: str, shape: Shape, holdout: bool, plan: CalibrationPlan) -> dict[str, Any]:
@@ -267,7 +277,9 @@ def measurement_problems(
     cause += f"; worst-predicted prefill shapes: {worst_text}" if worst_text else ""
     problems = []
     if short:
-        problems.append(f"{plan.max_seconds:.0f} s were not enough to measure {', '.join(short)}: {advice}")
+        listed = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
+        problems.append(f"{plan.max_seconds:.0f} s measured only {len(items) - len(short)} of {len(items)} shapes "
+                        f"(not measured: {listed}): use --quick, or raise --max-seconds")  # fmt: skip
     held_out = report.median_error(holdout=True)
     if held_out is None and measurements.get("rounds", 2) < 2:
         problems.append(f"one round of samples and no held-out shapes: nothing validates the fit: {advice}")

@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -93,6 +94,22 @@ def spread(samples: Sequence[float]) -> float:
         return 0.0
     centre = statistics.median(samples)
     return 1.4826 * statistics.median(abs(s - centre) for s in samples) / max(centre, 1e-9)
+
+
+class WorkClock:
+    """Seconds per token position seen so far, to estimate whether a sample still fits."""
+
+    def __init__(self) -> None:
+        self.work, self.seconds = 0.0, 0.0
+
+    def estimate_s(self, work: float) -> float:
+        return 0.0 if self.work == 0 else self.seconds / self.work * work
+
+    @contextmanager
+    def timing(self, work: float):
+        started = time.perf_counter()
+        yield
+        self.work, self.seconds = self.work + work, self.seconds + time.perf_counter() - started
 
 
 def _synchronize(device: torch.device) -> None:
