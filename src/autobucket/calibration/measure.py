@@ -207,9 +207,10 @@ def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> di
     prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
     started = time.perf_counter()
     deadline, round_s, completed, clock = started + plan.max_seconds, 0.0, 0, WorkClock()
-    for _ in range(plan.warmup):  # first-touch allocations and lazy initialisation; gives a first ms/token
-        with clock.timing(_work("prefill", items[-1][1], plan)):
-            time_prefill_insert(model, prompts[-1], plan.decode_new_tokens)
+    # Warm-up (first-touch allocations, lazy initialisation) on the smallest shape, untimed: its ms per
+    # token is mostly fixed cost and would forbid every large sample.
+    for _ in range(plan.warmup):
+        time_prefill_insert(model, prompts[-1], plan.decode_new_tokens)
     for round_index in range(plan.repeats):
         if time.perf_counter() + round_s > deadline:
             break
