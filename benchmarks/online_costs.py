@@ -67,7 +67,7 @@ def online_stream(model, calls: int) -> list[dict]:
     for index, prompts in enumerate(mixed_stream(calls, vocab, seed=100)):
         started = time.perf_counter()
         profile = rollout.generate(prompts, sampling).profile
-        points.append({**learning_point(profile, index), "call_s": time.perf_counter() - started})
+        points.append({**learning_point(profile.to_dict(), index), "call_s": time.perf_counter() - started})
         print(f"stream call {index + 1}: {profile.route} source={profile.costs_source} "
               f"predicted {profile.predicted_ms:.0f} ms / measured {profile.measured_ms:.0f} ms", flush=True)  # fmt: skip
     return points
