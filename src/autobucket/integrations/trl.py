@@ -1,0 +1,267 @@
+"""TRL's `GRPOTrainer` generating through autobucket (`pip install "autobucket[trl]"`, trl 1.16).
+
+Two ways in, one generation function behind both:
+
+- `AutobucketGRPOTrainer`: a `GRPOTrainer` whose non-vLLM generation (`_generate_single_turn`) runs
+  `Rollout.generate`; everything else (dataloader, tokenisation, rewards, loss, optimizer) is TRL's.
+- `make_rollout_func()`: for TRL's `rollout_func=` hook on a stock `GRPOTrainer`.
+
+Why runs of identical prompts: TRL repeats every prompt `num_generations` times in a row before it
+generates. Each run becomes one prompt with `SamplingConfig(n=run length)`, so it is prefilled once
+and its KV shared by its samples. A run's stream key derives from (trainer seed, global step, process
+index, generation call, run index), so a training run is reproducible and the sampled tokens do not
+depend on the route or the batch plan.
+
+Settings come from the trainer's `generation_config` (what TRL itself passes to `generate`).
+Anything autobucket cannot honour raises a ValueError naming the option; nothing falls back silently.
+Log-probabilities are returned when sampling (under the distribution sampled from, after temperature,
+top-k, top-p and penalty, like vLLM's processed logprobs); greedy decoding returns None, as TRL's own
+path does."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+
+# GenerationConfig sampling options autobucket does not implement -> value that means "off".
+_UNSUPPORTED_WARPERS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+_HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
+
+
+class AutobucketGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` whose completions come from `autobucket.Rollout`.
+
+    rollout_config: how autobucket runs (default `RolloutConfig(route="auto")`).
+    continuous_batch_size: most completions decoded at once (None: the whole generation batch).
+    Other arguments are `GRPOTrainer`'s.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        rollout_config: RolloutConfig | None = None,
+        continuous_batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.rollout_config = _rollout_config_or_default(rollout_config)
+        if continuous_batch_size is not None and (
+            isinstance(continuous_batch_size, bool) or not isinstance(continuous_batch_size, int) or continuous_batch_size < 1
+        ):
+            raise ValueError(
+                f"continuous_batch_size={continuous_batch_size!r} is invalid: pass an int >= 1, or None for the "
+                "whole generation batch"
+            )
+        self.continuous_batch_size = continuous_batch_size
+        training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if training_args is not None:
+            check_args_supported(training_args)  # before TRL builds a vLLM engine we would not use
+        super().__init__(*args, **kwargs)
+        check_trainer_supported(self)
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        """TRL 1.16's generation hook: prompt id lists (each repeated in a row) -> (completion ids,
+        per-token logprobs or None). `num_generations` is implied by the runs of identical prompts."""
+        reject_multimodal(images, multimodal_fields)
+        return generate_completions(self, prompt_ids, self.rollout_config, self.continuous_batch_size)
+
+
+def make_rollout_func(
+    rollout_config: RolloutConfig | None = None, continuous_batch_size: int | None = None
+) -> Callable[[list, Any], dict[str, Any]]:
+    """A function for `GRPOTrainer(rollout_func=...)` that generates with autobucket.
+
+    It tokenises prompts exactly as the trainer's own path does (chat template for conversational
+    prompts) and returns `prompt_ids`, `completion_ids` and `logprobs`.
+    """
+    config = _rollout_config_or_default(rollout_config)
+
+    def rollout_func(prompts: list, trainer: Any) -> dict[str, Any]:
+        check_trainer_supported(trainer)
+        prompt_ids, images, multimodal_fields = trainer._tokenize_prompts(prompts)
+        reject_multimodal(images, multimodal_fields)
+        completion_ids, logprobs = generate_completions(trainer, prompt_ids, config, continuous_batch_size)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    return rollout_func
+
+
+def _rollout_config_or_default(config: RolloutConfig | None) -> RolloutConfig:
+    if config is None:
+        return RolloutConfig(route="auto")
+    if not isinstance(config, RolloutConfig):
+        raise ValueError(
+            f"rollout_config={config!r} is invalid: pass an autobucket RolloutConfig (e.g. RolloutConfig(route='auto'))"
+        )
+    return config
+
+
+# ------------------------------------------------------------------ validation
+def check_trainer_supported(trainer: Any) -> None:
+    """Reject trainer modes autobucket does not replace, and sampling options it cannot honour."""
+    check_args_supported(trainer.args)
+    sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
+
+
+def check_args_supported(args: Any) -> None:
+    """GRPOConfig modes in which generation would not run through autobucket."""
+    if getattr(args, "use_vllm", False):
+        raise ValueError(
+            "use_vllm=True is not supported by the autobucket trainer: generation would run in vLLM, not "
+            "autobucket; set use_vllm=False (or use the stock GRPOTrainer for vLLM)"
+        )
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise ValueError(
+            "use_transformers_continuous_batching=True is not supported by the autobucket trainer: autobucket "
+            "replaces that path; set use_transformers_continuous_batching=False"
+        )
+
+
+def reject_multimodal(images: Any, multimodal_fields: Any) -> None:
+    if images is not None and any(image for image in images):
+        raise ValueError(
+            "prompts with images are not supported by autobucket (text-only causal LMs): use the stock "
+            "GRPOTrainer for vision-language models"
+        )
+    if multimodal_fields:
+        raise ValueError(
+            f"multimodal processor fields {sorted(multimodal_fields)} are not supported by autobucket: use the "
+            "stock GRPOTrainer for vision-language models"
+        )
+
+
+def sampling_from_generation_config(generation_config: Any, eos_token_ids: Sequence[int]) -> SamplingConfig:
+    """TRL's GenerationConfig -> autobucket SamplingConfig (n and seed are set per call)."""
+    for option, off in _UNSUPPORTED_WARPERS.items():
+        value = getattr(generation_config, option, None)
+        if value is not None and value != off:
+            raise ValueError(
+                f"generation option {option}={value!r} is not supported by autobucket: unset it "
+                f"({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer"
+            )
+    max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is None:
+        raise ValueError("max_completion_length=None is not supported by autobucket: set a completion budget")
+    penalty = generation_config.repetition_penalty
+    return SamplingConfig(
+        max_new_tokens=max_new_tokens,
+        repetition_penalty=1.0 if penalty is None else float(penalty),
+        eos_token_id=[int(token) for token in eos_token_ids],
+        **_warping(generation_config),
+    )
+
+
+def _warping(generation_config: Any) -> dict[str, Any]:
+    if not generation_config.do_sample:
+        return {"temperature": 0.0}
+    top_k, top_p = generation_config.top_k, generation_config.top_p
+    return {
+        "temperature": 1.0 if generation_config.temperature is None else float(generation_config.temperature),
+        "top_k": _HF_DEFAULT_TOP_K if top_k is None else int(top_k),
+        "top_p": 1.0 if top_p is None else float(top_p),
+    }
+
+
+def check_prompt_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, model: Any) -> None:
+    """A prompt plus its completion budget must fit the model's context (TRL-worded error)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for index, prompt in enumerate(prompt_ids):
+        if limit is not None and len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens; with max_completion_length={max_new_tokens} it needs "
+                f"{len(prompt) + max_new_tokens} positions but the model's context is {limit}: shorten the "
+                "dataset's prompts or lower max_completion_length"
+            )
+
+
+# ------------------------------------------------------------------ generation
+def prompt_runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts -> (prompt, run length), in order."""
+    runs: list[tuple[list[int], int]] = []
+    for ids in prompt_ids:
+        ids = list(ids)
+        if runs and runs[-1][0] == ids:
+            runs[-1] = (ids, runs[-1][1] + 1)
+        else:
+            runs.append((ids, 1))
+    return runs
+
+
+def generation_seed(trainer: Any) -> int:
+    """One stream key per generation call: (trainer seed, global step, process, call number)."""
+    calls = getattr(trainer, "_autobucket_generation_calls", 0)
+    trainer._autobucket_generation_calls = calls + 1
+    key = f"{trainer.args.seed}/{trainer.state.global_step}/{trainer.accelerator.process_index}/{calls}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def run_seeds(call_seed: int, run_count: int) -> list[int]:
+    """Per-run stream keys: a run's samples do not depend on how runs are grouped into calls."""
+    return [
+        int.from_bytes(hashlib.blake2b(f"{call_seed}/{run}".encode(), digest_size=8).digest(), "little")
+        for run in range(run_count)
+    ]
+
+
+def generate_completions(
+    trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row."""
+    if len(prompt_ids) == 0:
+        raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
+    base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
+    base = replace(base, logprobs=base.temperature > 0, continuous_batch_size=continuous_batch_size or len(prompt_ids))
+    runs = prompt_runs(prompt_ids)
+    seeds = run_seeds(generation_seed(trainer), len(runs))
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        check_prompt_context(prompt_ids, base.max_new_tokens, model)
+        rollout = Rollout(model, None, config)
+        samples, routes = _generate_runs(rollout, runs, seeds, base)
+    trainer.autobucket_routes = routes  # what ran for the last batch ("bucketed" / "ordinary" under auto)
+    completions = [tokens for tokens, _ in samples]
+    return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
+
+
+def _generate_runs(
+    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], base: SamplingConfig
+) -> tuple[list[tuple[list[int], list[float] | None]], list[str]]:
+    """One `generate` per distinct run length (normally one: every run is num_generations long);
+    returns (tokens, logprobs) per completion in the input's row order, and the routes that ran."""
+    per_run: dict[int, list[tuple[list[int], list[float] | None]]] = {}
+    routes = []
+    for n in sorted({count for _, count in runs}):
+        members = [r for r, (_, count) in enumerate(runs) if count == n]
+        sampling = replace(base, n=n, seed=[seeds[r] for r in members])
+        result = rollout.generate([runs[r][0] for r in members], sampling)
+        routes.append(result.route)
+        for position, r in enumerate(members):
+            per_run[r] = _run_samples(result, position, n)
+    return [sample for r in range(len(runs)) for sample in per_run[r]], routes
+
+
+def _run_samples(result: Any, position: int, n: int) -> list[tuple[list[int], list[float] | None]]:
+    """The n samples of one prompt of a result (n == 1 results are not nested)."""
+    tokens = result.tokens[position] if n > 1 else [result.tokens[position]]
+    if result.logprobs is None:
+        return [(list(t), None) for t in tokens]
+    logprobs = result.logprobs[position] if n > 1 else [result.logprobs[position]]
+    return [(list(t), list(lp)) for t, lp in zip(tokens, logprobs, strict=True)]

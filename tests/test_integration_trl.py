@@ -1,0 +1,225 @@
+"""autobucket inside TRL's real GRPO trainer (trl 1.16): its dataloader, tokenisation, EOS masking,
+rewards, loss and optimizer run unchanged; only generation differs.
+
+Oracles: the stock `GRPOTrainer` (greedy: identical completions, logged lengths and final weights on
+every route), the ordinary route (sampling: bit-identical on the other routes, route-invariant
+streams), and TRL's own recomputed `old_per_token_logps` (returned logprobs within 1e-5). A different
+trainer seed must change the sampled completions (negative control for the sampling comparison)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from conftest import VOCAB, firing_eos_candidates  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from autobucket import RolloutConfig  # noqa: E402
+from autobucket.integrations.trl import AutobucketGRPOTrainer, make_rollout_func  # noqa: E402
+from autobucket.models import build_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT_WORDS = (300, 4, 7, 3)  # one long prompt and several short ones: auto chooses bucketed CB
+NUM_GENERATIONS = 2
+MAX_COMPLETION = 10
+
+
+def word_tokenizer(eos_id: int):
+    """An in-memory word-level tokenizer over the tiny model's vocabulary: id i <-> "w{i}"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token=f"w{eos_id}" if eos_id > 2 else "</s>"
+    )
+
+
+def prompt_texts(lengths=PROMPT_WORDS, seed: int = 7) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(n)) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def eos_id() -> int:
+    """A token greedy decoding emits mid-completion for some prompts only, so EOS masking is exercised."""
+    model, tokenizer = build_tiny_model("tiny-qwen2"), word_tokenizer(2)
+    outputs = []
+    for text in prompt_texts():
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_COMPLETION, do_sample=False)
+        outputs.append(out[0, ids.shape[1] :].tolist())
+    candidates = firing_eos_candidates(outputs)
+    assert candidates, "no token ends some greedy completions but not all: change the prompts"
+    return candidates[0]
+
+
+@dataclass
+class Run:
+    completions: list  # per generation call: completion id lists, in TRL's row order
+    logged_lengths: list  # per step: (mean, min, max) completion length as TRL logged it
+    weights: dict
+    outputs: list  # per generation call: TRL's output dict
+    routes: list  # the routes autobucket ran for the last batch (None: TRL generated)
+
+
+def grpo_config(tmp_path, greedy: bool, **overrides) -> GRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(PROMPT_WORDS) * NUM_GENERATIONS,
+        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION, max_steps=3, learning_rate=0.05,
+        logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
+        shuffle_dataset=False, temperature=1.0, top_k=0, top_p=1.0, dataloader_num_workers=0,
+    )
+    if greedy:  # identical samples give zero advantages: the entropy bonus still moves the weights
+        settings.update(generation_kwargs={"do_sample": False}, entropy_coef=0.5)
+    settings.update(overrides)
+    return GRPOConfig(**settings)
+
+
+def recording(trainer_cls):
+    """`trainer_cls` that also keeps each generation batch's output dict."""
+
+    class Recording(trainer_cls):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            self.recorded_outputs = [*getattr(self, "recorded_outputs", []), output]
+            return output
+
+    return Recording
+
+
+def run_grpo(trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, **trainer_kwargs) -> Run:
+    model, tokenizer = build_tiny_model("tiny-qwen2"), word_tokenizer(eos_id)
+    completions: list = []
+
+    def toy_reward(completion_ids, **kwargs):  # also records what TRL scored
+        completions.append([list(ids) for ids in completion_ids])
+        return [float(len(set(ids)) + sum(ids) % 5) for ids in completion_ids]
+
+    trainer = recording(trainer_cls)(
+        model=model, reward_funcs=toy_reward, args=grpo_config(tmp_path, greedy, **(config_overrides or {})),
+        train_dataset=Dataset.from_dict({"prompt": texts or prompt_texts()}), processing_class=tokenizer,
+        **trainer_kwargs,
+    )
+    trainer.train()
+    logged = [
+        tuple(h[f"completions/{k}_length"] for k in ("mean", "min", "max"))
+        for h in trainer.state.log_history if "completions/mean_length" in h
+    ]
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(completions, logged, weights, trainer.recorded_outputs, getattr(trainer, "autobucket_routes", None))
+
+
+def assert_same_training(got: Run, want: Run) -> None:
+    assert got.completions == want.completions
+    assert got.logged_lengths == want.logged_lengths
+    different = [k for k in want.weights if not torch.equal(got.weights[k], want.weights[k])]
+    assert not different, f"final weights differ in {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def stock_greedy(tmp_path_factory, eos_id) -> Run:
+    run = run_grpo(GRPOTrainer, tmp_path_factory.mktemp("stock"), eos_id)
+    initial = build_tiny_model("tiny-qwen2").state_dict()
+    assert len(run.completions) == 3 and len(run.logged_lengths) == 3
+    assert any(not torch.equal(run.weights[k], initial[k]) for k in initial), "training did not move the weights"
+    assert len({tuple(map(tuple, c)) for c in run.completions}) > 1, "completions never changed across steps"
+    ended = [ids for call in run.completions for ids in call if ids[-1] == eos_id]
+    assert ended and any(len(ids) == MAX_COMPLETION and ids[-1] != eos_id for c in run.completions for ids in c)
+    return run
+
+
+@pytest.mark.parametrize("route", ["ordinary", "equal_width", "aligned", "auto"])
+def test_greedy_grpo_matches_stock_trainer(route, stock_greedy, tmp_path, eos_id):
+    run = run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, rollout_config=RolloutConfig(route=route))
+    assert run.routes == [{"auto": "bucketed"}.get(route, route)]
+    assert_same_training(run, stock_greedy)
+    assert all(output.get("sampling_per_token_logps") is None for output in run.outputs)  # greedy: as TRL's path
+
+
+def test_rollout_func_matches_stock_trainer(stock_greedy, tmp_path, eos_id):
+    run = run_grpo(GRPOTrainer, tmp_path, eos_id, rollout_func=make_rollout_func(RolloutConfig(route="aligned")))
+    assert_same_training(run, stock_greedy)
+
+
+@pytest.fixture(scope="module")
+def sampled_ordinary(tmp_path_factory, eos_id) -> Run:
+    return run_grpo(
+        AutobucketGRPOTrainer, tmp_path_factory.mktemp("ordinary"), eos_id, greedy=False,
+        rollout_config=RolloutConfig(route="ordinary"),
+    )
+
+
+@pytest.mark.parametrize("route", ["auto", "aligned"])
+def test_sampled_grpo_is_route_invariant(route, sampled_ordinary, tmp_path, eos_id):
+    run = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, rollout_config=RolloutConfig(route=route)
+    )
+    assert run.routes == [{"auto": "bucketed"}.get(route, route)] and sampled_ordinary.routes == ["ordinary"]
+    samples = [ids for call in run.completions for ids in call]
+    assert len({tuple(ids) for ids in samples}) > len(samples) // 2, "sampling produced mostly duplicates"
+    assert_same_training(run, sampled_ordinary)
+
+
+def test_sampled_grpo_depends_on_trainer_seed(sampled_ordinary, tmp_path, eos_id):
+    run = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"seed": 1},
+        rollout_config=RolloutConfig(route="ordinary"),
+    )
+    assert run.completions[0] != sampled_ordinary.completions[0]
+
+
+def test_logprobs_match_trl_recomputed(tmp_path, eos_id):
+    # num_iterations=2 makes TRL recompute old_per_token_logps with a training-mode forward
+    run = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"num_iterations": 2},
+        rollout_config=RolloutConfig(route="auto"),
+    )
+    assert run.outputs
+    for output in run.outputs:
+        mask = output["completion_mask"].bool()
+        ours, trl = output["sampling_per_token_logps"][mask], output["old_per_token_logps"][mask]
+        assert mask.sum() >= len(PROMPT_WORDS) * NUM_GENERATIONS
+        # different forward shapes (bucketed prefill vs TRL's padded batch) leave fp32 rounding only
+        torch.testing.assert_close(ours, trl, rtol=1e-5, atol=1e-5)
+        assert (ours - trl).abs().median() < 2e-6
+
+
+# ------------------------------------------------------------------ bad input
+def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
+    with pytest.raises(ValueError, match=r"min_p=0\.1 is not supported by autobucket"):
+        run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"min_p": 0.1})
+
+
+def test_vllm_mode_is_rejected(tmp_path, eos_id):
+    with pytest.raises(ValueError, match="use_vllm=True is not supported"):
+        AutobucketGRPOTrainer(
+            model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0],
+            args=grpo_config(tmp_path, greedy=True, use_vllm=True),
+        )
+
+
+def test_prompt_longer_than_context_is_rejected(tmp_path, eos_id):
+    texts = prompt_texts((2045, 4, 7, 3))  # tiny-qwen2 has 2048 positions; +10 new tokens does not fit
+    with pytest.raises(ValueError, match=r"prompt 0 has 2045 tokens; with max_completion_length=10"):
+        run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, texts=texts)
+
+
+def test_empty_generation_batch_is_rejected(tmp_path, eos_id):
+    trainer = AutobucketGRPOTrainer(
+        model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0], args=grpo_config(tmp_path, True),
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+    )
+    with pytest.raises(ValueError, match="the generation batch is empty"):
+        trainer._generate_single_turn([], None, {}, NUM_GENERATIONS)
