@@ -1,0 +1,168 @@
+"""DeepSpeed's rollout interface served by autobucket (`pip install "autobucket[deepspeed]"`, deepspeed 0.19.8).
+
+`AutobucketRollout(engine, tokenizer)` is a `deepspeed.runtime.rollout.RolloutEngine`: a DeepSpeed user
+swaps `HybridEngineRollout(engine, tokenizer)` for it and keeps the rest of the loop.
+
+Output layout = `HybridEngineRollout`'s ordinary route, tensor for tensor, so downstream code cannot
+tell them apart in greedy decoding:
+- rows prompt-major (`n_samples_per_prompt` samples of prompt 0, then prompt 1, ...);
+- `input_ids` = the request's left-padded prompt ids (as given) + a response of exactly
+  `max_new_tokens` columns: tokens through the tokenizer's first EOS, then the pad id;
+- `attention_mask` = the request's prompt mask, then 1 on response tokens, 0 after the first EOS and on
+  any generated token equal to the pad id (unless it is that first EOS);
+- `response_start_idx` = the prompt width for every row.
+
+Generation runs through `autobucket.Rollout` on `engine.module`, never through DeepSpeed's own
+continuous-batching path (which breaks on transformers >= 5.14). Weights are read live, so
+`sync_weights(step)` only records the step, which keys the sampling streams: sampled tokens depend on
+(seed, step, call, prompt, sample), not on the route or batch plan. ZeRO stage 3 is refused: autobucket
+runs a data-dependent number of forwards per rank, and partitioned parameters need every rank to run
+the same ones."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from deepspeed.runtime.rollout import RolloutBatch, RolloutEngine, RolloutRequest
+from deepspeed.runtime.rollout import SamplingConfig as DeepSpeedSamplingConfig
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.result import RolloutResult
+
+# sampling options of a model's generation_config that HF would apply and autobucket cannot -> "off"
+_UNSUPPORTED_WARPERS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+class AutobucketRollout(RolloutEngine):
+    """A `RolloutEngine` over a DeepSpeed engine's module, generating with autobucket.
+
+    engine: the `DeepSpeedEngine` (ZeRO stage 0-2); its `.module` is the Hugging Face causal LM.
+    tokenizer: anything with `pad_token_id` and `eos_token_id` (pad falls back to EOS, as in DeepSpeed).
+    config: how autobucket runs (default `RolloutConfig(route="auto")`).
+    seed: base of the sampling streams (with the step from `sync_weights` and a per-step call count).
+    After each call, `last_result` holds autobucket's `RolloutResult` (route, profile, finish reasons).
+    """
+
+    name = "autobucket"
+
+    def __init__(self, engine: Any, tokenizer: Any, config: RolloutConfig | None = None, seed: int = 0) -> None:
+        _check_zero_stage(engine)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.pad_token_id = _pad_token_id(tokenizer)
+        self.eos_token_ids = _eos_ids(tokenizer.eos_token_id)
+        self.rollout = Rollout(engine.module, None, config if config is not None else RolloutConfig(route="auto"))
+        self.seed = seed
+        self.step = 0
+        self._calls_this_step = 0
+        self.last_result: RolloutResult | None = None
+
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest, sampling: DeepSpeedSamplingConfig) -> RolloutBatch:
+        rows, n = request.prompt_ids.shape[0], _check_sampling(sampling)
+        if rows == 0:
+            raise ValueError("the rollout request is empty (prompt_ids has 0 rows): pass at least one prompt")
+        settings = self._sampling(sampling, rows * n)
+        result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
+        self.last_result = result
+        return _rollout_batch(request, result.flat_tokens(), n, sampling.max_new_tokens, self.pad_token_id, self.eos_token_ids)
+
+    def sync_weights(self, step: int) -> None:
+        """Weights are shared with the training engine (read live); the step keys the sampling streams."""
+        self.step = int(step)
+        self._calls_this_step = 0
+
+    def _sampling(self, sampling: DeepSpeedSamplingConfig, total_rows: int) -> SamplingConfig:
+        generation_config = self.rollout.model.generation_config
+        penalty = getattr(generation_config, "repetition_penalty", None)
+        warping = {"temperature": 0.0}
+        if sampling.temperature > 0:
+            _check_model_warpers(generation_config)
+            warping = {"temperature": float(sampling.temperature), "top_k": max(int(sampling.top_k), 0),
+                       "top_p": float(sampling.top_p)}
+        return SamplingConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            continuous_batch_size=sampling.continuous_batch_size or total_rows,
+            repetition_penalty=1.0 if penalty is None else float(penalty),  # HF generate applies the model's
+            eos_token_id=list(self.eos_token_ids),
+            seed=self._next_seed(),
+            n=sampling.n_samples_per_prompt,
+            **warping,
+        )
+
+    def _next_seed(self) -> int:
+        key = f"{self.seed}/{self.step}/{self._calls_this_step}"
+        self._calls_this_step += 1
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def _check_zero_stage(engine: Any) -> None:
+    stage_of = getattr(engine, "zero_optimization_stage", None)
+    stage = stage_of() if callable(stage_of) else 0
+    if stage == 3:
+        raise ValueError(
+            "zero_optimization.stage=3 is not supported by AutobucketRollout: ranks would run different numbers "
+            "of forwards over partitioned parameters; use ZeRO stage 0-2 (or HybridEngineRollout for stage 3)"
+        )
+    if not hasattr(engine, "module"):
+        raise ValueError(f"engine of type {type(engine).__name__} has no .module: pass the DeepSpeedEngine")
+
+
+def _check_sampling(sampling: DeepSpeedSamplingConfig) -> int:
+    """The request's samples per prompt, after checking the fields autobucket reads."""
+    for field in ("max_new_tokens", "n_samples_per_prompt"):
+        value = getattr(sampling, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}={value!r} is invalid: expected an int >= 1")
+    size = sampling.continuous_batch_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"continuous_batch_size={size!r} is invalid: pass an int >= 1, or None for all rows at once")
+    return sampling.n_samples_per_prompt
+
+
+def _check_model_warpers(generation_config: Any) -> None:
+    for option, off in _UNSUPPORTED_WARPERS.items():
+        value = getattr(generation_config, option, None)
+        if value is not None and value != off:
+            raise ValueError(
+                f"the model's generation_config sets {option}={value!r}, which autobucket cannot apply when "
+                f"sampling: set model.generation_config.{option} = None"
+            )
+
+
+def _pad_token_id(tokenizer: Any) -> int:
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value if isinstance(value, int) else _eos_ids(value)[0])
+    raise ValueError("the tokenizer defines neither pad_token_id nor eos_token_id: set tokenizer.pad_token_id")
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    return tuple(int(v) for v in ([value] if isinstance(value, int) else value))
+
+
+def _rollout_batch(
+    request: RolloutRequest, rows: list[list[int]], n: int, max_new_tokens: int, pad_id: int, eos_ids: tuple[int, ...]
+) -> RolloutBatch:
+    """Per-row generated tokens -> HybridEngineRollout's padded layout (see the module docstring)."""
+    device, prompt_width = request.prompt_ids.device, request.prompt_ids.shape[1]
+    response = torch.full((len(rows), max_new_tokens), pad_id, dtype=request.prompt_ids.dtype)  # [B*n, T_r]
+    response_mask = torch.zeros((len(rows), max_new_tokens), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        response[row, : len(tokens)] = torch.as_tensor(tokens, dtype=response.dtype)
+        response_mask[row, : len(tokens)] = (response[row, : len(tokens)] != pad_id).long()
+        if tokens and tokens[-1] in eos_ids:  # the first EOS is a real token even when it equals the pad id
+            response_mask[row, len(tokens) - 1] = 1
+    prompt_ids = request.prompt_ids.repeat_interleave(n, dim=0)  # [B*n, T_p]
+    prompt_mask = request.prompt_attention_mask.repeat_interleave(n, dim=0).long()
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, response.to(device)], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.to(device)], dim=1),
+        response_start_idx=torch.full((len(rows),), prompt_width, dtype=torch.long, device=device),
+    )
