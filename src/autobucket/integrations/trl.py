@@ -234,11 +234,21 @@ def generate_completions(
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
         check_prompt_context(prompt_ids, base.max_new_tokens, model)
-        rollout = Rollout(model, None, config)
+        rollout = _rollout_for(trainer, model, config)
         samples, routes = _generate_runs(rollout, runs, seeds, base)
     trainer.autobucket_routes = routes  # what ran for the last batch ("bucketed" / "ordinary" under auto)
     completions = [tokens for tokens, _ in samples]
     return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
+
+
+def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
+    """The trainer's Rollout, rebuilt only when the unwrapped model or the config changes (weights are
+    read live, so a training step needs no rebuild; a costs file is loaded once)."""
+    cached = getattr(trainer, "_autobucket_rollout", None)
+    if cached is None or cached[0] is not model or cached[1] is not config:
+        cached = (model, config, Rollout(model, None, config))
+        trainer._autobucket_rollout = cached
+    return cached[2]
 
 
 def _generate_runs(
