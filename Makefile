@@ -19,7 +19,7 @@ INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_deepsp
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test test-main test-tf457 test-integrations lint demo plan-sample clean
+.PHONY: test test-main test-tf457 test-integrations test-integrations-tf457 lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ test-tf457: $(BIN_457)/.installed
 # DeepSpeed init on a machine compiles a small op (~80-140 s, cached in ~/.cache/torch_extensions).
 test-integrations: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(INTEGRATION_TESTS) $(PYTEST_ARGS)
+
+# The same on transformers 4.57.x (not part of `make test`: TRL and DeepSpeed in a second venv, plus a
+# second op compile, would add ~5 min to CI).
+test-integrations-tf457: $(BIN_457)/.installed
+	DS_BUILD_OPS=0 $(BIN_457)/pip install -q -e ".[dev,trl,deepspeed]" "$(TRANSFORMERS_457)"
+	$(BIN_457)/python -m pytest -q $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 
 demo: $(BIN)/.installed
 	$(BIN)/autobucket demo
