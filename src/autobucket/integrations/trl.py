@@ -109,6 +109,12 @@ def _rollout_config_or_default(config: RolloutConfig | None) -> RolloutConfig:
 def check_trainer_supported(trainer: Any) -> None:
     """Reject trainer modes autobucket does not replace, and sampling options it cannot honour."""
     check_args_supported(trainer.args)
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3 and not trainer.args.ds3_gather_for_generation:
+        raise ValueError(
+            "ds3_gather_for_generation=False is not supported by the autobucket trainer under ZeRO stage 3: ranks "
+            "would run different numbers of forwards over partitioned weights; set ds3_gather_for_generation=True"
+        )
     sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
 
 
