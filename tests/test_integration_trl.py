@@ -216,10 +216,27 @@ def test_prompt_longer_than_context_is_rejected(tmp_path, eos_id):
         run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, texts=texts)
 
 
-def test_empty_generation_batch_is_rejected(tmp_path, eos_id):
+def test_empty_batch_and_images_are_rejected(tmp_path, eos_id):
     trainer = AutobucketGRPOTrainer(
         model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0], args=grpo_config(tmp_path, True),
         train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
     )
     with pytest.raises(ValueError, match="the generation batch is empty"):
         trainer._generate_single_turn([], None, {}, NUM_GENERATIONS)
+    with pytest.raises(ValueError, match="prompts with images are not supported"):
+        trainer._generate_single_turn([[5, 6], [5, 6]], [["an image"], ["an image"]], {}, NUM_GENERATIONS)
+    with pytest.raises(ValueError, match=r"multimodal processor fields \['pixel_values'\]"):
+        trainer._generate_single_turn([[5, 6], [5, 6]], None, {"pixel_values": [0]}, NUM_GENERATIONS)
+
+
+def test_zero3_without_gathering_is_rejected(tmp_path):
+    from types import SimpleNamespace
+
+    from autobucket.integrations.trl import check_trainer_supported
+
+    args = grpo_config(tmp_path, greedy=True, ds3_gather_for_generation=False)
+    trainer = SimpleNamespace(
+        args=args, accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))),
+    )
+    with pytest.raises(ValueError, match="ds3_gather_for_generation=False is not supported"):
+        check_trainer_supported(trainer)
