@@ -11,6 +11,8 @@ tell them apart in greedy decoding:
 - `attention_mask` = the request's prompt mask, then 1 on response tokens, 0 after the first EOS and on
   any generated token equal to the pad id (unless it is that first EOS);
 - `response_start_idx` = the prompt width for every row.
+`continuous_batch_size` is honoured as autobucket's row limit (None: all rows at once); the layout stays
+the ordinary route's even then (DeepSpeed's own CB path would narrow responses to the longest one).
 
 Generation runs through `autobucket.Rollout` on `engine.module`, never through DeepSpeed's own
 continuous-batching path (which breaks on transformers >= 5.14). Weights are read live, so
