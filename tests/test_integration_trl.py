@@ -166,6 +166,7 @@ def test_sampled_grpo_is_route_invariant(route, sampled_ordinary, tmp_path, eos_
     run = run_grpo(
         AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, rollout_config=RolloutConfig(route=route)
     )
+    # auto must really run bucketed CB here, or this would compare the ordinary route with itself
     assert run.routes == [{"auto": "bucketed"}.get(route, route)] and sampled_ordinary.routes == ["ordinary"]
     samples = [ids for call in run.completions for ids in call]
     assert len({tuple(ids) for ids in samples}) > len(samples) // 2, "sampling produced mostly duplicates"
