@@ -37,6 +37,7 @@ class Timing:
 class Profile:
     route: str = ""
     prefill_buckets: list[list[list[int]]] = field(default_factory=list)  # per admission, buckets of prompt indices
+    prefill_forms: list[list[str]] = field(default_factory=list)  # per admission, each bucket's form
     prefill_forwards: int = 0
     prefill_tokens: int = 0  # padded token positions run through prefill
     decode_forwards: int = 0

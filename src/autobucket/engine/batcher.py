@@ -24,13 +24,15 @@ import torch
 
 from autobucket.engine.finished import Finished
 from autobucket.engine.model_runner import ModelRunner, RowInsert
-from autobucket.engine.prefill import PrefillOutput
+from autobucket.engine.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.selection import Selection
 from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
+from autobucket.planning.forms import PADDED
 from autobucket.profile import PhaseTimer, Profile
 
-# A route's admission policy: the admission's prompt indices -> prefill buckets of prompt indices.
-AdmissionPolicy = Callable[[Sequence[int]], list[list[int]]]
+# A route's admission policy: the admission's prompt indices -> prefill groups (a plain list of prompt
+# indices is a padded group).
+AdmissionPolicy = Callable[[Sequence[int]], list[list[int]] | list[PrefillGroup]]
 
 
 @dataclass
@@ -93,11 +95,12 @@ class ContinuousBatcher:
         if self.retained is not None:
             sources[self.retained[0]] = self.retained[1]
         new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
-        buckets = policy(new_prompts) if new_prompts else []
-        self.profile.prefill_buckets.append([list(b) for b in buckets])
-        # Widest bucket first: it sets the front, narrower buckets then fit without a gap.
-        for bucket in sorted(buckets, key=lambda b: -max(len(prompts[i]) for i in b)):
-            sources.update(self._prefill(bucket, [prompts[i] for i in bucket]))
+        groups = [as_group(b) for b in policy(new_prompts)] if new_prompts else []
+        self.profile.prefill_buckets.append([list(g.prompts) for g in groups])
+        self.profile.prefill_forms.append([g.form for g in groups])
+        # Widest group first: it sets the front, narrower groups then fit without a gap.
+        for group in sorted(groups, key=lambda g: -max(len(prompts[i]) for i in g.prompts)):
+            sources.update(self._prefill(group, [prompts[i] for i in group.prompts]))
         by_output: dict[int, list[tuple[int, int]]] = {}
         for item in admitted:
             by_output.setdefault(id(sources[item[0]].output), []).append(item)
@@ -105,16 +108,16 @@ class ContinuousBatcher:
             self._start_samples(prompts, items, sources)
         self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
 
-    def _prefill(self, bucket: list[int], bucket_prompts: list[Sequence[int]]) -> dict[int, _Source]:
-        width = max(len(p) for p in bucket_prompts)
+    def _prefill(self, group: PrefillGroup, group_prompts: list[Sequence[int]]) -> dict[int, _Source]:
         with self.timer.phase("prefill_ms"):
             started = time.perf_counter()
-            output, seen = self.runner.prefill(bucket_prompts)
+            output, seen = self.runner.prefill(group_prompts, group.form, group.chunk_tokens)
             self.timer.sync()
-            self.profile.record(PREFILL_FORWARD, len(bucket), width, started)
-        self.profile.prefill_forwards += 1
-        self.profile.prefill_tokens += len(bucket) * width
-        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(bucket)}
+            if group.form == PADDED:  # the timing model is of padded forwards; packed/chunked are not fed to it
+                self.profile.record(PREFILL_FORWARD, len(group.prompts), max(map(len, group_prompts)), started)
+        self.profile.prefill_forwards += output.forwards
+        self.profile.prefill_tokens += output.tokens
+        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group.prompts)}
 
     def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
         """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
@@ -146,7 +149,7 @@ class ContinuousBatcher:
         # The first insert also allocates the cache (a per-call cost): only later copies are KV-copy timings.
         allocates, started = self.runner.store is None, time.perf_counter()
         self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
-        if not allocates:
+        if not allocates and output.segments is None:  # a padded copy: rows x width, as the model has it
             self.timer.sync()
             self.profile.record(KV_COPY, len(keep), max(lengths), started)
         self.rows.extend(row for _, row in keep)

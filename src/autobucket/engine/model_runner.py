@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.engine.chunked_prefill import prefill_chunked
 from autobucket.engine.hf_compat import ForwardSpec
+from autobucket.engine.packed_prefill import packing_attention, prefill_packed
 from autobucket.engine.prefill import PrefillOutput, prefill_bucket
 from autobucket.engine.selection import seen_tokens
 from autobucket.engine.static_cache import StaticKVCache
+from autobucket.planning.forms import CHUNKED, PACKED, PADDED
 
 
 @dataclass(frozen=True)
@@ -62,23 +65,38 @@ class ModelRunner:
         return int(self.next_input.shape[0])
 
     # ------------------------------------------------------------ prefill and insert
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[PrefillOutput, torch.Tensor | None]:
-        """One left-padded forward of a bucket -> its K/V and last logits, and `seen` [rows, vocab] with a penalty."""
-        output = prefill_bucket(self.model, self.spec, prompts, self.pad_token_id)
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], form: str = PADDED, chunk_tokens: int | None = None
+    ) -> tuple[PrefillOutput, torch.Tensor | None]:
+        """Prefill `prompts` in `form` -> their K/V and last logits, and `seen` [prompts, vocab] with a penalty.
+
+        padded: one left-padded forward; packed: one forward of the prompts concatenated in one row;
+        chunked: one prompt in forwards of at most `chunk_tokens` tokens."""
+        if form == PACKED:
+            output = prefill_packed(self.model, self.spec, prompts, packing_attention(self.model))
+        elif form == CHUNKED:
+            assert len(prompts) == 1 and chunk_tokens is not None, "a chunked prefill holds one prompt"
+            output = prefill_chunked(self.model, self.spec, prompts[0], chunk_tokens)
+        else:
+            output = prefill_bucket(self.model, self.spec, prompts, self.pad_token_id)
         seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
         return output, seen
 
     def insert(self, output: PrefillOutput, rows: RowInsert) -> None:
         """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first tokens."""
         keys, values = output.keys, output.values
-        if rows.source_rows != list(range(keys[0].shape[0])):
-            # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
-            index = torch.tensor(rows.source_rows, dtype=torch.long, device=self.device)
-            keys, values = [k[index] for k in keys], [v[index] for v in values]
         if self.store is None:
             self.store = self._create_store(keys)
             self.cache = self.store.hf_cache()
-        self.store.admit(keys, values, rows.prompt_lengths, always_trim=self.trim_cache)
+        if output.segments is not None:
+            segments = [output.segments[b] for b in rows.source_rows]
+            self.store.admit_segments(keys, values, segments, always_trim=self.trim_cache)
+        else:
+            if rows.source_rows != list(range(keys[0].shape[0])):
+                # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
+                index = torch.tensor(rows.source_rows, dtype=torch.long, device=self.device)
+                keys, values = [k[index] for k in keys], [v[index] for v in values]
+            self.store.admit(keys, values, rows.prompt_lengths, always_trim=self.trim_cache)
         positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
         self.next_input = torch.cat([self.next_input, rows.first_tokens])
         self.next_position = torch.cat([self.next_position, positions])

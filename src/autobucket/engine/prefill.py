@@ -13,13 +13,37 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.planning.forms import PADDED
+
+# The forms (planning/forms.py): PADDED = prompts left-padded to the longest, one row each, one
+# forward (here); PACKED = prompts concatenated in one row, one forward (packed_prefill.py);
+# CHUNKED = one prompt in forwards of at most the token budget (chunked_prefill.py).
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Prompt indices prefilled together, and how (one of FORMS)."""
+
+    prompts: tuple[int, ...]
+    form: str = PADDED
+    chunk_tokens: int | None = None  # chunked: most tokens per forward
+
+
+def as_group(bucket: Sequence[int] | PrefillGroup) -> PrefillGroup:
+    """An admission policy's bucket: a plain sequence of prompt indices is a padded group."""
+    return bucket if isinstance(bucket, PrefillGroup) else PrefillGroup(tuple(bucket))
 
 
 @dataclass
 class PrefillOutput:
-    keys: list[torch.Tensor]  # per layer [bucket_rows, kv_heads, width, head_dim]
+    keys: list[torch.Tensor]  # per layer [output_rows, kv_heads, width, head_dim]
     values: list[torch.Tensor]
-    last_logits: torch.Tensor  # [bucket_rows, vocab] fp32, logits at each prompt's last token
+    last_logits: torch.Tensor  # [prompts, vocab] fp32, logits at each prompt's last token
+    # Per prompt: (output row, first column, end column) of its K/V. None: padded, prompt b is row b,
+    # right-aligned (its last len(prompt) columns).
+    segments: list[tuple[int, int, int]] | None = None
+    forwards: int = 1  # model forwards it took
+    tokens: int = 0  # token positions run through them (padding included)
 
 
 def left_pad(
@@ -56,4 +80,4 @@ def prefill_bucket(
         **kwargs,
     )
     keys, values = layer_key_values(output_cache(output))
-    return PrefillOutput(keys, values, output.logits[:, -1, :].float())
+    return PrefillOutput(keys, values, output.logits[:, -1, :].float(), tokens=input_ids.numel())

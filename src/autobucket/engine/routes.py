@@ -7,9 +7,12 @@ admission's prompts into prefill buckets; `ContinuousBatcher` does the rest:
 
 - `equal_width`: one padded bucket per admission (split only where it would pass the token limit);
 - `aligned`: one bucket per prompt;
-- `bucketed`: the planner's exact DP over the admission's length-sorted prompts;
+- `bucketed`: the forms planner's exact DP over the admission's length-sorted prompts: padded
+  buckets, packed groups (`packed_prefill.py`) and chunks (`chunked_prefill.py`);
 - `auto`: `choose_route` per call picks `ordinary` or `bucketed` from the cost model, and the
-  decision's DP plan serves the first admission. Auto never retries another route: a model error or
+  decision's plan serves the first admission.
+
+`prefill_max_tokens` is a per-forward budget, not a wall: every route chunks a prompt longer than it. Auto never retries another route: a model error or
   out-of-memory in the chosen route propagates as it is.
 """
 
@@ -28,10 +31,12 @@ from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, sliding_window_limit
 from autobucket.engine.model_runner import CacheShape, ModelRunner
 from autobucket.engine.ordinary import run_ordinary
+from autobucket.engine.packed_prefill import packing_attention
+from autobucket.engine.prefill import PrefillGroup
 from autobucket.engine.selection import Selection
-from autobucket.planning.costs import CostCoefficients, ModelGeometry, planning_token_limit
-from autobucket.planning.planner import plan_prefill
-from autobucket.planning.route_choice import ROUTE_ORDINARY, choose_route
+from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
+from autobucket.planning.route_choice import ROUTE_ORDINARY, FormOptions, RouteDecision, choose_route
 from autobucket.profile import PhaseTimer, Profile
 
 FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
@@ -72,7 +77,7 @@ def equal_width_route(call: RouteCall) -> FinishedItems:
 
 
 def aligned_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, lambda admitted: [[index] for index in admitted])
+    return run_continuous(call, lambda admitted: aligned_groups(call, admitted))
 
 
 def bucketed_route(call: RouteCall) -> FinishedItems:
@@ -91,6 +96,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         max_positions=call.max_positions,
         ordinary_blocked_reason=_ordinary_blocked_reason(call.config),
         samples_per_prompt=call.sampling.n,
+        forms=form_options(call),
     )
     profile = call.profile
     profile.plan_ms += (time.perf_counter() - started) * 1e3
@@ -102,7 +108,8 @@ def auto_route(call: RouteCall) -> FinishedItems:
         profile.prefill_buckets = [[list(range(len(call.prompts)))]]
         return ordinary_route(call)
     fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
-    return run_continuous(call, DPBuckets(call, decision.buckets if fits_first_admission else None))
+    first = decision_groups(decision, call.config.prefill_max_tokens) if fits_first_admission else None
+    return run_continuous(call, DPBuckets(call, first))
 
 
 ROUTES: dict[str, Route] = {
@@ -126,42 +133,79 @@ def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
 
 
 # ------------------------------------------------------------------ admission policies
-def equal_width_buckets(call: RouteCall, admitted: Sequence[int]) -> list[list[int]]:
-    """One padded bucket per admission, split in input order only where it would pass the token limit."""
+def equal_width_buckets(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    """One padded bucket per admission, split in input order only where it would pass the token limit;
+    a prompt longer than the limit is chunked on its own."""
     limit = call.config.prefill_max_tokens
-    buckets: list[list[int]] = [[]]
+    long, buckets = _chunked_groups(call, admitted), [[]]
+    chunked = {g.prompts[0] for g in long}
     for index in admitted:
+        if index in chunked:
+            continue
         width = max([len(call.prompts[i]) for i in buckets[-1]] + [len(call.prompts[index])])
         if buckets[-1] and limit is not None and width * (len(buckets[-1]) + 1) > limit:
             buckets.append([])
         buckets[-1].append(index)
-    return buckets
+    return long + [PrefillGroup(tuple(b)) for b in buckets if b]
+
+
+def aligned_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    """One forward per prompt; a prompt longer than the token limit in chunks."""
+    limit = call.config.prefill_max_tokens
+    return [
+        PrefillGroup((i,), CHUNKED, limit) if limit is not None and len(call.prompts[i]) > limit else PrefillGroup((i,))
+        for i in admitted
+    ]
+
+
+def _chunked_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    limit = call.config.prefill_max_tokens
+    if limit is None:
+        return []
+    return [PrefillGroup((i,), CHUNKED, limit) for i in admitted if len(call.prompts[i]) > limit]
+
+
+def form_options(call: RouteCall) -> FormOptions:
+    """How this call's model can pack prompts (per-segment SDPA or a dense mask)."""
+    return FormOptions(packing=packing_attention(call.model))
 
 
 class DPBuckets:
-    """Admission policy: the planner's DP buckets over the admitted prompts (survivors keep their rows)."""
+    """Admission policy: the forms planner's groups over the admitted prompts (padded buckets, packed
+    groups, chunks; survivors keep their rows)."""
 
-    def __init__(self, call: RouteCall, first_plan: Sequence[Sequence[int]] | None) -> None:
+    def __init__(self, call: RouteCall, first_plan: Sequence[PrefillGroup] | None) -> None:
         self.call = call
-        self.first_plan = first_plan  # a route decision's DP plan, reused when it covers the first admission
+        self.first_plan = first_plan  # a route decision's plan, reused when it covers the first admission
 
-    def __call__(self, admitted: Sequence[int]) -> list[list[int]]:
+    def __call__(self, admitted: Sequence[int]) -> list[PrefillGroup]:
         if self.first_plan is not None:
             plan, self.first_plan = self.first_plan, None
-            return [list(bucket) for bucket in plan]
+            return list(plan)
         call = self.call
         started = time.perf_counter()
         lengths = [len(call.prompts[index]) for index in admitted]
-        limit = planning_token_limit(call.config.prefill_max_tokens, call.costs, max(lengths))
-        plan = plan_prefill(lengths, call.geometry, call.costs, limit, call.sampling.n)
+        options = form_options(call)
+        limit = call.config.prefill_max_tokens
+        plan = plan_forms(lengths, call.geometry, call.costs, limit, call.sampling.n, options.packing, options.costs)
         call.profile.plan_ms += (time.perf_counter() - started) * 1e3
-        return [[admitted[position] for position in bucket] for bucket in plan.buckets]
+        return [
+            PrefillGroup(tuple(admitted[position] for position in group), form, limit if form == CHUNKED else None)
+            for group, form in zip(plan.groups, plan.forms, strict=True)
+        ]
+
+
+def decision_groups(decision: RouteDecision, limit: int | None) -> list[PrefillGroup]:
+    forms = decision.forms or (PADDED,) * len(decision.buckets)
+    return [
+        PrefillGroup(tuple(g), form, limit if form == CHUNKED else None)
+        for g, form in zip(decision.buckets, forms, strict=True)
+    ]
 
 
 # ------------------------------------------------------------------ the CB schedule
 def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> FinishedItems:
     attention_implementation(call.model)
-    _check_prefill_limit(call)
     _check_sliding_window(call)
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
@@ -207,18 +251,6 @@ def cache_shape(call: RouteCall) -> CacheShape:
             f"{longest + budget - 1} (or leave it None to size it per call)"
         )
     return CacheShape(continuous_batch_size=rows, cache_capacity=columns)
-
-
-def _check_prefill_limit(call: RouteCall) -> None:
-    limit = call.config.prefill_max_tokens
-    if limit is None:
-        return
-    for index, prompt in enumerate(call.prompts):
-        if len(prompt) > limit:
-            raise ValueError(
-                f"prompt {index} has {len(prompt)} tokens, more than prefill_max_tokens={limit} allows in one "
-                "prefill forward: raise prefill_max_tokens or set it to None"
-            )
 
 
 def _check_sliding_window(call: RouteCall) -> None:

@@ -101,6 +101,34 @@ class StaticKVCache:
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.keys[layer][first:last, :, left : self.front] = k
             self.values[layer][first:last, :, left : self.front] = v
+        return self._own_columns(first, lengths)
+
+    def admit_segments(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        segments: Sequence[tuple[int, int, int]],
+        always_trim: bool = False,
+    ) -> range:
+        """Copy one K/V slice per new row, right-aligned to the front (packed or chunked prefills).
+
+        keys[l], values[l]: [source_rows, kv_heads, width, head_dim]; new row j copies columns
+        [start, end) of source row `segments[j] = (row, start, end)`. Returns the rows it now occupies.
+        """
+        if len(segments) > self.free_rows:
+            raise ValueError(f"cannot admit {len(segments)} rows: only {self.free_rows} of {self.rows} are free")
+        lengths = [end - start for _, start, end in segments]
+        self._make_room_for(max(lengths), always_trim)
+        first = self.active_rows
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            for offset, (row, start, end) in enumerate(segments):
+                self.keys[layer][first + offset, :, self.front - (end - start) : self.front] = k[row, :, start:end]
+                self.values[layer][first + offset, :, self.front - (end - start) : self.front] = v[row, :, start:end]
+        return self._own_columns(first, lengths)
+
+    def _own_columns(self, first: int, lengths: Sequence[int]) -> range:
+        """Rows first.. now own their last `lengths` columns before the front."""
+        last = first + len(lengths)
         self.attend[first:last] = self.masked_value
         for offset, length in enumerate(lengths):
             self.attend[first + offset, self.front - length : self.front] = 0

@@ -151,39 +151,75 @@ def _optimal_bucket_starts(
 ) -> list[int]:
     """Start positions of the optimal buckets of length-descending ``lengths`` (see module docstring)."""
     n = len(lengths)
-    slopes = [linear_ms * width + quadratic_ms * width * width for width in lengths]  # ms per row
-    # last_end[k]: the largest prefix length a bucket starting at k may reach; strictly increasing in k.
-    last_end = [n] * n if prefill_max_tokens is None else [k + prefill_max_tokens // w for k, w in enumerate(lengths)]
     best_ms = [0.0] * (n + 1)  # best_ms[x]: cheapest plan of the first x prompts
     counts = [0] * (n + 1)  # its bucket count (tie-break)
     parent = [0] * (n + 1)  # start of its last bucket
-    candidates: list[int] = []  # deque [head:]: candidate bucket starts, in increasing order
-    since: list[int] = []  # since[q]: first prefix length for which candidates[q] is best
-    head = 0
+    hull = PaddedHull(lengths, fixed_ms, linear_ms, quadratic_ms, prefill_max_tokens, best_ms, counts)
     for new in range(n):
-        while len(candidates) > head:
-            back = candidates[-1]
-            first_x = max(since[-1], new + 1)
-            takeover = _takeover_x(new, back, first_x, last_end[back] + 1, slopes, best_ms, counts)
-            if takeover > first_x:
-                if takeover <= n:
-                    candidates.append(new)
-                    since.append(takeover)
-                break
-            candidates.pop()  # the new start beats the back over the back's whole range
-            since.pop()
-        else:
-            candidates.append(new)
-            since.append(new + 1)
+        hull.push(new)
         x = new + 1
-        while head + 1 < len(candidates) and since[head + 1] <= x:
-            head += 1
-        start = candidates[head]
-        assert x <= last_end[start], "the DP deque must always offer a bucket within the token limit"
-        best_ms[x] = best_ms[start] + fixed_ms + slopes[start] * (x - start)
+        start = hull.best_start(x)
+        best_ms[x] = hull.cost_ms(start, x)
         counts[x] = counts[start] + 1
         parent[x] = start
-    return _unwind(parent, n)
+    return unwind_starts(parent, n)
+
+
+class PaddedHull:
+    """The DP's deque of candidate starts for the last padded bucket (see module docstring).
+
+    It reads ``best_ms`` and ``counts`` (shared lists the caller fills): ``push(new)`` needs
+    ``best_ms[new]`` and ``counts[new]`` final, ``best_start(x)`` must be asked for x = 1, 2, ... in order."""
+
+    def __init__(
+        self,
+        lengths: list[int],
+        fixed_ms: float,
+        linear_ms: float,
+        quadratic_ms: float,
+        prefill_max_tokens: int | None,
+        best_ms: list[float],
+        counts: list[int],
+    ) -> None:
+        n = len(lengths)
+        self.n, self.fixed_ms, self.best_ms, self.counts = n, fixed_ms, best_ms, counts
+        self.slopes = [linear_ms * width + quadratic_ms * width * width for width in lengths]  # ms per row
+        # last_end[k]: the largest prefix length a bucket starting at k may reach; strictly increasing in k.
+        self.last_end = (
+            [n] * n if prefill_max_tokens is None else [k + prefill_max_tokens // w for k, w in enumerate(lengths)]
+        )
+        self.candidates: list[int] = []  # deque [head:]: candidate bucket starts, in increasing order
+        self.since: list[int] = []  # since[q]: first prefix length for which candidates[q] is best
+        self.head = 0
+
+    def push(self, new: int) -> None:
+        candidates, since = self.candidates, self.since
+        while len(candidates) > self.head:
+            back = candidates[-1]
+            first_x = max(since[-1], new + 1)
+            takeover = _takeover_x(
+                new, back, first_x, self.last_end[back] + 1, self.slopes, self.best_ms, self.counts
+            )
+            if takeover > first_x:
+                if takeover <= self.n:
+                    candidates.append(new)
+                    since.append(takeover)
+                return
+            candidates.pop()  # the new start beats the back over the back's whole range
+            since.pop()
+        candidates.append(new)
+        since.append(new + 1)
+
+    def best_start(self, x: int) -> int:
+        while self.head + 1 < len(self.candidates) and self.since[self.head + 1] <= x:
+            self.head += 1
+        start = self.candidates[self.head]
+        assert x <= self.last_end[start], "the DP deque must always offer a bucket within the token limit"
+        return start
+
+    def cost_ms(self, start: int, x: int) -> float:
+        """best_ms[start] plus one padded bucket of sorted positions start..x-1."""
+        return self.best_ms[start] + self.fixed_ms + self.slopes[start] * (x - start)
 
 
 def _takeover_x(
@@ -220,7 +256,8 @@ def _takeover_x(
     return math.ceil(root) if wins_at_root else math.floor(root) + 1
 
 
-def _unwind(parent: list[int], n: int) -> list[int]:
+def unwind_starts(parent: list[int], n: int) -> list[int]:
+    """Bucket starts of the plan of all n prompts, from each prefix's last-bucket start."""
     starts = []
     x = n
     while x > 0:

@@ -5,7 +5,7 @@ lower bound of it skips the DP when ordinary generation provably wins."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autobucket.checks import require_int
 from autobucket.planning.costs import (
@@ -16,6 +16,7 @@ from autobucket.planning.costs import (
     planning_token_limit,
     prefill_row_terms_ms,
 )
+from autobucket.planning.forms import FormCosts, FormPlan, plan_forms
 from autobucket.planning.planner import (
     DEFAULT_PREFILL_MAX_TOKENS,
     PrefillPlan,
@@ -39,6 +40,7 @@ class RouteDecision:
     bucketed_ms: float | None  # DP prefill + CB decode term; None when the DP was skipped
     bucketed_lower_bound_ms: float  # cheap lower bound of bucketed_ms (up to float rounding)
     reason: str
+    forms: tuple[str, ...] = ()  # each bucket's prefill form (planning/forms.py); () means all padded
 
     def __post_init__(self) -> None:
         if self.route not in (ROUTE_ORDINARY, ROUTE_BUCKETED):
@@ -65,6 +67,7 @@ def choose_route(
     max_positions: int | None = None,
     ordinary_blocked_reason: str | None = None,
     samples_per_prompt: int = 1,
+    forms: FormOptions | None = None,
 ) -> RouteDecision:
     """Choose ordinary padded ``generate`` or bucketed continuous batching for one batch of prompts.
 
@@ -75,13 +78,16 @@ def choose_route(
 
     With ``samples_per_prompt`` = k, ordinary generation prefills every prompt k times (HF expands rows
     before prefill), while bucketed CB prefills each prompt once and copies its KV into k rows.
+
+    With ``forms``, the bucketed estimate is `plan_forms`' plan (padded, packed and chunked groups), and
+    prompts longer than ``prefill_max_tokens`` are allowed (they are chunked; ordinary is then blocked).
     """
     require_int("samples_per_prompt", samples_per_prompt)
     require_int("max_new_tokens", max_new_tokens)
     require_int("continuous_batch_size", continuous_batch_size)
     if max_positions is not None:
         require_int("max_positions", max_positions)
-    checked = checked_lengths(lengths, prefill_max_tokens)
+    checked = checked_lengths(lengths, prefill_max_tokens if forms is None else None)
     blocked = _ordinary_blockers(
         checked, max_new_tokens, continuous_batch_size, prefill_max_tokens, max_positions, ordinary_blocked_reason, samples_per_prompt
     )
@@ -100,8 +106,23 @@ def choose_route(
                 f"ordinary {ordinary_ms:.1f} ms; DP skipped)"
             )
             return RouteDecision(ROUTE_ORDINARY, (), (), ordinary_ms, None, lower_bound_ms, reason)
+    if forms is not None:
+        # plan_forms applies samples_per_prompt itself, so it gets the unshared coefficients.
+        plan = plan_forms(
+            checked, geometry, ordinary_costs, prefill_max_tokens, samples_per_prompt, forms.packing, forms.costs
+        )
+        decision = _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
+        return replace(decision, forms=plan.forms)
     plan = planchecked_lengths(checked, geometry, costs, planning_token_limit(prefill_max_tokens, costs, max(checked)))
     return _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
+
+
+@dataclass(frozen=True, slots=True)
+class FormOptions:
+    """Plan the bucketed route's prefill in forms: how packed prompts are kept apart (None: no packing)."""
+
+    packing: str | None
+    costs: FormCosts = FormCosts()
 
 
 def _ordinary_blockers(
@@ -142,9 +163,9 @@ def _bucketed_lower_bound_ms(lengths: list[int], geometry: ModelGeometry, costs:
 
 
 def _compare_routes(
-    plan: PrefillPlan, ordinary_ms: float | None, bucketed_ms: float, lower_bound_ms: float, blocked: str
+    plan: PrefillPlan | FormPlan, ordinary_ms: float | None, bucketed_ms: float, lower_bound_ms: float, blocked: str
 ) -> RouteDecision:
-    count = len(plan.buckets)
+    count = len(plan.widths)
     if ordinary_ms is None:
         route, reason = ROUTE_BUCKETED, f"ordinary ineligible: {blocked}"
     elif ordinary_ms <= bucketed_ms:
@@ -159,7 +180,8 @@ def _compare_routes(
             f"bucketed estimated cheaper ({count} buckets, {bucketed_ms:.1f} ms < ordinary "
             f"{ordinary_ms:.1f} ms)"
         )
-    return RouteDecision(route, plan.buckets, plan.widths, ordinary_ms, bucketed_ms, lower_bound_ms, reason)
+    buckets = plan.groups if isinstance(plan, FormPlan) else plan.buckets
+    return RouteDecision(route, buckets, plan.widths, ordinary_ms, bucketed_ms, lower_bound_ms, reason)
 
 
 def _empty_decision(blocked: str) -> RouteDecision:

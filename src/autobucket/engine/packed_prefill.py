@@ -1,0 +1,132 @@
+"""Packed prefill: several prompts concatenated in one row of one forward, no padding.
+
+Each prompt keeps its own position ids (0..L-1, restarting at every prompt), so RoPE and learned
+position embeddings see what a single-request prefill sees; attention must then be block-diagonal
+causal: a token attends only to earlier tokens of its own prompt. Two ways to get that:
+
+- `segments` (SDPA models): the model's attention function is swapped, for this forward only, for one
+  that runs HF's own SDPA attention once per prompt on its slice of the row (no mask, `is_causal`),
+  exactly the call a single-request prefill makes. Attention work is sum(L_i^2), as unpadded.
+- `dense` (any implementation, the always-available fallback): a 4-D additive mask `[1, 1, T, T]`,
+  block-diagonal causal, through the model's own attention. It costs T^2 attention work and T^2 mask
+  memory, which the planner charges for.
+
+The projections and MLP run once over all T tokens: one large GEMM instead of several small padded
+ones. flex_attention was not used: on this CPU build the dense-mask SDPA and per-segment SDPA cover
+both cases without a compile step (see docs/benchmarks.md).
+
+The returned K/V is `[1, kv_heads, T, head_dim]` per layer; `PrefillOutput.segments` says which
+columns belong to which prompt, and the runner copies each slice right-aligned into its cache row."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+
+from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.prefill import PrefillOutput
+from autobucket.planning.forms import DENSE, SEGMENTS
+
+SEGMENT_ATTENTION = "autobucket_segments"  # the name our attention function is registered under
+
+# (start, end) columns of each prompt in the packed row of the forward in progress. A context
+# variable, because HF's attention-function signature has no argument every architecture passes on.
+_BOUNDS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar("bounds", default=None)
+
+
+def _segment_attention(module, query, key, value, attention_mask, **kwargs):
+    """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    bounds = _BOUNDS.get()
+    assert bounds is not None, "segment attention runs only inside a packed prefill"
+    # Some layers (GPT-2 on transformers 4.57) derive is_causal=False from the 4-D placeholder mask;
+    # each segment is an unmasked causal self-attention, so let SDPA read causality off the module.
+    kwargs.pop("is_causal", None)
+    outputs = [
+        sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0] for s, e in bounds
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+def _register() -> bool:
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # pragma: no cover - both supported transformers versions have it
+        return False
+    AttentionInterface.register(SEGMENT_ATTENTION, _segment_attention)
+    return True
+
+
+_REGISTERED = _register()
+
+
+def packing_attention(model: torch.nn.Module) -> str:
+    """How packed prompts are kept apart for this model: per-segment SDPA, else a dense 4-D mask."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    return SEGMENTS if implementation == "sdpa" and _REGISTERED else DENSE
+
+
+def bounds_of(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) columns of each prompt in the packed row."""
+    bounds, start = [], 0
+    for length in lengths:
+        bounds.append((start, start + length))
+        start += length
+    return bounds
+
+
+def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask `[1, 1, T, T]`: 0 where query i may see key j (same prompt, j <= i), dtype-min elsewhere."""
+    prompt = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    column = torch.arange(prompt.shape[0], device=device)
+    allowed = (prompt[:, None] == prompt[None, :]) & (column[:, None] >= column[None, :])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@contextmanager
+def _attention_swapped(model: torch.nn.Module, bounds: list[tuple[int, int]]):
+    """Route this forward's attention through `_segment_attention` (restored afterwards, even on error)."""
+    config = model.config
+    before = config._attn_implementation
+    token = _BOUNDS.set(bounds)
+    config._attn_implementation = SEGMENT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _BOUNDS.reset(token)
+
+
+@torch.inference_mode()
+def prefill_packed(
+    model: torch.nn.Module, spec: ForwardSpec, prompts: Sequence[Sequence[int]], attention: str
+) -> PrefillOutput:
+    """One forward of all `prompts` concatenated in one row; K/V `[1, kv_heads, T, D]` with segments."""
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    bounds = bounds_of(lengths)
+    total = bounds[-1][1]
+    input_ids = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)  # [1, T]
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, T]
+    last = torch.tensor([e - 1 for _, e in bounds], dtype=torch.long, device=device)
+    kwargs = {"logits_to_keep": last} if spec.accepts_logits_to_keep else {}
+    dtype = next(model.parameters()).dtype
+    if attention == SEGMENTS:
+        # A zero-cost 4-D placeholder: mask construction returns a 4-D mask as is, and the segment
+        # attention ignores it (its blocks are the bounds).
+        mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device).expand(1, 1, total, total)
+        with _attention_swapped(model, bounds):
+            output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
+    else:
+        mask = block_causal_mask(lengths, dtype, device)
+        output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
+    logits = output.logits[0] if spec.accepts_logits_to_keep else output.logits[0, last]  # [prompts, vocab]
+    keys, values = layer_key_values(output_cache(output))
+    segments = [(0, s, e) for s, e in bounds]
+    return PrefillOutput(keys, values, logits.float(), segments=segments, forwards=1, tokens=total)
