@@ -26,7 +26,10 @@ class RolloutConfig:
       probe of a few seconds), a `CostCoefficients`, or a path to a calibration / coefficients JSON.
     costs_strict: a calibration file whose model, dtype, device or attention backend differs from this
       model's is an error (False: a warning).
-    prefill_max_tokens: most padded token positions in one prefill forward (None: no limit).
+    prefill_max_tokens: token budget of one prefill forward (padding included; None: no limit). A prompt
+      longer than it is prefilled in chunks of at most this many tokens.
+    packing: let "bucketed" and "auto" pack several prompts into one unpadded forward when the cost
+      model prefers it (False: padded buckets only).
     cache_capacity: KV columns of the static cache (None: what the workload needs).
     trim_cache: trim dead left columns after every admission and retirement (else only when full).
     profile: add device-synchronised timing detail to the profile.
@@ -36,6 +39,7 @@ class RolloutConfig:
     costs: Any = None
     costs_strict: bool = True
     prefill_max_tokens: int | None = 65536
+    packing: bool = True
     cache_capacity: int | None = None
     trim_cache: bool = False
     profile: bool = False
@@ -47,7 +51,7 @@ class RolloutConfig:
             require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
         if self.cache_capacity is not None:
             require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
-        for name in ("trim_cache", "profile", "costs_strict"):
+        for name in ("trim_cache", "profile", "costs_strict", "packing"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
             from autobucket.planning.costs import CostCoefficients

@@ -166,8 +166,8 @@ def _chunked_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGro
 
 
 def form_options(call: RouteCall) -> FormOptions:
-    """How this call's model can pack prompts (per-segment SDPA or a dense mask)."""
-    return FormOptions(packing=packing_attention(call.model))
+    """How this call's model can pack prompts (per-segment SDPA or a dense mask; None: not at all)."""
+    return FormOptions(packing=packing_attention(call.model) if call.config.packing else None)
 
 
 class DPBuckets:
