@@ -1,4 +1,5 @@
-"""Planner overhead: `plan_prefill` (linear deque DP) vs a plain O(n²) double-loop DP, and `choose_route`.
+"""Planner overhead: `plan_prefill` (linear deque DP) vs a plain O(n²) double-loop DP, `choose_route`, and
+the forms planner (`plan_forms`: padded / packed / chunked) beside `plan_prefill`.
 
     python benchmarks/planner.py --repeats 10 --out results/planner.json
 
@@ -30,6 +31,7 @@ from autobucket.planning.costs import (
     prefill_cost_ms,
     prefill_row_terms_ms,
 )
+from autobucket.planning.forms import DENSE, SEGMENTS, plan_forms
 from autobucket.planning.planner import plan_prefill
 from autobucket.planning.route_choice import choose_route
 
@@ -118,6 +120,35 @@ def bench_plan_case(
         "samples_ms": samples,
         **{name: summary(values) for name, values in samples.items()},
     }
+
+
+def bench_forms_case(n: int, max_tokens: int | None, repeats: int, seed: int) -> dict[str, Any]:
+    """plan_prefill vs the forms planner (padded/packed/chunked) on the same lengths, interleaved."""
+    rng = random.Random(f"{seed}-{n}-forms")
+    lengths = [rng.randint(1, 512) for _ in range(n)]
+    geometry, costs = BENCH_QWEN2_GEOMETRY, CostCoefficients()
+    contenders = {
+        "plan_prefill": lambda: plan_prefill(lengths, geometry, costs, max_tokens),
+        "forms_segments": lambda: plan_forms(lengths, geometry, costs, max_tokens, packing=SEGMENTS),
+        "forms_dense": lambda: plan_forms(lengths, geometry, costs, max_tokens, packing=DENSE),
+    }
+    for function in contenders.values():
+        for _ in range(WARMUP_RUNS):
+            function()
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, function in contenders.items():
+            samples[name].append(time_ms(function)[0])
+    return {"n": n, "max_tokens": max_tokens, "samples_ms": samples, **{k: summary(v) for k, v in samples.items()}}
+
+
+def forms_table(cases: list[dict[str, Any]]) -> str:
+    lines = ["| n (1..512) | token limit | plan_prefill ms | forms, segments ms | forms, dense ms |", "|---:|---|---:|---:|---:|"]
+    for case in cases:
+        limit = "none" if case["max_tokens"] is None else f"{case['max_tokens']:,}"
+        cells = " | ".join(f"{case[k]['median_ms']:.3f}" for k in ("plan_prefill", "forms_segments", "forms_dense"))
+        lines.append(f"| {case['n']} | {limit} | {cells} |")
+    return "\n".join(lines)
 
 
 def bench_route_case(
@@ -210,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_plan_case(n, 65536, 65536, args.repeats, args.seed, uniform=True) for n in REFERENCE_SIZES
     ]
     routes = [bench_route_case(*case, args.repeats) for case in route_cases(args.seed)]
+    forms = [bench_forms_case(n, limit, args.repeats, args.seed) for n in SIZES for limit in LIMITS]
     print(markdown_tables(plans, routes))
+    print()
+    print(forms_table(forms))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": machine(),
@@ -218,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "plan_prefill": plans,
         "choose_route": routes,
+        "plan_forms": forms,
     }
     args.out.write_text(json.dumps(report, indent=1))
     print(f"raw samples: {args.out}")

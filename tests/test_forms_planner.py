@@ -9,7 +9,12 @@ import random
 
 import pytest
 
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, attention_gflops, prefill_cost_ms
+from autobucket.planning.costs import (
+    BENCH_QWEN2_GEOMETRY,
+    CostCoefficients,
+    attention_gflops,
+    prefill_cost_ms,
+)
 from autobucket.planning.forms import (
     CHUNKED,
     DENSE,
@@ -50,7 +55,7 @@ def brute_force_ms(lengths, geometry, costs, form_costs, budget, packing, sample
     best = math.inf
     for cuts in itertools.product([False, True], repeat=len(rest) - 1):
         bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [len(rest)]
-        runs = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
+        runs = [rest[a:b] for a, b in itertools.pairwise(bounds)]
         best = min(best, sum(run_cost(r, geometry, costs, form_costs, budget, packing)[0] for r in runs))
     return total + best
 

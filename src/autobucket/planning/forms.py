@@ -141,6 +141,8 @@ def _run_cost_ms(members, form, geometry, costs, form_costs, packing) -> float:
 
 def _better(cost_a: float, count_a: int, cost_b: float, count_b: int) -> bool:
     """Is plan a strictly better than plan b: cheaper, or a near-tie (float rounding) with fewer forwards."""
+    if math.isinf(cost_b):
+        return cost_a < cost_b
     if abs(cost_a - cost_b) <= _TIE_RELATIVE * (abs(cost_a) + abs(cost_b)):
         return count_a < count_b
     return cost_a < cost_b
@@ -169,48 +171,52 @@ class _FormsDP:
 
     def runs(self) -> list[tuple[int, int, str]]:
         """(start, end, form) of the optimal runs, in order."""
+        hull, best_ms, counts, parent = self.hull, self.best_ms, self.counts, self.parent
+        packed_option = {SEGMENTS: self._segments_option, DENSE: self._dense_option}.get(self.packing)
         for new in range(self.n):
-            self.hull.push(new)
+            hull.push(new)
             x = new + 1
-            start = self.hull.best_start(x)
-            choice = (self.hull.cost_ms(start, x), self.counts[start] + 1, start, PADDED)
-            if self.packing is not None:
-                self._push_window(new)
-                self._advance_lowest(x)
-                for option in self._packed_options(x):
-                    if _better(option[0], option[1], choice[0], choice[1]):
-                        choice = option
-            self.best_ms[x], self.counts[x], self.parent[x] = choice[0], choice[1], (choice[2], choice[3])
+            start = hull.best_start(x)
+            cost, count, form = hull.cost_ms(start, x), counts[start] + 1, PADDED
+            if packed_option is not None:
+                self._advance(new, x)
+                packed_cost, packed_start = packed_option(x)
+                if _better(packed_cost, counts[packed_start] + 1, cost, count):
+                    cost, count, start, form = packed_cost, counts[packed_start] + 1, packed_start, PACKED
+            best_ms[x], counts[x], parent[x] = cost, count, (start, form)
         runs, x = [], self.n
         while x > 0:
-            start, form = self.parent[x]
+            start, form = parent[x]
             runs.append((start, x, form))
             x = start
         return runs[::-1]
 
-    def _key(self, i: int) -> tuple[float, int]:
-        return self.best_ms[i] - self.prefix[i], self.counts[i]
-
-    def _push_window(self, new: int) -> None:
-        window = self.window
-        while len(window) > self.window_head and self._key(window[-1]) >= self._key(new):
-            window.pop()
-        window.append(new)
-
-    def _advance_lowest(self, x: int) -> None:
+    def _advance(self, new: int, x: int) -> None:
+        """Push start `new` into the window deque; drop starts whose packed run to x exceeds the budget."""
         if self.budget is not None:
             while self.tokens[x] - self.tokens[self.lowest] > self.budget:
                 self.lowest += 1
-
-    def _packed_options(self, x: int):
-        """(cost, forwards, start, PACKED) of the best packed last run(s) ending at x."""
-        if self.packing == SEGMENTS:
-            while self.window[self.window_head] < self.lowest:
-                self.window_head += 1
-            i = self.window[self.window_head]
-            yield self.best_ms[i] + self.fixed_ms + self.prefix[x] - self.prefix[i], self.counts[i] + 1, i, PACKED
+        if self.packing == DENSE:
             return
-        for i in range(max(self.lowest, x - DENSE_MAX_PROMPTS), x):
-            total = self.tokens[x] - self.tokens[i]
-            cost = self.best_ms[i] + self.fixed_ms + self.prefix[x] - self.prefix[i] + self.pair_ms * total * total
-            yield cost, self.counts[i] + 1, i, PACKED
+        best_ms, prefix, counts, window = self.best_ms, self.prefix, self.counts, self.window
+        key = (best_ms[new] - prefix[new], counts[new])
+        while len(window) > self.window_head and (best_ms[window[-1]] - prefix[window[-1]], counts[window[-1]]) >= key:
+            window.pop()
+        window.append(new)
+        while window[self.window_head] < self.lowest:
+            self.window_head += 1
+
+    def _segments_option(self, x: int) -> tuple[float, int]:
+        """(cost, start) of the best packed last run ending at x: the window's front."""
+        i = self.window[self.window_head]
+        return self.best_ms[i] + self.fixed_ms + self.prefix[x] - self.prefix[i], i
+
+    def _dense_option(self, x: int) -> tuple[float, int]:
+        """(cost, start) of the best dense-packed last run ending at x (at most DENSE_MAX_PROMPTS starts;
+        exact ties go to the earlier start, whose plan has no more forwards)."""
+        best_ms, prefix, tokens = self.best_ms, self.prefix, self.tokens
+        tail, pair_ms = self.fixed_ms + prefix[x], self.pair_ms
+        return min(
+            (best_ms[i] - prefix[i] + tail + pair_ms * (tokens[x] - tokens[i]) ** 2, i)
+            for i in range(max(self.lowest, x - DENSE_MAX_PROMPTS), x)
+        )
