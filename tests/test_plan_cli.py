@@ -34,9 +34,11 @@ def test_parse_lengths_expands_repeats():
 
 
 def test_json_plan_for_the_long_tail(capsys, costs_file):
-    result = run_json(capsys, "--lengths", "512,16x31", "--costs", str(costs_file), *QWEN25_3B_FLAGS)
+    result = run_json(
+        capsys, "--lengths", "512,16x31", "--costs", str(costs_file), "--packing", "none", *QWEN25_3B_FLAGS
+    )
     assert result["route"] == "bucketed"
-    assert result["buckets"] == [[0], list(range(1, 32))]
+    assert result["buckets"] == [[0], list(range(1, 32))] and result["forms"] == ["padded", "padded"]
     assert result["widths"] == [512, 16]
     assert result["ordinary_ms"] > result["bucketed_ms"] > 0
     assert result["geometry"]["layers"] == 36 and result["geometry"]["max_positions"] == 32768
@@ -128,11 +130,21 @@ def test_model_config_file(capsys, tmp_path):
 
 
 def test_table_output(capsys, costs_file):
-    assert main(["plan", "--lengths", "512,16x31", "--costs", str(costs_file), *QWEN25_3B_FLAGS]) == 0
+    argv = ["plan", "--lengths", "512,16x31", "--costs", str(costs_file), "--packing", "none", *QWEN25_3B_FLAGS]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "Prefill buckets" in out and "1-31" in out
+    assert "Prefill groups" in out and "1-31" in out and "padded" in out
     assert "bucketed estimated cheaper" in out
     assert "chosen route" in out and "bucketed" in out
+
+
+def test_plan_shows_packed_groups_and_chunks(capsys, costs_file):
+    result = run_json(capsys, "--lengths", "70000,512,16x31", "--costs", str(costs_file), "--max-tokens", "4096")
+    assert result["route"] == "bucketed" and result["forms"][0] == "chunked" and "packed" in result["forms"]
+    assert result["buckets"][0] == [0] and sorted(i for b in result["buckets"] for i in b) == list(range(33))
+    assert main(["plan", "--lengths", "70000,512,16x31", "--costs", str(costs_file), "--max-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "chunked:18" in out and "packed" in out
 
 
 @pytest.mark.parametrize("bad", ["16x", "x3", "abc", "0", "16x0", "-4", "5,,6", "2.5", ""])
@@ -143,8 +155,8 @@ def test_bad_lengths_exit_2_with_the_item_and_an_example(capsys, bad):
 
 
 def test_library_errors_exit_2(capsys, tmp_path):
-    assert main(["plan", "--lengths", "70000"]) == 2
-    assert "--prefill-max-tokens" in capsys.readouterr().err
+    assert main(["plan", "--lengths", "5", "--packing", "flex"]) == 2
+    assert "--packing" in capsys.readouterr().err
     missing = tmp_path / "nope.json"
     assert main(["plan", "--lengths", "5", "--costs", str(missing)]) == 2
     assert "nope.json" in capsys.readouterr().err
@@ -173,7 +185,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_module_entry_point_prints_json():
-    completed = run_cli("plan", "--json", "--lengths", "512,16x31", *QWEN25_3B_FLAGS)
+    completed = run_cli("plan", "--json", "--lengths", "512,16x31", "--packing", "none", *QWEN25_3B_FLAGS)
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)
     assert result["route"] == "bucketed" and result["widths"] == [512, 16]

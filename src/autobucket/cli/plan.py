@@ -1,4 +1,5 @@
-"""``autobucket plan``: the buckets and route the planner picks for some prompt lengths (no torch)."""
+"""``autobucket plan``: the prefill groups (padded, packed or chunked) and route the planner picks for
+some prompt lengths (no torch)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,17 @@ from autobucket.planning.costs import (
     load_costs,
     prefill_cost_ms,
 )
+from autobucket.planning.forms import (
+    CHUNKED,
+    DENSE,
+    PACKED,
+    SEGMENTS,
+    FormCosts,
+    chunked_cost_ms,
+    packed_cost_ms,
+)
 from autobucket.planning.planner import DEFAULT_PREFILL_MAX_TOKENS
-from autobucket.planning.route_choice import RouteDecision, choose_route
+from autobucket.planning.route_choice import FormOptions, RouteDecision, choose_route
 
 _GEOMETRY_FLAGS = ("layers", "query_heads", "kv_heads", "head_dim", "element_bytes", "max_positions")
 
@@ -54,11 +64,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_alias(parser, "--capacity", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--prefill-max-tokens", type=positive_int, default=DEFAULT_PREFILL_MAX_TOKENS, metavar="N",
-                       help=f"padded token positions per prefill forward (default: {DEFAULT_PREFILL_MAX_TOKENS})")
+                       help=f"token budget of one prefill forward, padding included; longer prompts are chunked "
+                            f"(default: {DEFAULT_PREFILL_MAX_TOKENS})")
     limit.add_argument("--no-prefill-limit", dest="prefill_max_tokens", action="store_const", const=None,
                        help="no limit on the tokens of one prefill forward")  # fmt: skip
     add_alias(limit, "--max-tokens", "--prefill-max-tokens", "prefill_max_tokens", type=positive_int)
     add_alias(limit, "--no-token-limit", "--no-prefill-limit", "prefill_max_tokens", nargs=0, const=None)
+    parser.add_argument(
+        "--packing",
+        choices=(SEGMENTS, DENSE, "none"),
+        default=SEGMENTS,
+        help="how packed prompts are kept apart: per-prompt SDPA (sdpa models, the default), a dense "
+        "block mask (eager models), or none (padded buckets only)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     finish_parser(parser, _run_plan, phrases={"pass None for no limit": "pass --no-prefill-limit"})
 
@@ -74,11 +92,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         costs=costs,
         prefill_max_tokens=args.prefill_max_tokens,
         max_positions=geometry.max_positions,
+        forms=FormOptions(None if args.packing == "none" else args.packing),
     )
     if args.json:
         print(json.dumps(_plan_json(args, decision, geometry, costs)))
     else:
-        _print_plan(decision, geometry, costs)
+        _print_plan(decision, geometry, costs, args)
     return 0
 
 
@@ -113,6 +132,7 @@ def _plan_json(
         "reason": decision.reason,
         "buckets": [list(bucket) for bucket in decision.buckets],
         "widths": list(decision.widths),
+        "forms": list(decision.forms),
         "ordinary_ms": decision.ordinary_ms,
         "bucketed_ms": decision.bucketed_ms,
         "bucketed_lower_bound_ms": decision.bucketed_lower_bound_ms,
@@ -125,10 +145,12 @@ def _plan_json(
     }
 
 
-def _print_plan(decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients) -> None:
+def _print_plan(
+    decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients, args: argparse.Namespace
+) -> None:
     console = Console()
     if decision.buckets:
-        console.print(_bucket_table(decision, geometry, costs))
+        console.print(_bucket_table(decision, geometry, costs, args))
     else:
         console.print("No prefill buckets: the DP was skipped (or there are no prompts).")
     console.print(_route_table(decision))
@@ -136,19 +158,24 @@ def _print_plan(decision: RouteDecision, geometry: ModelGeometry, costs: CostCoe
     console.print(f"costs: {_fields_text(costs.to_dict())}", highlight=False, soft_wrap=True)
 
 
-def _bucket_table(decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients) -> Table:
-    table = Table(title="Prefill buckets (bucketed route)")
-    for column in ("bucket", "rows", "width", "padded tokens", "est. prefill ms", "prompt indices"):
-        table.add_column(column, justify="left" if column == "prompt indices" else "right")
-    for number, (bucket, width) in enumerate(zip(decision.buckets, decision.widths, strict=True)):
-        prefill_ms = prefill_cost_ms(len(bucket), width, geometry, costs)
+def _bucket_table(
+    decision: RouteDecision, geometry: ModelGeometry, costs: CostCoefficients, args: argparse.Namespace
+) -> Table:
+    table = Table(title="Prefill groups (bucketed route)")
+    for column in ("group", "form", "prompts", "width", "tokens run", "est. prefill ms", "prompt indices"):
+        table.add_column(column, justify="left" if column in ("form", "prompt indices") else "right")
+    for number, (bucket, width, form) in enumerate(zip(decision.buckets, decision.widths, decision.forms, strict=True)):
+        lengths = [args.lengths[i] for i in bucket]
+        if form == CHUNKED:
+            tokens, prefill_ms = lengths[0], chunked_cost_ms(lengths[0], args.prefill_max_tokens, geometry, costs)
+            form = f"chunked:{-(-lengths[0] // args.prefill_max_tokens)}"  # forwards
+        elif form == PACKED:
+            tokens = sum(lengths)
+            prefill_ms = packed_cost_ms(lengths, geometry, costs, FormCosts(), args.packing)
+        else:
+            tokens, prefill_ms = len(bucket) * width, prefill_cost_ms(len(bucket), width, geometry, costs)
         table.add_row(
-            str(number),
-            str(len(bucket)),
-            str(width),
-            str(len(bucket) * width),
-            f"{prefill_ms:.1f}",
-            _index_ranges(bucket),
+            str(number), form, str(len(bucket)), str(width), str(tokens), f"{prefill_ms:.1f}", _index_ranges(bucket)
         )
     return table
 
