@@ -78,11 +78,14 @@ def test_prompt_longer_than_the_context_is_rejected_and_the_boundary_is_accepted
     assert_matches_oracle(rollout.generate(fits, sampling(max_new_tokens=2)), tokens, reasons)
 
 
-def test_prompt_longer_than_one_prefill_forward_is_rejected(model):
+def test_prompt_longer_than_one_prefill_forward_is_chunked_not_rejected(model):
+    # prefill_max_tokens is a budget: the 9-token prompt takes two chunks (tests/test_prefill_forms.py)
     rollout = Rollout(model, config=RolloutConfig(route="aligned", prefill_max_tokens=8))
-    with pytest.raises(ValueError, match=r"prompt 1 has 9 tokens.*prefill_max_tokens=8"):
-        rollout.generate(random_prompts([3, 9], seed=5), sampling())
-    assert_still_exact(rollout)
+    prompts = random_prompts([3, 9], seed=5)
+    tokens, reasons = oracle_batch(model, prompts, sampling().max_new_tokens)
+    result = rollout.generate(prompts, sampling())
+    assert_matches_oracle(result, tokens, reasons)
+    assert result.profile.prefill_forms == [["padded", "chunked"]] and result.profile.prefill_forwards == 3
 
 
 @pytest.mark.parametrize("route", ROUTES)
