@@ -57,6 +57,19 @@ def test_auto_matches_oracle_on_reference_workloads(tiny_models, name):
         assert_matches_oracle(result, tokens, reasons)
 
 
+@pytest.mark.parametrize("name", ["long tail", "moderate tail"])
+def test_auto_packs_the_tails_into_one_unpadded_forward(tiny_models, name):
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts(WORKLOADS[name], seed=2)
+    sampling = SamplingConfig(max_new_tokens=4, continuous_batch_size=32, eos_token_id=[])
+    result = auto(model, GPU_LIKE).generate(prompts, sampling)
+    assert result.route == "bucketed" and result.profile.prefill_forms == [["packed"]]
+    assert result.profile.prefill_forwards == 1 and result.profile.prefill_tokens == sum(WORKLOADS[name])
+    padded = auto(model, GPU_LIKE, packing=False).generate(prompts, sampling)
+    assert result.profile.estimated_bucketed_ms < padded.profile.estimated_bucketed_ms
+    assert result.tokens == padded.tokens
+
+
 @pytest.mark.parametrize(("name", "route", "forwards"), [
     ("short similar", "ordinary", 1),
     ("short tail", "ordinary", 1),
@@ -67,7 +80,7 @@ def test_auto_decisions_for_chosen_coefficients(tiny_models, name, route, forwar
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts(WORKLOADS[name], seed=2)
     sampling = SamplingConfig(max_new_tokens=4, continuous_batch_size=32, eos_token_id=[])
-    result = auto(model, GPU_LIKE).generate(prompts, sampling)
+    result = auto(model, GPU_LIKE, packing=False).generate(prompts, sampling)  # padded buckets only
     assert result.route == route, result.profile.decision_reason
     assert result.profile.prefill_forwards == forwards
     aligned = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
@@ -83,9 +96,10 @@ def test_bucket_count_responds_to_fixed_cost(tiny_models):
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts(WORKLOADS["spread"], seed=3)
     sampling = SamplingConfig(max_new_tokens=2, continuous_batch_size=16, eos_token_id=[])  # ordinary ineligible
-    cheap = auto(model).generate(prompts, sampling)
+    # padded buckets only: with packing, one unpadded forward is cheapest for both (test_prefill_forms.py)
+    cheap = auto(model, packing=False).generate(prompts, sampling)
     costly = auto(model, CostCoefficients(fixed_ms=5000.0, token_ms=0.05, attention_ms=0.5, kv_ms=0.02,
-                                          decode_ms=1.0)).generate(prompts, sampling)
+                                          decode_ms=1.0), packing=False).generate(prompts, sampling)
     assert all(len(groups) > 1 for groups in cheap.profile.prefill_buckets)
     assert all(len(groups) == 1 for groups in costly.profile.prefill_buckets)
     assert cheap.tokens == costly.tokens
@@ -97,7 +111,7 @@ def test_every_refill_admission_is_planned(tiny_models):
     free_run, _ = oracle_batch(model, prompts[:8], 12, eos_token_id=[])
     eos = choose_firing_eos(free_run)
     sampling = SamplingConfig(max_new_tokens=12, continuous_batch_size=16, eos_token_id=eos)
-    result = auto(model).generate(prompts, sampling)
+    result = auto(model, packing=False).generate(prompts, sampling)  # padded buckets, so the DP splits
     admissions = result.profile.prefill_buckets
     assert result.route == "bucketed" and len(admissions) > 4
     admitted = [index for groups in admissions for group in groups for index in group]
