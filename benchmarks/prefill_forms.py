@@ -93,15 +93,26 @@ def memory_table(model, args) -> list[dict]:
     for repeat in range(args.repeats):
         for budget in (1024, None):
             rollout = Rollout(model, config=RolloutConfig(route="aligned", prefill_max_tokens=budget))
+            before = rss_bytes()
             result = rollout.generate(prompt, SamplingConfig(**{**sampling.__dict__, "eos_token_id": []}))
             profile = result.profile
             rows.append({"budget": budget, "repeat": repeat, "peak_memory_mib": profile.peak_memory_bytes / 2**20,
+                         "rss_before_mib": before / 2**20, "peak_growth_mib": (profile.peak_memory_bytes - before) / 2**20,
                          "prefill_ms": profile.prefill_ms, "prefill_forwards": profile.prefill_forwards,
                          "tokens_match_hf": result.tokens[0] == want})
-            print(f"long prompt {args.long_prompt}, budget {budget}: peak {rows[-1]['peak_memory_mib']:.0f} MiB, "
+            print(f"long prompt {args.long_prompt}, budget {budget}: peak {rows[-1]['peak_memory_mib']:.0f} MiB "
+                  f"(+{rows[-1]['peak_growth_mib']:.0f} MiB over the RSS before the call), "
                   f"prefill {profile.prefill_ms:.0f} ms in {profile.prefill_forwards} forwards, "
                   f"match={rows[-1]['tokens_match_hf']}", flush=True)
     return rows
+
+
+def rss_bytes() -> int:
+    """Resident set size now (Linux /proc), the base the call's peak RSS grows from."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:

@@ -57,7 +57,9 @@ _TIE_RELATIVE = 1e-12
 class FormCosts:
     """Cost terms of the packed and chunked forms that `CostCoefficients` has no field for (ms)."""
 
-    packed_prompt_ms: float = 0.15  # per prompt in a packed forward: its attention call per layer, its KV slice copy
+    # per prompt in a packed forward: its attention call per layer and its KV slice copy. 0.14-0.75 ms
+    # measured on bench-qwen2, one loaded core (packed vs unpadded rows of the same prompts); calibrate it.
+    packed_prompt_ms: float = 0.3
 
     def __post_init__(self) -> None:
         value = self.packed_prompt_ms
