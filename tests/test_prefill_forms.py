@@ -205,3 +205,23 @@ def test_control_a_chunk_that_forgets_its_prefix_fails_the_oracle(tiny_models, m
     monkeypatch.setattr(chunked_prefill, "_chunk_mask", chunk_only)
     result = rollout(model, "aligned", prefill_max_tokens=16).generate(prompts, sampling(eos_token_id=[]))
     assert len(mismatches(result.tokens, tokens)) >= 2
+
+
+def test_a_model_whose_layers_skip_segment_attention_is_refused_not_silently_wrong(tiny_models, monkeypatch):
+    """Were the swap not seen by the layers, they would read the placeholder mask (= no mask): refuse."""
+    from contextlib import contextmanager
+
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts(LENGTHS, seed=13)
+
+    @contextmanager
+    def not_swapped(m, bounds):
+        yield packed_prefill._Packing(bounds)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_prefill, "_attention_swapped", not_swapped)
+        with pytest.raises(RuntimeError, match="0 of 2 attention layers.*packing=False"):
+            rollout(model).generate(prompts, sampling())
+    assert model.config._attn_implementation == "sdpa"
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    assert_matches_oracle(rollout(model).generate(prompts, sampling()), tokens, reasons)  # still usable

@@ -32,9 +32,19 @@ from autobucket.planning.forms import DENSE, SEGMENTS
 
 SEGMENT_ATTENTION = "autobucket_segments"  # the name our attention function is registered under
 
-# (start, end) columns of each prompt in the packed row of the forward in progress. A context
-# variable, because HF's attention-function signature has no argument every architecture passes on.
-_BOUNDS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar("bounds", default=None)
+
+class _Packing:
+    """The packed forward in progress: (start, end) columns of each prompt, and how many attention
+    layers ran through `_segment_attention` (checked: a layer that kept its own attention would see
+    the placeholder mask, i.e. no mask at all)."""
+
+    def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        self.bounds, self.calls = bounds, 0
+
+
+# A context variable, because HF's attention-function signature has no argument every architecture
+# passes on to the attention function.
+_PACKING: contextvars.ContextVar[_Packing | None] = contextvars.ContextVar("packing", default=None)
 
 
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
@@ -42,13 +52,15 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    bounds = _BOUNDS.get()
-    assert bounds is not None, "segment attention runs only inside a packed prefill"
+    packing = _PACKING.get()
+    assert packing is not None, "segment attention runs only inside a packed prefill"
+    packing.calls += 1
     # Some layers (GPT-2 on transformers 4.57) derive is_causal=False from the 4-D placeholder mask;
     # each segment is an unmasked causal self-attention, so let SDPA read causality off the module.
     kwargs.pop("is_causal", None)
     outputs = [
-        sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0] for s, e in bounds
+        sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        for s, e in packing.bounds
     ]
     return torch.cat(outputs, dim=1), None
 
@@ -91,16 +103,27 @@ def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.
 
 @contextmanager
 def _attention_swapped(model: torch.nn.Module, bounds: list[tuple[int, int]]):
-    """Route this forward's attention through `_segment_attention` (restored afterwards, even on error)."""
+    """Route this forward's attention through `_segment_attention` (restored afterwards, even on error);
+    yields the `_Packing` whose `calls` count the layers that used it."""
     config = model.config
     before = config._attn_implementation
-    token = _BOUNDS.set(bounds)
+    packing = _Packing(bounds)
+    token = _PACKING.set(packing)
     config._attn_implementation = SEGMENT_ATTENTION
     try:
-        yield
+        yield packing
     finally:
         config._attn_implementation = before
-        _BOUNDS.reset(token)
+        _PACKING.reset(token)
+
+
+def _check_every_layer_used_segments(model: torch.nn.Module, packing: _Packing, layers: int) -> None:
+    if packing.calls != layers:
+        raise RuntimeError(
+            f"packed prefill: {packing.calls} of {layers} attention layers of {type(model).__name__} used "
+            "per-prompt attention (the others read the attention implementation elsewhere); load the model "
+            "with attn_implementation='eager' (dense-mask packing) or pass RolloutConfig(packing=False)"
+        )
 
 
 @torch.inference_mode()
@@ -121,8 +144,9 @@ def prefill_packed(
         # A zero-cost 4-D placeholder: mask construction returns a 4-D mask as is, and the segment
         # attention ignores it (its blocks are the bounds).
         mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device).expand(1, 1, total, total)
-        with _attention_swapped(model, bounds):
+        with _attention_swapped(model, bounds) as packing:
             output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
+        _check_every_layer_used_segments(model, packing, len(layer_key_values(output_cache(output))[0]))
     else:
         mask = block_causal_mask(lengths, dtype, device)
         output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
