@@ -59,6 +59,8 @@ def route_table(model, costs: CostCoefficients, args) -> list[dict]:
     }
     rows = []
     for workload in reference_workloads():
+        if args.workloads and not any(name in workload.name for name in args.workloads):
+            continue
         prompts = random_prompts(workload.lengths, model.config.vocab_size, seed=args.seed)
         runs = time_interleaved(contenders, prompts, args.repeats)
         agree = tokens_agree(runs, "hf_generate")
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--costs", help="costs JSON for auto (default: the calibrated bench-qwen2 values)")
     parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--workloads", nargs="*", help="only workloads whose name contains one of these")
     parser.add_argument("--skip-routes", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--out", default="results/prefill_forms.json")
