@@ -38,7 +38,8 @@ def run_cost(members, geometry, costs, form_costs, budget, packing) -> tuple[flo
     options = []
     if budget is None or len(members) * max(members) <= budget:
         options.append((prefill_cost_ms(len(members), max(members), geometry, costs), PADDED))
-    fits = budget is None or sum(members) <= budget
+    caps = [c for c in (budget, form_costs.packed_max_tokens) if c is not None]
+    fits = not caps or sum(members) <= min(caps)
     if packing is not None and fits and (packing == SEGMENTS or len(members) <= DENSE_MAX_PROMPTS):
         options.append((packed_cost_ms(members, geometry, costs, form_costs, packing), PACKED))
     return min(options, default=(math.inf, ""))
@@ -66,7 +67,7 @@ def random_case(rng: random.Random):
         fixed_ms=rng.choice([0.0, 1.0, 6.0, 50.0]), token_ms=rng.choice([0.0, 0.05, 0.1]),
         attention_ms=rng.choice([0.0, 12.7, 200.0]), kv_ms=rng.choice([0.0, 0.1, 1.0]),
     )  # fmt: skip
-    form_costs = FormCosts(packed_prompt_ms=rng.choice([0.0, 0.15, 3.0]))
+    form_costs = FormCosts(packed_prompt_ms=rng.choice([0.0, 0.15, 3.0]), packed_max_tokens=rng.choice([None, 50, 300]))
     budget = rng.choice([None, 64, 128, 400, 1000])
     return lengths, costs, form_costs, budget
 
@@ -129,9 +130,17 @@ def test_dense_packing_pays_for_every_pair_of_the_row():
 
 def test_packing_wins_on_the_spread_workload_and_padding_on_equal_lengths():
     costs = CostCoefficients(fixed_ms=5.741, token_ms=0.1037, attention_ms=12.70, kv_ms=0.1182)
-    spread = plan_forms(range(16, 513, 16), GEOMETRY, costs, 65536)
+    spread = plan_forms(range(16, 513, 16), GEOMETRY, costs, 65536, form_costs=FormCosts(packed_max_tokens=None))
     assert spread.forms == (PACKED,) and spread.cost_ms < plan_prefill(range(16, 513, 16), GEOMETRY, costs).cost_ms
     assert plan_forms([64] * 8, GEOMETRY, costs, 65536).forms == (PADDED,)  # nothing to unpad, no segment cost
+
+
+def test_packed_rows_stay_within_packed_max_tokens():
+    costs = CostCoefficients(fixed_ms=5.741, token_ms=0.1037, attention_ms=12.70, kv_ms=0.1182)
+    lengths = list(range(16, 513, 16))
+    plan = plan_forms(lengths, GEOMETRY, costs, 65536)  # default bound: 2,048 tokens per packed row
+    packed = [sum(lengths[i] for i in g) for g, f in zip(plan.groups, plan.forms, strict=True) if f == PACKED]
+    assert packed and max(packed) <= 2048 and len(plan.groups) < 15  # fewer forwards than padded buckets
 
 
 @pytest.mark.parametrize(
@@ -150,6 +159,8 @@ def test_bad_planner_arguments_name_the_field(kwargs, match):
 def test_bad_form_costs_and_lengths_are_rejected():
     with pytest.raises(ValueError, match="packed_prompt_ms=-1"):
         FormCosts(packed_prompt_ms=-1)
+    with pytest.raises(ValueError, match="packed_max_tokens"):
+        FormCosts(packed_max_tokens=0)
     with pytest.raises(ValueError, match="prompt 1 has length 0"):
         plan_forms([4, 0], GEOMETRY, CostCoefficients())
 

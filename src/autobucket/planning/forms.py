@@ -15,8 +15,8 @@ Forms and their estimated cost (coefficients from `CostCoefficients`, plus `Form
 
 **Search space, and why the DP is exact over it.** Prompts longer than the budget are chunked alone
 (no other form can hold them). The rest are taken in length-descending order and split into
-contiguous runs, each run in its cheapest feasible form; dense-packed runs hold at most
-`DENSE_MAX_PROMPTS` prompts (their T² cost makes longer runs lose anyway, and it keeps the DP linear).
+contiguous runs, each run in its cheapest feasible form; packed runs hold at most
+`FormCosts.packed_max_tokens` tokens, dense-packed runs at most `DENSE_MAX_PROMPTS` prompts (their T² cost makes longer runs lose anyway, and it keeps the DP linear).
 `best(x) = min over the last run's start i and form of best(i) + cost(i, x)`:
 padded runs are the planner's convex-hull deque (`PaddedHull`, O(1) amortised); packed runs cost
 ``fixed + (B_x - B_i)`` with B the prefix sum of per-prompt terms, so their best start is a sliding-
@@ -60,11 +60,16 @@ class FormCosts:
     # per prompt in a packed forward: its attention call per layer and its KV slice copy. 0.14-0.75 ms
     # measured on bench-qwen2, one loaded core (packed vs unpadded rows of the same prompts); calibrate it.
     packed_prompt_ms: float = 0.3
+    # Most tokens in one packed row. On one CPU core a packed forward slows per token as it grows (its
+    # activations leave the cache: spread's 8,448 tokens took 1.31x longer in one forward than in rows
+    # of <= 2,048, see docs/benchmarks.md); the token costs are linear, so this bound stands in for it.
+    packed_max_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         value = self.packed_prompt_ms
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"packed_prompt_ms={value!r} is invalid; pass a finite float >= 0")
+        optional_int("packed_max_tokens", self.packed_max_tokens, 1, "or pass None for no bound but the budget")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,7 @@ def _run_cost_ms(members, form, geometry, costs, form_costs, packing) -> float:
 
 def _better(cost_a: float, count_a: int, cost_b: float, count_b: int) -> bool:
     """Is plan a strictly better than plan b: cheaper, or a near-tie (float rounding) with fewer forwards."""
-    if math.isinf(cost_b):
+    if math.isinf(cost_a) or math.isinf(cost_b):
         return cost_a < cost_b
     if abs(cost_a - cost_b) <= _TIE_RELATIVE * (abs(cost_a) + abs(cost_b)):
         return count_a < count_b
@@ -168,6 +173,8 @@ class _FormsDP:
         for length in lengths:
             self.prefix.append(self.prefix[-1] + token_ms * length + form_costs.packed_prompt_ms + own_pairs * length * length)
             self.tokens.append(self.tokens[-1] + length)
+        caps = [cap for cap in (budget, form_costs.packed_max_tokens) if cap is not None]
+        self.packed_tokens = min(caps) if caps else None  # most tokens of one packed run
         self.window: list[int] = []  # monotone deque [window_head:] of packed starts, by best_ms[i] - prefix[i]
         self.window_head, self.lowest = 0, 0  # lowest: first start whose packed run to x fits the budget
 
@@ -195,8 +202,8 @@ class _FormsDP:
 
     def _advance(self, new: int, x: int) -> None:
         """Push start `new` into the window deque; drop starts whose packed run to x exceeds the budget."""
-        if self.budget is not None:
-            while self.tokens[x] - self.tokens[self.lowest] > self.budget:
+        if self.packed_tokens is not None:
+            while self.tokens[x] - self.tokens[self.lowest] > self.packed_tokens:
                 self.lowest += 1
         if self.packing == DENSE:
             return
@@ -205,11 +212,14 @@ class _FormsDP:
         while len(window) > self.window_head and (best_ms[window[-1]] - prefix[window[-1]], counts[window[-1]]) >= key:
             window.pop()
         window.append(new)
-        while window[self.window_head] < self.lowest:
+        while self.window_head < len(window) and window[self.window_head] < self.lowest:
             self.window_head += 1
 
     def _segments_option(self, x: int) -> tuple[float, int]:
-        """(cost, start) of the best packed last run ending at x: the window's front."""
+        """(cost, start) of the best packed last run ending at x: the window's front (inf: prompt x - 1
+        alone is over the packed bound)."""
+        if self.window_head == len(self.window):
+            return math.inf, x - 1
         i = self.window[self.window_head]
         return self.best_ms[i] + self.fixed_ms + self.prefix[x] - self.prefix[i], i
 
@@ -219,6 +229,7 @@ class _FormsDP:
         best_ms, prefix, tokens = self.best_ms, self.prefix, self.tokens
         tail, pair_ms = self.fixed_ms + prefix[x], self.pair_ms
         return min(
-            (best_ms[i] - prefix[i] + tail + pair_ms * (tokens[x] - tokens[i]) ** 2, i)
-            for i in range(max(self.lowest, x - DENSE_MAX_PROMPTS), x)
-        )
+            ((best_ms[i] - prefix[i] + tail + pair_ms * (tokens[x] - tokens[i]) ** 2, i)
+             for i in range(max(self.lowest, x - DENSE_MAX_PROMPTS), x)),
+            default=(math.inf, x - 1),
+        )  # fmt: skip
