@@ -13,7 +13,9 @@ from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     attention_gflops,
+    planning_token_limit,
     prefill_cost_ms,
+    split_forward_tokens,
 )
 from autobucket.planning.forms import (
     CHUNKED,
@@ -133,6 +135,19 @@ def test_packing_wins_on_the_spread_workload_and_padding_on_equal_lengths():
     spread = plan_forms(range(16, 513, 16), GEOMETRY, costs, 65536, form_costs=FormCosts(packed_max_tokens=None))
     assert spread.forms == (PACKED,) and spread.cost_ms < plan_prefill(range(16, 513, 16), GEOMETRY, costs).cost_ms
     assert plan_forms([64] * 8, GEOMETRY, costs, 65536).forms == (PADDED,)  # nothing to unpad, no segment cost
+
+
+@pytest.mark.parametrize("packing", [None, SEGMENTS, DENSE])
+def test_the_super_linear_forward_term_caps_every_forward_like_plan_prefill(packing):
+    costs = CostCoefficients(fixed_ms=5.0, token_ms=0.1, attention_ms=12.7, kv_ms=0.1, forward_sq_ms=2.0)
+    cap = split_forward_tokens(costs)  # 2,236 tokens: above it two half forwards are cheaper
+    lengths = [300] * 20 + [1500, 2400]
+    plan = plan_forms(lengths, GEOMETRY, costs, 65536, packing=packing, form_costs=FormCosts(packed_max_tokens=None))
+    for group, form in zip(plan.groups, plan.forms, strict=True):
+        tokens = sum(lengths[i] for i in group) if form == PACKED else len(group) * max(lengths[i] for i in group)
+        assert tokens <= max(cap, 2400), (group, form)
+    if packing is None:
+        assert plan.groups == plan_prefill(lengths, GEOMETRY, costs, planning_token_limit(65536, costs, 2400)).buckets
 
 
 def test_packed_rows_stay_within_packed_max_tokens():

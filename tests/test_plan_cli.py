@@ -95,14 +95,11 @@ def test_old_flag_spellings_still_work_and_say_the_new_one(capsys, old, new):
     assert old[0] not in capsys.readouterr().out  # hidden
 
 
-def test_library_errors_use_the_cli_words():
-    """Issue 16 item 4, through the real console script: no API wording (`prefill_max_tokens`, `None`)."""
+def test_a_prompt_over_the_prefill_budget_is_planned_in_chunks_not_refused():
+    """Issue 15: --prefill-max-tokens is a budget (it used to be this command's one library error)."""
     completed = run_cli("plan", "--lengths", "1000000")
-    assert completed.returncode == 2 and completed.stdout == ""
-    assert completed.stderr.strip() == (
-        "autobucket plan: error: prompt 0 has 1000000 tokens, over --prefill-max-tokens 65536 per prefill "
-        "forward; raise --prefill-max-tokens (or pass --no-prefill-limit) or shorten the prompt"
-    )
+    assert completed.returncode == 0 and completed.stderr == ""
+    assert "chunked:16" in completed.stdout  # ceil(1,000,000 / 65,536) forwards
 
 
 def test_model_config_file(capsys, tmp_path):

@@ -10,10 +10,10 @@ admission's prompts into prefill buckets; `ContinuousBatcher` does the rest:
 - `bucketed`: the forms planner's exact DP over the admission's length-sorted prompts: padded
   buckets, packed groups (`packed_prefill.py`) and chunks (`chunked_prefill.py`);
 - `auto`: `choose_route` per call picks `ordinary` or `bucketed` from the cost model, and the
-  decision's plan serves the first admission.
-
-`prefill_max_tokens` is a per-forward budget, not a wall: every route chunks a prompt longer than it. Auto never retries another route: a model error or
+  decision's plan serves the first admission. Auto never retries another route: a model error or
   out-of-memory in the chosen route propagates as it is.
+
+`prefill_max_tokens` is a per-forward budget, not a wall: every CB route chunks a prompt longer than it.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from autobucket.planning.costs import (
     ModelGeometry,
     attention_gflops,
     kv_mib,
+    planning_token_limit,
     prefill_cost_ms,
     prefill_row_terms_ms,
 )
@@ -95,6 +96,7 @@ def packed_cost_ms(
     return (
         costs.fixed_ms + costs.token_ms * total + costs.kv_ms * kv_mib(1, total, geometry)
         + form_costs.packed_prompt_ms * len(lengths) + costs.attention_ms * attention_gflops(1, 1, geometry) * pairs
+        + costs.forward_sq_ms * (total / 1e3) ** 2
     )  # fmt: skip
 
 
@@ -102,9 +104,10 @@ def chunked_cost_ms(length: int, chunk_tokens: int, geometry: ModelGeometry, cos
     """Estimated ms of prefilling one prompt in ceil(length / chunk_tokens) forwards."""
     chunks = -(-length // chunk_tokens)
     recopied = sum(start for start in range(chunk_tokens, length, chunk_tokens))  # prefix columns re-concatenated
+    sizes = [min(chunk_tokens, length - start) for start in range(0, length, chunk_tokens)]
     return (
         chunks * costs.fixed_ms + costs.token_ms * length + costs.attention_ms * attention_gflops(1, length, geometry)
-        + costs.kv_ms * kv_mib(1, length + recopied, geometry)
+        + costs.kv_ms * kv_mib(1, length + recopied, geometry) + costs.forward_sq_ms * sum((c / 1e3) ** 2 for c in sizes)
     )  # fmt: skip
 
 
@@ -131,7 +134,10 @@ def plan_forms(
     groups = [((i,), CHUNKED) for i in long]
     cost_ms = sum(chunked_cost_ms(values[i], budget, geometry, costs) for i in long)
     rest = order[len(long) :]
-    runs = _FormsDP([values[i] for i in rest], geometry, costs, form_costs, budget, packing).runs()
+    # The DP's terms are linear in a forward's tokens; the super-linear `forward_sq_ms` is respected by
+    # capping the tokens of one forward where it makes two halves cheaper (as `plan_prefill`'s callers do).
+    limit = planning_token_limit(budget, costs, values[rest[0]]) if rest else budget
+    runs = _FormsDP([values[i] for i in rest], geometry, costs, form_costs, limit, packing).runs()
     for start, end, form in runs:
         members = [values[i] for i in rest[start:end]]
         groups.append((tuple(rest[start:end]), form))
