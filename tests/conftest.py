@@ -129,6 +129,11 @@ def oracle_generate(
     return list(tokens), reason
 
 
+def forget_oracle(model) -> None:
+    """Drop `model`'s cached oracle answers (after its weights changed)."""
+    _ORACLE_CACHE.pop(model, None)
+
+
 def _cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> tuple[list[int], str]:
     for position, token in enumerate(tokens):
         if token in eos:
@@ -183,3 +188,33 @@ def choose_firing_eos(oracle_tokens: list[list[int]]) -> int:
 def cut_length(tokens: list[int], eos: int) -> int:
     """How many tokens a row keeps when `eos` ends it."""
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
+COMPILE_ENV = "AUTOBUCKET_TEST_COMPILE"  # "1": every Rollout left at compile="auto" runs compile=True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forced_compile():
+    """With AUTOBUCKET_TEST_COMPILE=1 (`make test-compile`), the whole suite runs the compiled decode step.
+
+    Only configs left at the default "auto" are switched, so a test that pins compile=False (the
+    controls that break an eager-only code path) keeps its meaning."""
+    import dataclasses
+    import os
+
+    if os.environ.get(COMPILE_ENV) != "1":
+        yield False
+        return
+    from autobucket import Rollout, RolloutConfig
+
+    original = Rollout.__init__
+
+    def compiled_init(self, model, tokenizer=None, config=None):
+        config = config if config is not None else RolloutConfig()
+        if isinstance(config, RolloutConfig) and config.compile == "auto":
+            config = dataclasses.replace(config, compile=True)
+        original(self, model, tokenizer, config)
+
+    Rollout.__init__ = compiled_init
+    yield True
+    Rollout.__init__ = original
