@@ -27,12 +27,13 @@ def compile_decision(
 
 
 def compiled_decode_for(
-    model: torch.nn.Module, cache_keyword: str, decision: CompileDecision, profile: Profile
+    model: torch.nn.Module, cache_keyword: str, decision: CompileDecision, profile: Profile, round_capacity: bool
 ) -> CompiledDecode | None:
+    """The call's compiled step, or None; `round_capacity` False keeps an explicit cache_capacity as given."""
     profile.compile_decision = decision.reason
     if not decision.use_compiled:
         return None
-    compiled = CompiledDecode(model, cache_keyword, allow_new_graphs=decision.compile_new)
+    compiled = CompiledDecode(model, cache_keyword, decision.compile_new, round_capacity)
     profile.compile_fallback = compiled.stats.fallback_reason
     return compiled
 

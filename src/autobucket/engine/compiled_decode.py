@@ -221,15 +221,18 @@ class CompileStats:
 class CompiledDecode:
     """Runs a `ModelRunner`'s decode step through the model's compiled graphs, or says it cannot."""
 
-    def __init__(self, model: torch.nn.Module, cache_keyword: str, allow_new_graphs: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache_keyword: str, allow_new_graphs: bool, round_capacity: bool = True
+    ) -> None:
         self.model, self.cache_keyword, self.allow_new_graphs = model, cache_keyword, allow_new_graphs
+        self.round_capacity = round_capacity  # False: an explicit cache_capacity is a memory limit, kept
         self.graphs = decode_graphs(model)
         self.stats = CompileStats(fallback_reason=self.graphs.disabled_reason)
         self.last_step_compiled = False  # the last step's time was compile time (kept out of step timings)
 
     def capacity(self, columns: int) -> int:
         """Cache columns to allocate: rounded up so calls of similar lengths share graphs."""
-        return rounded_capacity(columns)
+        return rounded_capacity(columns) if self.round_capacity else columns
 
     def step(self, runner) -> torch.Tensor | None:
         """Logits [active_rows, vocab] fp32 of one decode step, or None: decode this step eagerly."""

@@ -188,7 +188,10 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     _check_sliding_window(call)
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
-    compiled = compiled_decode_for(call.model, call.spec.cache_keyword, call_compile_decision(call, shape), call.profile)
+    compiled = compiled_decode_for(
+        call.model, call.spec.cache_keyword, call_compile_decision(call, shape), call.profile,
+        round_capacity=call.config.cache_capacity is None,
+    )  # fmt: skip
     runner = ModelRunner(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
         track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
