@@ -146,3 +146,23 @@ def test_compile_setting_is_validated(bad):
         RolloutConfig(compile=bad)
     with pytest.raises(ValueError, match="compile="):
         choose_compile(bad, 1, 1, 1, 1)
+
+
+@pytest.mark.engine
+def test_auto_does_not_compile_a_new_shape_for_a_small_call():
+    model = build_tiny_model("tiny-gpt2", seed=5)
+    expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    result = _generate(model, "auto")
+    assert result.tokens == expected
+    assert (result.profile.compiled_steps, result.profile.compiled_graphs, result.profile.compile_ms) == (0, 0, 0.0)
+    assert "reuse compiled shapes only" in result.profile.compile_decision
+
+
+def test_compile_credit_counts_compile_time_only_for_new_graphs():
+    from autobucket.engine.compile_setup import compile_credit_ms
+    from autobucket.planning.compile_choice import CompileDecision
+
+    assert compile_credit_ms(CompileDecision(False, False, 500.0, 0.0, "")) == 0.0
+    assert compile_credit_ms(CompileDecision(True, False, 500.0, 0.0, "")) == 500.0  # all shapes compiled
+    assert compile_credit_ms(CompileDecision(True, False, 500.0, 900.0, "")) == 0.0  # new shapes run eagerly
+    assert compile_credit_ms(CompileDecision(True, True, 5000.0, 900.0, "")) == 4100.0
