@@ -36,6 +36,7 @@ from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, s
 from autobucket.engine.model_runner import CacheShape, ModelRunner
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.selection import Selection
+from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.costs import CostCoefficients, ModelGeometry, planning_token_limit
 from autobucket.planning.planner import plan_prefill
 from autobucket.planning.route_choice import ROUTE_BUCKETED, ROUTE_ORDINARY, RouteDecision, choose_route
@@ -130,7 +131,7 @@ def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecis
     Applies when the DP ran (a skipped DP means ordinary won by a margin the lower bound proved)."""
     if decision.route != ROUTE_ORDINARY or decision.bucketed_ms is None or call.config.compile is False:
         return decision
-    credit = compile_credit_ms(call_compile_decision(call, cache_shape(call)))
+    credit = compile_credit_ms(_compile_decision_for(call, cache_shape(call)))
     if decision.bucketed_ms - credit >= decision.ordinary_ms:
         return decision
     reason = (
@@ -189,7 +190,7 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
     compiled = compiled_decode_for(
-        call.model, call.spec.cache_keyword, call_compile_decision(call, shape), call.profile,
+        call.model, call.spec.cache_keyword, _compile_decision_for(call, shape), call.profile,
         round_capacity=call.config.cache_capacity is None,
     )  # fmt: skip
     runner = ModelRunner(
@@ -206,7 +207,7 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     return finished
 
 
-def call_compile_decision(call: RouteCall, shape: CacheShape):
+def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
     longest = max(len(p) for p in call.prompts)
     items = len(call.prompts) * call.sampling.n
     return compile_decision(
