@@ -65,8 +65,8 @@ demo: $(BIN)/.installed
 clean:
 	rm -rf $(VENV) $(VENV_TF457) build dist src/*.egg-info
 
-# The whole suite with the compiled decode step forced on (every Rollout left at compile="auto" runs
-# compile=True). Not part of `make test`: inductor compiles each decode shape once per model, tens of
+# The engine suite with the compiled decode step on (RolloutConfig's default becomes compile=True;
+# tests that pass compile=False keep it). Not part of `make test`: inductor compiles each decode shape once per model, tens of
 # seconds each on a CPU (see docs/benchmarks.md for what a run costs).
 test-compile: $(BIN)/.installed
 	AUTOBUCKET_TEST_COMPILE=1 $(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)

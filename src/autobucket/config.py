@@ -32,11 +32,11 @@ class RolloutConfig:
     trim_cache: trim dead left columns after every admission and retirement (else only when full).
     profile: add device-synchronised timing detail to the profile.
     compile: compile the continuous-batching decode step with `torch.compile` over static shapes.
-      True: always (compiling takes seconds to a minute per new decode shape; graphs are kept per
-      model and reused by later calls); False: never; "auto": reuse graphs already compiled, and
-      compile new ones only when the call's predicted decode saving repays the compile time
-      (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits (see
-      README), so compile=False is the bit-for-bit eager path. A model that cannot be compiled
+      False (default): never — the bit-for-bit eager path; True: always (seconds to a minute per new
+      decode shape; graphs are kept per model and reused by later calls); "auto": reuse graphs already
+      compiled, and compile new ones only when the call's predicted decode saving repays the compile
+      time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
+      can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     """
 
@@ -47,7 +47,7 @@ class RolloutConfig:
     cache_capacity: int | None = None
     trim_cache: bool = False
     profile: bool = False
-    compile: bool | str = "auto"
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
