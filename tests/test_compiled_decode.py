@@ -166,3 +166,8 @@ def test_compile_credit_counts_compile_time_only_for_new_graphs():
     assert compile_credit_ms(CompileDecision(True, False, 500.0, 0.0, "")) == 500.0  # all shapes compiled
     assert compile_credit_ms(CompileDecision(True, False, 500.0, 900.0, "")) == 0.0  # new shapes run eagerly
     assert compile_credit_ms(CompileDecision(True, True, 5000.0, 900.0, "")) == 4100.0
+
+
+def test_compile_is_off_by_default_and_make_test_compile_switches_only_the_default(forced_compile):
+    assert RolloutConfig().compile is forced_compile  # False, or True under AUTOBUCKET_TEST_COMPILE=1
+    assert RolloutConfig(compile=False).compile is False
