@@ -116,6 +116,24 @@ def test_a_model_that_does_not_trace_falls_back_to_eager_with_a_warning_and_the_
     assert again.tokens == expected and again.profile.compile_fallback
 
 
+@pytest.mark.engine
+def test_a_recompile_storm_is_counted_then_stops_compiled_decoding(own_model, monkeypatch):
+    """Every step of an already compiled shape reported as a fresh dynamo graph (a guard that keeps
+    failing) is counted; past the limit the model decodes eagerly with a warning. Runs last on
+    own_model: it disables its compiled path."""
+    counter = iter(range(0, 10**6, 1))
+    monkeypatch.setattr(compiled_decode, "_graph_count", lambda: next(counter))
+    expected, _ = oracle_batch(own_model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    with pytest.warns(RuntimeWarning, match="recompile storm"):
+        result = _generate(own_model, True)
+    assert result.tokens == expected
+    profile = result.profile
+    assert profile.recompiles == compiled_decode.MAX_RECOMPILES_PER_MODEL + 1
+    assert profile.compiled_steps == profile.recompiles + profile.compiled_graphs
+    assert "recompile storm" in profile.compile_fallback
+    assert profile.decode_forwards > profile.compiled_steps  # the rest ran eagerly
+
+
 # ---- pure: buckets, the decision, the config -----------------------------------------------------------
 
 
