@@ -19,6 +19,7 @@ from autobucket.engine import compiled_decode
 from autobucket.engine.compiled_decode import column_bucket, predicted_graph_keys, row_bucket
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
+from autobucket.planning.costs import CB_STEP
 
 LENGTHS = [7, 23, 12, 30]  # 4 rows, longest + budget < 128 columns: one graph
 BUDGET = 8
@@ -57,6 +58,8 @@ def test_compiled_decode_matches_generate_then_follows_an_in_place_optimizer_ste
         pytest.fail(f"compiled decode fell back to eager: {profile.compile_fallback}")
     assert profile.compiled_graphs == 1 and profile.compiled_steps == profile.decode_forwards > 0
     assert profile.compile_ms > 0
+    # The compiling step's time is compile time: kept out of the step timings the cost model learns from.
+    assert len([t for t in profile.timings if t.kind == CB_STEP]) == profile.decode_forwards - 1
 
     # An RL step: the optimizer updates the parameters in place.
     optimizer = torch.optim.SGD(own_model.parameters(), lr=0.5)
