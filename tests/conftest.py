@@ -129,6 +129,11 @@ def oracle_generate(
     return list(tokens), reason
 
 
+def forget_oracle(model) -> None:
+    """Drop `model`'s cached oracle answers (after its weights changed)."""
+    _ORACLE_CACHE.pop(model, None)
+
+
 def _cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> tuple[list[int], str]:
     for position, token in enumerate(tokens):
         if token in eos:
@@ -183,3 +188,29 @@ def choose_firing_eos(oracle_tokens: list[list[int]]) -> int:
 def cut_length(tokens: list[int], eos: int) -> int:
     """How many tokens a row keeps when `eos` ends it."""
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
+COMPILE_ENV = "AUTOBUCKET_TEST_COMPILE"  # "1": RolloutConfig's default becomes compile=True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forced_compile():
+    """With AUTOBUCKET_TEST_COMPILE=1 (`make test-compile`), the whole suite runs the compiled decode step.
+
+    Only the default changes (the dataclass __init__'s default value), so a test that passes
+    compile=False explicitly (the controls that break an eager-only code path) keeps its meaning."""
+    import inspect
+    import os
+
+    if os.environ.get(COMPILE_ENV) != "1":
+        yield False
+        return
+    from autobucket import RolloutConfig
+
+    init = RolloutConfig.__init__
+    names = list(inspect.signature(init).parameters)[1:]
+    original = init.__defaults__
+    index = names.index("compile") - (len(names) - len(original))
+    init.__defaults__ = original[:index] + (True,) + original[index + 1 :]
+    yield True
+    init.__defaults__ = original

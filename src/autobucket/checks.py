@@ -36,3 +36,10 @@ def require_bool(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is invalid: expected True or False")
     return value
+
+
+def require_choice(field: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """`value` if it is one of `choices` (same type too: 1 is not True), else a ValueError listing them."""
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        raise ValueError(f"{field}={value!r} is invalid: expected one of {', '.join(map(repr, choices))}")
+    return value

@@ -8,9 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from autobucket.checks import require_bool, require_finite, require_int
+from autobucket.checks import require_bool, require_choice, require_finite, require_int
 
 ROUTES = ("ordinary", "equal_width", "aligned", "bucketed", "auto")
+COMPILE_CHOICES = ("auto", True, False)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,13 @@ class RolloutConfig:
     cache_capacity: KV columns of the static cache (None: what the workload needs).
     trim_cache: trim dead left columns after every admission and retirement (else only when full).
     profile: add device-synchronised timing detail to the profile.
+    compile: compile the continuous-batching decode step with `torch.compile` over static shapes.
+      False (default): never — the bit-for-bit eager path; True: always (seconds to a minute per new
+      decode shape; graphs are kept per model and reused by later calls); "auto": reuse graphs already
+      compiled, and compile new ones only when the call's predicted decode saving repays the compile
+      time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
+      can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
+      decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     """
 
     route: str = "aligned"
@@ -43,8 +51,10 @@ class RolloutConfig:
     cache_capacity: int | None = None
     trim_cache: bool = False
     profile: bool = False
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
+        require_choice("compile", self.compile, COMPILE_CHOICES)
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
         if self.prefill_max_tokens is not None:

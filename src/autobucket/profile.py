@@ -63,6 +63,12 @@ class Profile:
     predicted_ms: float | None = None  # the cost model's ms for this call's timed events
     measured_ms: float = 0.0  # the measured ms of the same events (sum of `timings`)
     timings: list[Timing] = field(default_factory=list, repr=False)
+    compile_ms: float = 0.0  # steps that compiled a decode graph (not counted in decode_ms)
+    compiled_graphs: int = 0  # decode shapes compiled by this call
+    recompiles: int = 0  # already compiled shapes compiled again (guard failures)
+    compiled_steps: int = 0  # decode steps that ran a compiled graph
+    compile_fallback: str = ""  # why compiled decoding was off or stopped ("" when it was not)
+    compile_decision: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but the raw `timings` (one entry per decode step: long)."""

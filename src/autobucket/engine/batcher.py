@@ -173,7 +173,8 @@ class ContinuousBatcher:
             with self.timer.phase("cache_ms"):
                 self.runner.retire(keep)
                 self.rows = [self.rows[r] for r in keep]
-        self.profile.record(CB_STEP, rows, attended, started)
+        if not self.runner.last_step_compiled:  # a compiling step would teach the cost model compile time
+            self.profile.record(CB_STEP, rows, attended, started)
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
         """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""

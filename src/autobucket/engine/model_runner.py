@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.chunked_prefill import prefill_chunked
+from autobucket.engine.compiled_decode import CompiledDecode
 from autobucket.engine.hf_compat import ForwardSpec
 from autobucket.engine.packed_prefill import packing_attention, prefill_packed
 from autobucket.engine.prefill import PrefillOutput, prefill_bucket
@@ -50,8 +51,10 @@ class ModelRunner:
         vocab_size: int,
         track_seen: bool,
         trim_cache: bool = False,
+        compiled: CompiledDecode | None = None,
     ) -> None:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
+        self.compiled = compiled  # the compiled decode step, or None: every step eager
         self.pad_token_id, self.vocab_size, self.trim_cache = pad_token_id, vocab_size, trim_cache
         self.device = next(model.parameters()).device
         self.store: StaticKVCache | None = None  # sized from the first prefill's K/V shapes
@@ -59,6 +62,11 @@ class ModelRunner:
         self.next_input = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
         self.next_position = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
         self.seen = torch.empty((0, vocab_size), dtype=torch.bool, device=self.device) if track_seen else None
+
+    @property
+    def last_step_compiled(self) -> bool:
+        """The last decode step compiled a graph: its time is compile time, not a step's."""
+        return self.compiled is not None and self.compiled.last_step_compiled
 
     @property
     def active_rows(self) -> int:
@@ -105,11 +113,12 @@ class ModelRunner:
 
     def _create_store(self, keys: list[torch.Tensor]) -> StaticKVCache:
         # keys[l]: [rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
+        columns = self.cache_shape.cache_capacity
         return StaticKVCache(
             num_layers=len(keys),
             rows=self.cache_shape.continuous_batch_size,
             kv_heads=keys[0].shape[1],
-            columns=self.cache_shape.cache_capacity,
+            columns=self.compiled.capacity(columns) if self.compiled is not None else columns,
             head_dim=keys[0].shape[3],
             dtype=keys[0].dtype,
             device=keys[0].device,
@@ -122,6 +131,10 @@ class ModelRunner:
 
     def decode_logits(self) -> torch.Tensor:
         """One forward of every active row's next token -> last logits [rows, vocab] fp32."""
+        logits = self.compiled.step(self) if self.compiled is not None else None
+        if logits is not None:
+            self.store.finish_step()
+            return logits
         output = self.model(
             input_ids=self.next_input[:, None],
             attention_mask=self.store.step_mask(),

@@ -18,6 +18,7 @@ admission's prompts into prefill buckets; `ContinuousBatcher` does the rest:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batcher import AdmissionPolicy, ContinuousBatcher
+from autobucket.engine.compile_setup import (
+    compile_credit_ms,
+    compile_decision,
+    compiled_decode_for,
+    record_compile,
+)
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, sliding_window_limit
@@ -34,9 +41,16 @@ from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.packed_prefill import packing_attention
 from autobucket.engine.prefill import PrefillGroup
 from autobucket.engine.selection import Selection
+from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
-from autobucket.planning.route_choice import ROUTE_ORDINARY, FormOptions, RouteDecision, choose_route
+from autobucket.planning.route_choice import (
+    ROUTE_BUCKETED,
+    ROUTE_ORDINARY,
+    FormOptions,
+    RouteDecision,
+    choose_route,
+)
 from autobucket.profile import PhaseTimer, Profile
 
 FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
@@ -98,6 +112,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         samples_per_prompt=call.sampling.n,
         forms=form_options(call),
     )
+    decision = _with_compile_credit(call, decision)
     profile = call.profile
     profile.plan_ms += (time.perf_counter() - started) * 1e3
     profile.route = decision.route
@@ -122,6 +137,21 @@ ROUTES: dict[str, Route] = {
 
 
 PLANNING_ROUTES = ("bucketed", "auto")  # the routes that read the cost coefficients
+
+
+def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecision:
+    """One decision: a compiled decode step makes bucketed CB cheaper, never ordinary `generate`.
+    Applies when the DP ran (a skipped DP means ordinary won by a margin the lower bound proved)."""
+    if decision.route != ROUTE_ORDINARY or decision.bucketed_ms is None or call.config.compile is False:
+        return decision
+    credit = compile_credit_ms(_compile_decision_for(call, cache_shape(call)))
+    if decision.bucketed_ms - credit >= decision.ordinary_ms:
+        return decision
+    reason = (
+        f"bucketed with the compiled decode step estimated cheaper ({decision.bucketed_ms:.1f} ms - "
+        f"{credit:.1f} ms compile credit < ordinary {decision.ordinary_ms:.1f} ms)"
+    )
+    return dataclasses.replace(decision, route=ROUTE_BUCKETED, reason=reason)
 
 
 def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
@@ -209,9 +239,13 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     _check_sliding_window(call)
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
+    compiled = compiled_decode_for(
+        call.model, call.spec.cache_keyword, _compile_decision_for(call, shape), call.profile,
+        round_capacity=call.config.cache_capacity is None,
+    )  # fmt: skip
     runner = ModelRunner(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
-        track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache,
+        track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
@@ -219,12 +253,23 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     )  # fmt: skip
     finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
     _record_cache(call.profile, runner)
+    record_compile(call.profile, compiled)
     return finished
+
+
+def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
+    longest = max(len(p) for p in call.prompts)
+    items = len(call.prompts) * call.sampling.n
+    return compile_decision(
+        call.model, call.config.compile, shape.continuous_batch_size, items, longest,
+        call.sampling.max_new_tokens, shape.cache_capacity,
+    )  # fmt: skip
 
 
 def _record_cache(profile: Profile, runner: ModelRunner) -> None:
     store = runner.store
     if store is not None:
+        profile.cache_capacity = store.columns  # rounded up when the decode step is compiled
         profile.kv_cache_bytes = store.nbytes
         profile.trims = store.trims
         profile.trimmed_columns = store.trimmed_columns

@@ -1,0 +1,106 @@
+"""One continuous-batching decode step, eager vs compiled (`RolloutConfig(compile=True)`'s step).
+
+    taskset -c 0 python benchmarks/decode_step.py --rows 32 --context 512 --out results/decode_step.json
+
+The 20.3M-param Qwen2 (`bench-qwen2`), fp32, one thread. The static cache holds `rows` prompts of
+`context` tokens; every timed step decodes at that context (the write front is reset), eager and
+compiled steps interleaved. Also timed: the output head's GEMM alone (`F.linear`, rows x hidden x
+vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from autobucket.engine.compiled_decode import CompiledDecode
+from autobucket.engine.hf_compat import forward_spec
+from autobucket.engine.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.models import build_tiny_model
+from autobucket.prompts import random_prompts
+
+
+def filled_runner(model, rows: int, context: int, compiled: CompiledDecode | None) -> ModelRunner:
+    prompts = random_prompts([context] * rows, model.config.vocab_size, seed=0)
+    runner = ModelRunner(model, forward_spec(model), CacheShape(rows, context + 16), 0, model.config.vocab_size,
+                         track_seen=False, compiled=compiled)  # fmt: skip
+    output, _ = runner.prefill(prompts)
+    runner.insert(output, RowInsert(list(range(rows)), output.last_logits.argmax(-1), [context] * rows, None))
+    return runner
+
+
+def step_at_context(runner: ModelRunner) -> torch.Tensor:
+    front = runner.store.front
+    runner.prepare_decode()
+    logits = runner.decode_logits()
+    runner.store.front = front  # decode the same context again next time
+    return logits
+
+
+def timed(function) -> float:
+    started = time.perf_counter()
+    function()
+    return (time.perf_counter() - started) * 1e3
+
+
+@torch.inference_mode()
+def measure(args) -> dict:
+    model = build_tiny_model("bench-qwen2")
+    eager = filled_runner(model, args.rows, args.context, None)
+    compiled = filled_runner(model, args.rows, args.context, CompiledDecode(model, forward_spec(model).cache_keyword, True))
+    compile_ms = timed(lambda: step_at_context(compiled))
+    difference = (step_at_context(eager) - step_at_context(compiled)).abs().max().item()
+    hidden = torch.randn(args.rows, model.config.hidden_size)
+    head = model.lm_head.weight
+    samples = {"eager": [], "compiled": [], "head_gemm": []}
+    for _ in range(args.warmup):
+        step_at_context(eager), step_at_context(compiled)
+    for _ in range(args.repeats):
+        samples["eager"].append(timed(lambda: step_at_context(eager)))
+        samples["compiled"].append(timed(lambda: step_at_context(compiled)))
+        samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
+            "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
+            "top_ops": top_ops(eager)}  # fmt: skip
+
+
+def top_ops(runner: ModelRunner, steps: int = 5) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step_at_context(runner)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    return [(e.key, e.self_cpu_time_total / 1e3 / steps) for e in events]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="results/decode_step.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = measure(args)
+    m = result["medians_ms"]
+    flops = 2 * args.rows * 256 * 32000
+    print(f"rows {args.rows} context {args.context}: eager {m['eager']:.2f} ms, compiled {m['compiled']:.2f} ms "
+          f"(ratio {m['compiled'] / m['eager']:.3f}); head GEMM alone {m['head_gemm']:.2f} ms "
+          f"({flops / m['head_gemm'] / 1e6:.1f} GFLOPS); compile {result['compile_ms'] / 1e3:.1f} s; "
+          f"max |logit difference| {result['max_logit_difference']:.2e}")  # fmt: skip
+    for name, ms in result["top_ops"]:
+        print(f"  eager step, self time per step: {name:60s} {ms:7.2f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Glue between a call's route and the compiled decode step: decide (planning.compile_choice), build
+the `CompiledDecode` a `ModelRunner` uses, and copy what it did into the profile."""
+
+from __future__ import annotations
+
+import torch
+
+from autobucket.engine.compiled_decode import (
+    CompiledDecode,
+    decode_graphs,
+    predicted_graph_keys,
+    rounded_capacity,
+)
+from autobucket.planning.compile_choice import CompileDecision, choose_compile
+from autobucket.profile import Profile
+
+
+def compile_decision(
+    model: torch.nn.Module, setting: bool | str, rows: int, items: int, longest: int, max_new_tokens: int, capacity: int
+) -> CompileDecision:
+    """The decision for a CB call with `items` rows to decode, `rows` at once, on a `capacity`-column cache."""
+    keys = predicted_graph_keys(rows, longest, max_new_tokens, rounded_capacity(capacity))
+    new_graphs = len(keys - decode_graphs(model).shapes)
+    waves = -(-items // rows)
+    parameters = sum(p.numel() for p in model.parameters())
+    return choose_compile(setting, parameters, rows, waves * max(max_new_tokens - 1, 0), new_graphs)
+
+
+def compiled_decode_for(
+    model: torch.nn.Module, cache_keyword: str, decision: CompileDecision, profile: Profile, round_capacity: bool
+) -> CompiledDecode | None:
+    """The call's compiled step, or None; `round_capacity` False keeps an explicit cache_capacity as given."""
+    profile.compile_decision = decision.reason
+    if not decision.use_compiled:
+        return None
+    compiled = CompiledDecode(model, cache_keyword, decision.compile_new, round_capacity)
+    profile.compile_fallback = compiled.stats.fallback_reason
+    return compiled
+
+
+def record_compile(profile: Profile, compiled: CompiledDecode | None) -> None:
+    """Move compile time out of decode time and copy the counters."""
+    if compiled is None:
+        return
+    stats = compiled.stats
+    profile.compile_ms += stats.compile_ms
+    profile.decode_ms = max(0.0, profile.decode_ms - stats.compile_ms)
+    profile.compiled_graphs += stats.new_graphs
+    profile.recompiles += stats.recompiles
+    profile.compiled_steps += stats.compiled_steps
+    profile.compile_fallback = stats.fallback_reason
+
+
+def compile_credit_ms(decision: CompileDecision) -> float:
+    """What compiling takes off the continuous-batching estimate (ordinary `generate` is never compiled):
+    the predicted saving, less the compile time when new graphs will be compiled; 0 when no graph runs."""
+    if not decision.use_compiled:
+        return 0.0
+    if decision.compile_new:
+        return decision.saving_ms - decision.compile_ms
+    return decision.saving_ms if decision.compile_ms == 0.0 else 0.0
