@@ -134,7 +134,9 @@ def test_an_update_that_predicts_worse_is_not_taken():
 
 # ------------------------------------------------------------------------------------ the cache entry
 @pytest.fixture
-def metadata(tiny_models):
+def metadata(tiny_models, tmp_path, monkeypatch):
+    # A cache of its own: a corrupted entry must not reach later tests that learn on the same model.
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     return store_metadata(tiny_models("tiny-qwen2"))
 
 

@@ -91,7 +91,7 @@ def plan_prefill(
     """
     require_int("samples_per_prompt", samples_per_prompt)
     costs = shared_prefill_costs(costs, samples_per_prompt)
-    return planchecked_lengths(checked_lengths(lengths, prefill_max_tokens), geometry, costs, prefill_max_tokens)
+    return plan_checked_lengths(checked_lengths(lengths, prefill_max_tokens), geometry, costs, prefill_max_tokens)
 
 
 def shared_prefill_costs(costs: CostCoefficients, samples_per_prompt: int) -> CostCoefficients:
@@ -102,7 +102,7 @@ def shared_prefill_costs(costs: CostCoefficients, samples_per_prompt: int) -> Co
     return replace(costs, kv_ms=costs.kv_ms * samples_per_prompt)
 
 
-def planchecked_lengths(
+def plan_checked_lengths(
     lengths: list[int], geometry: ModelGeometry, costs: CostCoefficients, prefill_max_tokens: int | None
 ) -> PrefillPlan:
     if not lengths:

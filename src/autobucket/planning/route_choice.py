@@ -21,7 +21,7 @@ from autobucket.planning.planner import (
     DEFAULT_PREFILL_MAX_TOKENS,
     PrefillPlan,
     checked_lengths,
-    planchecked_lengths,
+    plan_checked_lengths,
     shared_prefill_costs,
 )
 
@@ -82,39 +82,57 @@ def choose_route(
     With ``forms``, the bucketed estimate is `plan_forms`' plan (padded, packed and chunked groups), and
     prompts longer than ``prefill_max_tokens`` are allowed (they are chunked; ordinary is then blocked).
     """
-    require_int("samples_per_prompt", samples_per_prompt)
-    require_int("max_new_tokens", max_new_tokens)
-    require_int("continuous_batch_size", continuous_batch_size)
-    if max_positions is not None:
-        require_int("max_positions", max_positions)
+    _check_counts(samples_per_prompt, max_new_tokens, continuous_batch_size, max_positions)
     checked = checked_lengths(lengths, prefill_max_tokens if forms is None else None)
     blocked = _ordinary_blockers(
-        checked, max_new_tokens, continuous_batch_size, prefill_max_tokens, max_positions, ordinary_blocked_reason, samples_per_prompt
-    )
+        checked, max_new_tokens, continuous_batch_size, prefill_max_tokens, max_positions, ordinary_blocked_reason,
+        samples_per_prompt,
+    )  # fmt: skip
     if not checked:
         return _empty_decision(blocked)
-    ordinary_costs, costs = costs, shared_prefill_costs(costs, samples_per_prompt)
-    decode_ms = continuous_decode_cost_ms(max_new_tokens, costs)
-    lower_bound_ms = _bucketed_lower_bound_ms(checked, geometry, costs) + decode_ms
+    shared_costs = shared_prefill_costs(costs, samples_per_prompt)
+    decode_ms = continuous_decode_cost_ms(max_new_tokens, shared_costs)
+    lower_bound_ms = _bucketed_lower_bound_ms(checked, geometry, shared_costs) + decode_ms
     ordinary_ms = None
     if not blocked:
         rows = len(checked) * samples_per_prompt
-        ordinary_ms = ordinary_cost_ms(rows, max(checked), max_new_tokens, geometry, ordinary_costs)
+        ordinary_ms = ordinary_cost_ms(rows, max(checked), max_new_tokens, geometry, costs)
         if lower_bound_ms >= ordinary_ms:
             reason = (
                 f"ordinary estimated cheaper (lower bound of bucketed {lower_bound_ms:.1f} ms >= "
                 f"ordinary {ordinary_ms:.1f} ms; DP skipped)"
             )
             return RouteDecision(ROUTE_ORDINARY, (), (), ordinary_ms, None, lower_bound_ms, reason)
+    plan = _bucketed_plan(checked, geometry, costs, prefill_max_tokens, samples_per_prompt, forms)
+    decision = _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
+    return decision if forms is None else replace(decision, forms=plan.forms)
+
+
+def _check_counts(
+    samples_per_prompt: int, max_new_tokens: int, continuous_batch_size: int, max_positions: int | None
+) -> None:
+    require_int("samples_per_prompt", samples_per_prompt)
+    require_int("max_new_tokens", max_new_tokens)
+    require_int("continuous_batch_size", continuous_batch_size)
+    if max_positions is not None:
+        require_int("max_positions", max_positions)
+
+
+def _bucketed_plan(
+    lengths: list[int],
+    geometry: ModelGeometry,
+    costs: CostCoefficients,
+    prefill_max_tokens: int | None,
+    samples_per_prompt: int,
+    forms: FormOptions | None,
+) -> PrefillPlan | FormPlan:
+    """The bucketed route's prefill plan: padded DP buckets, or `plan_forms`' padded/packed/chunked groups."""
     if forms is not None:
         # plan_forms applies samples_per_prompt itself, so it gets the unshared coefficients.
-        plan = plan_forms(
-            checked, geometry, ordinary_costs, prefill_max_tokens, samples_per_prompt, forms.packing, forms.costs
-        )
-        decision = _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
-        return replace(decision, forms=plan.forms)
-    plan = planchecked_lengths(checked, geometry, costs, planning_token_limit(prefill_max_tokens, costs, max(checked)))
-    return _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
+        return plan_forms(lengths, geometry, costs, prefill_max_tokens, samples_per_prompt, forms.packing, forms.costs)
+    shared_costs = shared_prefill_costs(costs, samples_per_prompt)
+    limit = planning_token_limit(prefill_max_tokens, shared_costs, max(lengths))
+    return plan_checked_lengths(lengths, geometry, shared_costs, limit)
 
 
 @dataclass(frozen=True, slots=True)
