@@ -199,7 +199,7 @@ def test_logprobs_match_trl_recomputed(tmp_path, eos_id):
 
 # ------------------------------------------------------------------ bad input
 def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
-    with pytest.raises(ValueError, match=r"min_p=0\.1 is not supported by autobucket"):
+    with pytest.raises(ValueError, match=r"min_p=0\.1, which autobucket cannot apply"):
         run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"min_p": 0.1})
 
 

@@ -31,10 +31,10 @@ from deepspeed.runtime.rollout import RolloutBatch, RolloutEngine, RolloutReques
 from deepspeed.runtime.rollout import SamplingConfig as DeepSpeedSamplingConfig
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.checks import optional_int, require_int
+from autobucket.engine.generation_setup import eos_token_ids
+from autobucket.integrations.generation_options import reject_unsupported_warpers
 from autobucket.result import RolloutResult
-
-# sampling options of a model's generation_config that HF would apply and autobucket cannot -> "off"
-_UNSUPPORTED_WARPERS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 class AutobucketRollout(RolloutEngine):
@@ -54,7 +54,7 @@ class AutobucketRollout(RolloutEngine):
         self.engine = engine
         self.tokenizer = tokenizer
         self.pad_token_id = _pad_token_id(tokenizer)
-        self.eos_token_ids = _eos_ids(tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(tokenizer.eos_token_id)
         self.rollout = Rollout(engine.module, None, config if config is not None else RolloutConfig(route="auto"))
         self.seed = seed
         self.step = 0
@@ -115,38 +115,22 @@ def _check_zero_stage(engine: Any) -> None:
 def _check_sampling(sampling: DeepSpeedSamplingConfig) -> int:
     """The request's samples per prompt, after checking the fields autobucket reads."""
     for field in ("max_new_tokens", "n_samples_per_prompt"):
-        value = getattr(sampling, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}={value!r} is invalid: expected an int >= 1")
-    size = sampling.continuous_batch_size
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(f"continuous_batch_size={size!r} is invalid: pass an int >= 1, or None for all rows at once")
+        require_int(field, getattr(sampling, field))
+    optional_int("continuous_batch_size", sampling.continuous_batch_size, 1, "or None for all rows at once")
     return sampling.n_samples_per_prompt
 
 
 def _check_model_warpers(generation_config: Any) -> None:
-    for option, off in _UNSUPPORTED_WARPERS.items():
-        value = getattr(generation_config, option, None)
-        if value is not None and value != off:
-            raise ValueError(
-                f"the model's generation_config sets {option}={value!r}, which autobucket cannot apply when "
-                f"sampling: set model.generation_config.{option} = None"
-            )
+    reject_unsupported_warpers(
+        generation_config, "the model's generation_config sets", "set model.generation_config.{option} = None"
+    )
 
 
 def _pad_token_id(tokenizer: Any) -> int:
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
-            return int(value if isinstance(value, int) else _eos_ids(value)[0])
+            return int(value if isinstance(value, int) else eos_token_ids(value)[0])
     raise ValueError("the tokenizer defines neither pad_token_id nor eos_token_id: set tokenizer.pad_token_id")
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, torch.Tensor):
-        value = value.flatten().tolist()
-    return tuple(int(v) for v in ([value] if isinstance(value, int) else value))
 
 
 def _rollout_batch(

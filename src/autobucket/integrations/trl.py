@@ -30,9 +30,9 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.checks import optional_int
+from autobucket.integrations.generation_options import reject_unsupported_warpers
 
-# GenerationConfig sampling options autobucket does not implement -> value that means "off".
-_UNSUPPORTED_WARPERS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
 
 
@@ -52,13 +52,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         **kwargs: Any,
     ) -> None:
         self.rollout_config = _rollout_config_or_default(rollout_config)
-        if continuous_batch_size is not None and (
-            isinstance(continuous_batch_size, bool) or not isinstance(continuous_batch_size, int) or continuous_batch_size < 1
-        ):
-            raise ValueError(
-                f"continuous_batch_size={continuous_batch_size!r} is invalid: pass an int >= 1, or None for the "
-                "whole generation batch"
-            )
+        optional_int("continuous_batch_size", continuous_batch_size, 1, "or None for the whole generation batch")
         self.continuous_batch_size = continuous_batch_size
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         if training_args is not None:
@@ -147,13 +141,10 @@ def reject_multimodal(images: Any, multimodal_fields: Any) -> None:
 
 def sampling_from_generation_config(generation_config: Any, eos_token_ids: Sequence[int]) -> SamplingConfig:
     """TRL's GenerationConfig -> autobucket SamplingConfig (n and seed are set per call)."""
-    for option, off in _UNSUPPORTED_WARPERS.items():
-        value = getattr(generation_config, option, None)
-        if value is not None and value != off:
-            raise ValueError(
-                f"generation option {option}={value!r} is not supported by autobucket: unset it "
-                f"({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer"
-            )
+    reject_unsupported_warpers(
+        generation_config, "generation option",
+        "unset it ({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer",
+    )  # fmt: skip
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         raise ValueError("max_completion_length=None is not supported by autobucket: set a completion budget")
