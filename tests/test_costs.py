@@ -41,6 +41,7 @@ def test_defaults_are_the_reference_values_plus_zero_extensions():
         "step_row_ms": 0.0,
         "step_kv_ms": 0.0,
         "forward_sq_ms": 0.0,
+        "packed_prompt_ms": 0.3,
     }
 
 

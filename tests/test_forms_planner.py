@@ -197,3 +197,24 @@ def test_the_route_lower_bound_holds_for_form_plans(seed):
         decision = choose_route(lengths, 8, 64, GEOMETRY, costs, prefill_max_tokens=budget,
                                 ordinary_blocked_reason="test", forms=FormOptions(packing, form_costs))  # fmt: skip
         assert decision.bucketed_lower_bound_ms <= decision.bucketed_ms * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_coefficients_packed_prompt_ms_reaches_the_plan_and_flips_it(seed):
+    """With no explicit `FormCosts`, the plan is brute force's under `FormCosts.of(costs)`; a free packed
+    prompt packs the whole admission, a prohibitive one pads it."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 60) for _ in range(rng.randint(2, 6))]
+    lengths[0] = lengths[1] + 1  # at least one padded token
+    costs = CostCoefficients(fixed_ms=50.0, token_ms=0.1, attention_ms=12.7, kv_ms=0.1)
+    choices = {}
+    for packed_prompt_ms in (0.0, rng.choice([0.05, 0.3, 2.0]), 1e6):
+        case = CostCoefficients(**{**costs.to_dict(), "packed_prompt_ms": packed_prompt_ms})
+        plan = plan_forms(lengths, GEOMETRY, case, 2048, packing=SEGMENTS)
+        want = brute_force_ms(lengths, GEOMETRY, case, FormCosts.of(case), 2048, SEGMENTS)
+        assert plan.cost_ms == pytest.approx(want, rel=1e-9)
+        choices[packed_prompt_ms] = plan.forms
+        decision = choose_route(lengths, 4, 64, GEOMETRY, case, 2048, ordinary_blocked_reason="test",
+                                forms=FormOptions(SEGMENTS))  # fmt: skip
+        assert decision.forms == plan.forms
+    assert choices[0.0] == (PACKED,) and choices[1e6] == (PADDED,) * len(choices[1e6])

@@ -185,6 +185,8 @@ def test_rollout_learns_persists_and_reports_predicted_vs_measured(tiny_models, 
         assert profile.measured_ms == pytest.approx(sum(t.ms for t in profile.timings))
         assert profile.predicted_ms > 0 and set(profile.costs) == set(CostCoefficients().to_dict())
         assert "timings" not in profile.to_dict()
+        # No timing measures the packed per-prompt cost: the probe's zero prior keeps its default.
+        assert profile.costs["packed_prompt_ms"] == CostCoefficients().packed_prompt_ms
     second = Rollout(model, config=RolloutConfig(route="auto"))
     assert second.costs == first.costs and second.cost_source.source == "stored"
 

@@ -6,6 +6,8 @@ What is measured (see `timing` for how):
   and the KV copy of the same run. The forward alone is what ordinary `generate` pays; forward + copy is
   the bucketed path. Timing them separately identifies ``kv_ms`` directly.
 * **Decode**: HF `generate` and the CB loop on the same uniform batch, per-step medians.
+* **Packed prefill** of B prompts of L tokens concatenated in one row (`ModelRunner.prefill` in the packed
+  form + `.insert`), interleaved with the rest: it fits ``packed_prompt_ms`` (see `coefficients.packed_fit`).
 * **Held-out shapes** are measured like the fitted ones but never fitted: their error says how well the
   coefficients predict shapes they have not seen.
 
@@ -33,7 +35,10 @@ from autobucket.calibration.timing import (
     time_prefill_insert,
 )
 from autobucket.coefficients.fit import MAX_MEDIAN_ERROR, DecodePoint, FitReport, PrefillPoint, fit_costs
+from autobucket.coefficients.packed_fit import PackedPoint
+from autobucket.engine.packed_prefill import packing_attention
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.planning.forms import PACKED, PADDED, FormCosts
 
 Progress = Callable[[str], None]  # called after each measured shape with a description of it
 DEFAULT_MAX_LENGTH = 512
@@ -64,6 +69,7 @@ class CalibrationPlan:
     warmup: int = 1
     seed: int = 0
     max_seconds: float = DEFAULT_MAX_SECONDS
+    packed_shapes: tuple[Shape, ...] = ()  # B prompts of L tokens packed in one row (fits packed_prompt_ms)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_seconds, (int, float)) and self.max_seconds > 0):
@@ -78,11 +84,11 @@ class CalibrationPlan:
 
     @property
     def items(self) -> int:
-        return len(self.prefill_shapes) + len(self.holdout_shapes) + len(self.decode_shapes)
+        return len(self.prefill_shapes) + len(self.holdout_shapes) + len(self.decode_shapes) + len(self.packed_shapes)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in ("prefill_shapes", "holdout_shapes", "decode_shapes"):
+        for name in ("prefill_shapes", "holdout_shapes", "decode_shapes", "packed_shapes"):
             data[name] = [str(shape) for shape in getattr(self, name)]
         return data
 
@@ -110,7 +116,14 @@ def default_plan(
         Shape(b, max(1, round(longest * f)))
         for b, f in ((32, 1 / 32), (8, 1 / 4), (32, 1 / 4), (8, 1), (32, 1))
     )
-    return CalibrationPlan(fitted, holdout, tuple(dict.fromkeys(decode)), decode_new_tokens, repeats)
+    return CalibrationPlan(fitted, holdout, tuple(dict.fromkeys(decode)), decode_new_tokens, repeats,
+                           packed_shapes=packed_shapes_for(fitted))  # fmt: skip
+
+
+def packed_shapes_for(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+    """The shapes of `shapes` worth packing: at least 2 prompts, within the planner's packed-row bound."""
+    limit = FormCosts().packed_max_tokens or DEFAULT_MAX_SHAPE_TOKENS
+    return tuple(shape for shape in shapes if shape.rows >= 2 and shape.rows * shape.width <= limit)
 
 
 def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float = DEFAULT_MAX_SECONDS) -> CalibrationPlan:
@@ -122,7 +135,8 @@ def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float =
     prefill = tuple(Shape(b, w) for b in (1, 4, 16) for w in widths if b * w <= 512)
     holdout = tuple(Shape(b, max(1, longest // d)) for b, d in ((2, 2), (8, 8), (1, 2), (4, 8)))
     decode = (Shape(4, widths[0]), Shape(8, widths[1]))
-    return CalibrationPlan(prefill, holdout, decode, 6, repeats, warmup=0, max_seconds=max_seconds)
+    return CalibrationPlan(prefill, holdout, decode, 6, repeats, warmup=0, max_seconds=max_seconds,
+                           packed_shapes=packed_shapes_for(prefill))  # fmt: skip
 
 
 def _default_max_length(max_positions: int | None, max_length: int | None, new_tokens: int) -> int:
@@ -191,7 +205,9 @@ def fit_measurements(
                     robust_median(item["ordinary_step_ms"]), item.get("cb_includes_copy", True))
         for item in measurements["decode"] if item["cb_step_ms"]
     ]  # fmt: skip
-    return fit_costs(prefill, decode, geometry, max_median_error)
+    packed = [PackedPoint(item["rows"], item["width"], item["attention"], robust_median(item["kv_copy_ms"]))
+              for item in measurements.get("packed", []) if item["kv_copy_ms"]]  # fmt: skip
+    return fit_costs(prefill, decode, geometry, max_median_error, packed)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -201,7 +217,7 @@ def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> di
     its estimated duration (its tokens at the ms per token seen so far) does, so every shape keeps the same
     number of samples and measuring ends by the deadline; shapes left unmeasured are named by the fit."""
     items = ([("prefill", s, False) for s in plan.prefill_shapes] + [("prefill", s, True) for s in plan.holdout_shapes]
-             + [("decode", s, False) for s in plan.decode_shapes])  # fmt: skip
+             + [("decode", s, False) for s in plan.decode_shapes] + [("packed", s, False) for s in plan.packed_shapes])  # fmt: skip
     items.sort(key=lambda item: -_work(item[0], item[1], plan))  # most work first: later overruns are small
     records = [_empty_record(kind, shape, holdout, plan) for kind, shape, holdout in items]
     prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
@@ -230,22 +246,26 @@ def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> di
 
 def _work(kind: str, shape: Shape, plan: CalibrationPlan) -> float:
     """Token positions one sample runs: a prefill forward, or (decode) two calls' prefills and steps."""
-    if kind == "prefill":
+    if kind in ("prefill", "packed"):
         return shape.rows * shape.width
     return 2 * shape.rows * (shape.width + plan.decode_new_tokens)
 
 
 def _empty_record(kind: str, shape: Shape, holdout: bool, plan: CalibrationPlan) -> dict[str, Any]:
-    if kind == "prefill":
-        return {"kind": kind, "rows": shape.rows, "width": shape.width, "holdout": holdout,
-                "plain_ms": [], "insert_ms": [], "kv_copy_ms": []}  # fmt: skip
+    if kind in ("prefill", "packed"):
+        record = {"kind": kind, "rows": shape.rows, "width": shape.width, "holdout": holdout,
+                  "plain_ms": [], "insert_ms": [], "kv_copy_ms": []}  # fmt: skip
+        return record if kind == "prefill" else {**record, "attention": None}
     return {"kind": kind, "rows": shape.rows, "width": shape.width, "new_tokens": plan.decode_new_tokens,
             "steps": plan.decode_new_tokens - 1, "cb_includes_copy": False, "cb_step_ms": [], "ordinary_step_ms": []}  # fmt: skip
 
 
 def _sample(model: torch.nn.Module, kind: str, prompts: list[list[int]], record: dict, plan: CalibrationPlan) -> None:
-    if kind == "prefill":
-        forward_ms, insert_ms = time_prefill_insert(model, prompts, plan.decode_new_tokens)
+    if kind in ("prefill", "packed"):
+        form = PACKED if kind == "packed" else PADDED
+        if kind == "packed":
+            record["attention"] = packing_attention(model)  # what the packed forward's attention work is
+        forward_ms, insert_ms = time_prefill_insert(model, prompts, plan.decode_new_tokens, form)
         record["plain_ms"].append(forward_ms)
         record["insert_ms"].append(insert_ms)
         record["kv_copy_ms"].append(forward_ms + insert_ms)
@@ -257,7 +277,8 @@ def _sample(model: torch.nn.Module, kind: str, prompts: list[list[int]], record:
 def _measurements(records: list[dict[str, Any]], rounds: int, started: float) -> dict[str, Any]:
     prefill = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "prefill"]
     decode = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "decode"]
-    return {"prefill": prefill, "decode": decode, "rounds": rounds, "seconds": time.perf_counter() - started}
+    packed = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "packed"]
+    return {"prefill": prefill, "decode": decode, "packed": packed, "rounds": rounds, "seconds": time.perf_counter() - started}
 
 
 def measurement_problems(
@@ -267,7 +288,7 @@ def measurement_problems(
     held-out error above `max_holdout_error`; each names the noisiest shapes and what to do."""
     advice = ("rerun with --threads 1 pinned to one core (taskset -c 0), on a quieter machine, or give it "
               "more time (--max-seconds) or fewer shapes (--quick)")  # fmt: skip
-    items = measurements["prefill"] + measurements["decode"]
+    items = measurements["prefill"] + measurements["decode"] + measurements.get("packed", [])
     short = [_label(i) for i in items if not i.get("plain_ms", i.get("cb_step_ms"))]
     noisy = sorted(items, key=_spread, reverse=True)
     noisy_text = ", ".join(f"{_label(i)} ({_spread(i):.0%})" for i in noisy[:4] if _spread(i) > MAX_SPREAD)
@@ -292,7 +313,8 @@ def measurement_problems(
 
 
 def _label(item: dict[str, Any]) -> str:
-    return f"{'decode' if 'cb_step_ms' in item else 'prefill'} {item['rows']}:{item['width']}"
+    kind = "decode" if "cb_step_ms" in item else "packed" if "attention" in item else "prefill"
+    return f"{kind} {item['rows']}:{item['width']}"
 
 
 def _spread(item: dict[str, Any]) -> float:

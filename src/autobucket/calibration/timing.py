@@ -25,6 +25,7 @@ import torch
 from autobucket.engine.hf_compat import forward_spec
 from autobucket.engine.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.planning.costs import CB_STEP, ORDINARY_STEP, CostCoefficients
+from autobucket.planning.forms import PADDED
 from autobucket.prompts import random_prompts
 
 OUTLIER_MADS = 3.0
@@ -35,8 +36,10 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def time_prefill_insert(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(forward ms, KV-copy ms) of one bucket through the engine's `ModelRunner`."""
+def time_prefill_insert(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, form: str = PADDED
+) -> tuple[float, float]:
+    """(forward ms, KV-copy ms) of one bucket (or packed group: `form`) through the engine's `ModelRunner`."""
     rows, width = len(prompts), max(len(p) for p in prompts)
     device = next(model.parameters()).device
     runner = ModelRunner(model, forward_spec(model), CacheShape(2 * rows, width + new_tokens), 0,
@@ -44,7 +47,7 @@ def time_prefill_insert(model: torch.nn.Module, prompts: list[list[int]], new_to
     lengths, first = [len(p) for p in prompts], torch.zeros(rows, dtype=torch.long, device=device)
     _synchronize(device)
     started = time.perf_counter()
-    output, _ = runner.prefill(prompts)
+    output, _ = runner.prefill(prompts, form)
     _synchronize(device)
     forward_ms = (time.perf_counter() - started) * 1e3
     runner.insert(output, RowInsert(list(range(rows)), first, lengths, None))  # allocates the cache

@@ -77,6 +77,8 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     holdout.add_argument("--no-holdout", action="store_true", help="measure no held-out shapes")
     parser.add_argument("--decode-shapes", **shapes,
                         help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)")  # fmt: skip
+    parser.add_argument("--packed-shapes", **shapes, help="B prompts of L tokens packed in one row, to fit "
+                        "packed_prompt_ms (default: the prefill shapes with B >= 2 and B·L <= 2048)")  # fmt: skip
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -131,7 +133,7 @@ def _seed_online_costs(model: Any, costs: Any, console: Console) -> None:
 def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
     from dataclasses import replace
 
-    from autobucket.calibration.measure import Shape, default_plan, quick_plan
+    from autobucket.calibration.measure import Shape, default_plan, packed_shapes_for, quick_plan
 
     if args.max_seconds <= 0:
         raise ValueError(f"--max-seconds {args.max_seconds} is invalid: give a positive number of seconds")
@@ -143,9 +145,11 @@ def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
     if not args.quick or args.decode_new_tokens != 16:  # --quick uses short decode calls unless told
         overrides["decode_new_tokens"] = args.decode_new_tokens
     for field, value in (("prefill_shapes", args.prefill_shapes), ("holdout_shapes", args.holdout_shapes),
-                         ("decode_shapes", args.decode_shapes)):  # fmt: skip
+                         ("decode_shapes", args.decode_shapes), ("packed_shapes", args.packed_shapes)):  # fmt: skip
         if value is not None:
             overrides[field] = tuple(Shape(rows, width) for rows, width in value)
+    if args.prefill_shapes is not None and args.packed_shapes is None:
+        overrides["packed_shapes"] = packed_shapes_for(overrides["prefill_shapes"])
     if args.no_holdout:
         overrides["holdout_shapes"] = ()
     return replace(plan, **overrides)

@@ -171,7 +171,7 @@ def _bucket_table(
             form = f"chunked:{-(-lengths[0] // args.prefill_max_tokens)}"  # forwards
         elif form == PACKED:
             tokens = sum(lengths)
-            prefill_ms = packed_cost_ms(lengths, geometry, costs, FormCosts(), args.packing)
+            prefill_ms = packed_cost_ms(lengths, geometry, costs, FormCosts.of(costs), args.packing)
         else:
             tokens, prefill_ms = len(bucket) * width, prefill_cost_ms(len(bucket), width, geometry, costs)
         table.add_row(

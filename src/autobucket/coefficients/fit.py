@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.optimize import nnls
 
+from autobucket.coefficients.packed_fit import PackedPoint, fit_packed_prompt_ms, predict_packed_ms
 from autobucket.planning.costs import (
     CostCoefficients,
     ModelGeometry,
@@ -76,7 +77,7 @@ class DecodePoint:
 
 @dataclass(frozen=True)
 class FitRow:
-    kind: str  # "prefill", "prefill+kv" or "decode"
+    kind: str  # "prefill", "prefill+kv", "packed" (forward + copy) or "decode"
     rows: int
     width: int
     measured_ms: float
@@ -156,9 +157,12 @@ def fit_costs(
     decode: Sequence[DecodePoint],
     geometry: ModelGeometry,
     max_median_error: float = MAX_MEDIAN_ERROR,
+    packed: Sequence[PackedPoint] = (),
 ) -> FitReport:
-    """Fit all seven coefficients; the report lists per-shape errors and any reason to refuse the fit
-    (``max_median_error``: the largest acceptable median relative error of the fitted prefill shapes)."""
+    """Fit all coefficients; the report lists per-shape errors and any reason to refuse the fit
+    (``max_median_error``: the largest acceptable median relative error of the fitted prefill shapes).
+    ``packed_prompt_ms`` is fitted from the `packed` forwards after the rest (see `packed_fit`); without
+    them it keeps its default."""
     problems: list[str] = []
     fitted = [p for p in prefill if not p.holdout]
     prefill_values = _fit_prefill(fitted, geometry, problems)
@@ -167,7 +171,10 @@ def fit_costs(
     decode_values = _fit_decode(decode, geometry, kv_ms, problems)
     shared_values = _fit_shared(decode, geometry, decode_values["decode_ms"], kv_ms)
     costs = CostCoefficients(**prefill_values, **decode_values, **shared_values)
-    report = FitReport(costs, _prefill_rows(prefill, geometry, costs) + _decode_rows(decode, geometry, costs))
+    costs = replace(costs, packed_prompt_ms=fit_packed_prompt_ms(packed, geometry, costs))
+    packed_rows = [FitRow("packed", p.rows, p.width, p.measured_ms, predict_packed_ms(p, geometry, costs), False,
+                          p.measured_ms) for p in packed]  # fmt: skip
+    report = FitReport(costs, _prefill_rows(prefill, geometry, costs) + packed_rows + _decode_rows(decode, geometry, costs))
     median = report.median_error(holdout=False)
     if median is not None and median > max_median_error:
         problems.append(

@@ -34,7 +34,9 @@ from autobucket.prompts import random_prompts
 ONLINE = "online"
 PROBE_BUDGET_MS = 3000.0  # the built-in probe's target duration
 RunRoute = Callable[[str, list[list[int]], SamplingConfig], Profile]  # (route, prompts, sampling) -> profile
-_ZERO = CostCoefficients(**{f.name: 0.0 for f in fields(CostCoefficients)})
+# The probe's prior: every term the timings fit starts at 0; packed_prompt_ms, which no timing measures
+# (only calibration does), keeps its default.
+_ZERO = CostCoefficients(**{f.name: 0.0 for f in fields(CostCoefficients) if f.name != "packed_prompt_ms"})
 
 
 class CostSource:

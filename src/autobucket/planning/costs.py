@@ -13,6 +13,9 @@ row, so the shared part is not modelled; what is modelled is
 * a super-linear per-forward term ``forward_sq_ms·(thousand tokens)²`` (0 in the reference) where a CPU's
   caches make one large forward slower per token than several small ones; the planner respects it by
   capping a forward's tokens (`planning_token_limit`), so its DP stays linear in rows;
+* the per-prompt cost of a packed prefill forward (``packed_prompt_ms``: its attention call per layer and
+  its KV slice copy), read by the forms planner; no timed event of a call measures it, so online learning
+  keeps the prior's value and only calibration fits it;
 * the decode work both routes share (``step_ms + step_row_ms·rows + step_kv_ms·MiB attended``). It cancels
   in the route choice, so the reference leaves it out (all three 0); it is what lets a profile compare the
   model's prediction with a call's measured time, and what online learning fits from every decode step.
@@ -54,6 +57,9 @@ class CostCoefficients:
     step_row_ms: float = 0.0  # shared decode work per row per decode forward
     step_kv_ms: float = 0.0  # shared decode work per MiB of KV attended per decode forward
     forward_sq_ms: float = 0.0  # per (thousand padded tokens in one prefill forward)²; 0: the reference
+    # per prompt in a packed prefill forward (planning/forms.py): calibration fits it from packed forwards;
+    # files and caches without it load this default (0.14-0.75 ms measured on bench-qwen2, one core)
+    packed_prompt_ms: float = 0.3
 
     def __post_init__(self) -> None:
         for field in fields(self):

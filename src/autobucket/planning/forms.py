@@ -56,11 +56,12 @@ _TIE_RELATIVE = 1e-12
 
 @dataclass(frozen=True, slots=True)
 class FormCosts:
-    """Cost terms of the packed and chunked forms that `CostCoefficients` has no field for (ms)."""
+    """Cost terms of the packed form beyond the padded coefficients (`FormCosts.of(costs)`: the planner's
+    default, taking `packed_prompt_ms` from the calibrated coefficients)."""
 
-    # per prompt in a packed forward: its attention call per layer and its KV slice copy. 0.14-0.75 ms
-    # measured on bench-qwen2, one loaded core (packed vs unpadded rows of the same prompts); calibrate it.
-    packed_prompt_ms: float = 0.3
+    # per prompt in a packed forward: its attention call per layer and its KV slice copy (ms);
+    # `CostCoefficients.packed_prompt_ms`, which calibration fits
+    packed_prompt_ms: float = CostCoefficients().packed_prompt_ms
     # Most tokens in one packed row. On one CPU core a packed forward slows per token as it grows (its
     # activations leave the cache: spread's 8,448 tokens took 1.31x longer in one forward than in rows
     # of <= 2,048, see docs/benchmarks.md); the token costs are linear, so this bound stands in for it.
@@ -71,6 +72,11 @@ class FormCosts:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"packed_prompt_ms={value!r} is invalid; pass a finite float >= 0")
         optional_int("packed_max_tokens", self.packed_max_tokens, 1, "or pass None for no bound but the budget")
+
+    @classmethod
+    def of(cls, costs: CostCoefficients) -> FormCosts:
+        """The form costs `costs` imply: its fitted `packed_prompt_ms`, the default `packed_max_tokens`."""
+        return cls(packed_prompt_ms=costs.packed_prompt_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +127,14 @@ def plan_forms(
     form_costs: FormCosts | None = None,
 ) -> FormPlan:
     """Cheapest prefill of the prompts in padded, packed (when `packing` is SEGMENTS or DENSE) and
-    chunked groups, each forward within `prefill_max_tokens` tokens (None: no budget, no chunks)."""
+    chunked groups, each forward within `prefill_max_tokens` tokens (None: no budget, no chunks).
+    `form_costs` None: `FormCosts.of(costs)`."""
     require_int("samples_per_prompt", samples_per_prompt)
     optional_int("prefill_max_tokens", prefill_max_tokens, 1, "or pass None for no limit")
     if packing not in (None, SEGMENTS, DENSE):
         raise ValueError(f"packing={packing!r} is invalid; pass {SEGMENTS!r}, {DENSE!r} or None (no packing)")
     values = checked_lengths(lengths, None)
-    costs, form_costs = shared_prefill_costs(costs, samples_per_prompt), form_costs or FormCosts()
+    costs, form_costs = shared_prefill_costs(costs, samples_per_prompt), form_costs or FormCosts.of(costs)
     order = sorted(range(len(values)), key=values.__getitem__, reverse=True)
     budget = prefill_max_tokens
     long = [i for i in order if budget is not None and values[i] > budget]

@@ -137,10 +137,12 @@ def _bucketed_plan(
 
 @dataclass(frozen=True, slots=True)
 class FormOptions:
-    """Plan the bucketed route's prefill in forms: how packed prompts are kept apart (None: no packing)."""
+    """Plan the bucketed route's prefill in forms: how packed prompts are kept apart (None: no packing),
+    and the form costs (None: `FormCosts.of` the route's coefficients, so a calibration's fitted
+    `packed_prompt_ms` reaches the planner)."""
 
     packing: str | None
-    costs: FormCosts = FormCosts()
+    costs: FormCosts | None = None
 
 
 def _ordinary_blockers(
