@@ -34,7 +34,8 @@ REQUIRED_METADATA = ("model", *MUST_MATCH, *WARN_ONLY, "date")
 # Sources whose change can change what a calibration means (paths below the package root).
 FINGERPRINT_SOURCES = (
     "planning/costs.py", "planning/planner.py", "engine/batcher.py", "engine/model_runner.py",
-    "engine/static_cache.py", "engine/prefill.py", "engine/routes.py",
+    "engine/static_cache.py", "engine/prefill.py", "engine/routes.py", "planning/forms.py",
+    "engine/packed_prefill.py",
 )
 # Config fields that change with how a model was loaded, not with what it is.
 _VOLATILE_CONFIG_KEYS = frozenset({
