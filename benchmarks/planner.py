@@ -152,10 +152,10 @@ def forms_table(cases: list[dict[str, Any]]) -> str:
 
 
 def bench_route_case(
-    name: str, lengths: list[int], capacity: int, max_tokens: int | None, repeats: int
+    name: str, lengths: list[int], continuous_batch_size: int, prefill_max_tokens: int | None, repeats: int
 ) -> dict:
     decide = functools.partial(
-        choose_route, lengths, 16, capacity, BENCH_QWEN2_GEOMETRY, CostCoefficients(), prefill_max_tokens=max_tokens
+        choose_route, lengths, 16, continuous_batch_size, BENCH_QWEN2_GEOMETRY, CostCoefficients(), prefill_max_tokens=prefill_max_tokens
     )
     for _ in range(WARMUP_RUNS):
         decide()
@@ -175,18 +175,18 @@ def route_cases(seed: int) -> list[tuple[str, list[int], int, int | None]]:
     rng = random.Random(f"{seed}-route")
     return [
         (
-            "1024 mixed (<=512), capacity 32: ordinary ineligible, DP runs",
+            "1024 mixed (<=512), continuous_batch_size 32: ordinary ineligible, DP runs",
             [rng.randint(1, 512) for _ in range(1024)],
             32,
             65536,
         ),
         (
-            "1024 mixed (<=65536), capacity 32: ordinary ineligible, DP runs",
+            "1024 mixed (<=65536), continuous_batch_size 32: ordinary ineligible, DP runs",
             [rng.randint(1, 65536) for _ in range(1024)],
             32,
             65536,
         ),
-        ("1024 x 16 tokens, capacity 1024: lower bound skips the DP", [16] * 1024, 1024, None),
+        ("1024 x 16 tokens, continuous_batch_size 1024: lower bound skips the DP", [16] * 1024, 1024, None),
     ]
 
 

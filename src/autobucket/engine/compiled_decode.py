@@ -31,12 +31,13 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from autobucket.engine.hf_compat import attention_swapped
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
@@ -90,16 +91,9 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # never used: the step passes a 4-D mask
 
 
-@contextmanager
 def _attention_swapped(model: torch.nn.Module):
     """Select the grouped decode attention for the duration of one compiled step."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return attention_swapped(model, ATTENTION_NAME)
 
 
 # ------------------------------------------------------------------ the cache face inside the graph

@@ -5,6 +5,8 @@ output's cache field, and whether the forward accepts `logits_to_keep`."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,19 @@ def forward_spec(model: torch.nn.Module) -> ForwardSpec:
     else:
         raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
     return ForwardSpec(cache_keyword=keyword, accepts_logits_to_keep="logits_to_keep" in parameters)
+
+
+@contextmanager
+def attention_swapped(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run the model's attention layers through the registered attention `name` for the duration of the
+    block (transformers reads `config._attn_implementation` at every forward); restored even on error."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.hf_compat import ForwardSpec, attention_swapped, layer_key_values, output_cache
 from autobucket.engine.prefill import PrefillOutput
 from autobucket.planning.forms import DENSE, SEGMENTS
 
@@ -105,15 +105,12 @@ def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.
 def _attention_swapped(model: torch.nn.Module, bounds: list[tuple[int, int]]):
     """Route this forward's attention through `_segment_attention` (restored afterwards, even on error);
     yields the `_Packing` whose `calls` count the layers that used it."""
-    config = model.config
-    before = config._attn_implementation
     packing = _Packing(bounds)
     token = _PACKING.set(packing)
-    config._attn_implementation = SEGMENT_ATTENTION
     try:
-        yield packing
+        with attention_swapped(model, SEGMENT_ATTENTION):
+            yield packing
     finally:
-        config._attn_implementation = before
         _PACKING.reset(token)
 
 

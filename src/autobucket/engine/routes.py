@@ -181,18 +181,19 @@ def equal_width_buckets(call: RouteCall, admitted: Sequence[int]) -> list[Prefil
 
 def aligned_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
     """One forward per prompt; a prompt longer than the token limit in chunks."""
-    limit = call.config.prefill_max_tokens
-    return [
-        PrefillGroup((i,), CHUNKED, limit) if limit is not None and len(call.prompts[i]) > limit else PrefillGroup((i,))
-        for i in admitted
-    ]
+    return [_own_group(call, i) for i in admitted]
 
 
 def _chunked_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    return [group for group in (_own_group(call, i) for i in admitted) if group.form == CHUNKED]
+
+
+def _own_group(call: RouteCall, index: int) -> PrefillGroup:
+    """Prompt `index` prefilled on its own: one forward, or chunks when it is over the token limit."""
     limit = call.config.prefill_max_tokens
-    if limit is None:
-        return []
-    return [PrefillGroup((i,), CHUNKED, limit) for i in admitted if len(call.prompts[i]) > limit]
+    if limit is not None and len(call.prompts[index]) > limit:
+        return PrefillGroup((index,), CHUNKED, limit)
+    return PrefillGroup((index,))
 
 
 def form_options(call: RouteCall) -> FormOptions:
