@@ -143,9 +143,9 @@ def test_control_one_attention_segment_for_the_whole_row_fails_the_oracle(tiny_m
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts(LENGTHS, seed=12)
     tokens, _ = oracle_batch(model, prompts, BUDGET)
-    swapped = packed_prefill._attention_swapped
+    selected = packed_prefill._segments_selected
     # Logits and K/V slices stay per prompt; only the attention blocks merge into one causal row.
-    monkeypatch.setattr(packed_prefill, "_attention_swapped", lambda m, bounds: swapped(m, [(0, bounds[-1][1])]))
+    monkeypatch.setattr(packed_prefill, "_segments_selected", lambda bounds: selected([(0, bounds[-1][1])]))
     result = rollout(model).generate(prompts, sampling())
     assert multi_prompt_forms(result) == {PACKED}
     assert len(mismatches(result.tokens, tokens)) >= len(prompts) // 2
@@ -208,18 +208,18 @@ def test_control_a_chunk_that_forgets_its_prefix_fails_the_oracle(tiny_models, m
 
 
 def test_a_model_whose_layers_skip_segment_attention_is_refused_not_silently_wrong(tiny_models, monkeypatch):
-    """Were the swap not seen by the layers, they would read the placeholder mask (= no mask): refuse."""
+    """Were the selection not seen by the layers, they would read the placeholder mask (= no mask): refuse."""
     from contextlib import contextmanager
 
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts(LENGTHS, seed=13)
 
     @contextmanager
-    def not_swapped(m, bounds):
+    def not_selected(bounds):
         yield packed_prefill._Packing(bounds)
 
     with monkeypatch.context() as patch:
-        patch.setattr(packed_prefill, "_attention_swapped", not_swapped)
+        patch.setattr(packed_prefill, "_segments_selected", not_selected)
         with pytest.raises(RuntimeError, match="0 of 2 attention layers.*packing=False"):
             rollout(model).generate(prompts, sampling())
     assert model.config._attn_implementation == "sdpa"

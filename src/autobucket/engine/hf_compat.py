@@ -5,8 +5,6 @@ output's cache field, and whether the forward accepts `logits_to_keep`."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +22,43 @@ class ForwardSpec:
 
 
 def unwrap_model(model: Any) -> torch.nn.Module:
-    """The HF causal LM itself: `model`, or `model.module` for DDP/DeepSpeed-style wrappers."""
+    """The HF causal LM whose forward the engine runs, from what a trainer hands over.
+
+    Distributed and compile wrappers (DDP, DataParallel, DeepSpeed, FSDP, `torch.compile`) are removed as
+    accelerate removes them (`extract_model_from_parallel`); a peft `PeftModel` gives its base model with
+    the adapter layers injected (its forward runs the active adapters, unmerged), because `PeftModel.forward`
+    does not take the cache keyword the engine passes. Nothing of the wrapper or the model is changed."""
     inner = model
-    while not hasattr(inner, "generation_config") and hasattr(inner, "module"):
-        inner = inner.module
+    for _ in range(8):  # wrappers nest (a compiled PeftModel inside DDP); each pass removes one layer
+        unwrapped = _unwrap_once(inner)
+        if unwrapped is inner:
+            break
+        inner = unwrapped
     if not isinstance(inner, torch.nn.Module) or not hasattr(inner, "generation_config"):
         raise TypeError(
-            f"model of type {type(model).__name__} is not a Hugging Face causal LM: pass a PreTrainedModel "
-            "(or an object whose .module is one)"
+            f"model of type {type(model).__name__} is not a Hugging Face causal LM: pass a PreTrainedModel, a "
+            "peft PeftModel, or a DDP / FSDP / DeepSpeed / accelerate / torch.compile wrapper of one"
         )
     return inner
+
+
+def _unwrap_once(model: Any) -> Any:
+    if _is_peft_model(model):
+        return model.get_base_model()
+    if isinstance(model, torch.nn.Module):
+        from accelerate.utils import extract_model_from_parallel
+
+        unwrapped = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=False)
+        if unwrapped is not model:
+            return unwrapped
+    if not hasattr(model, "generation_config") and hasattr(model, "module"):
+        return model.module  # other wrappers that keep the model in `.module`
+    return model
+
+
+def _is_peft_model(model: Any) -> bool:
+    # By class name up the MRO, so peft is never imported for models that are not peft's.
+    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__) and hasattr(model, "get_base_model")
 
 
 def forward_spec(model: torch.nn.Module) -> ForwardSpec:
@@ -45,19 +70,6 @@ def forward_spec(model: torch.nn.Module) -> ForwardSpec:
     else:
         raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
     return ForwardSpec(cache_keyword=keyword, accepts_logits_to_keep="logits_to_keep" in parameters)
-
-
-@contextmanager
-def attention_swapped(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Run the model's attention layers through the registered attention `name` for the duration of the
-    block (transformers reads `config._attn_implementation` at every forward); restored even on error."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def vocab_size(model: torch.nn.Module) -> int:

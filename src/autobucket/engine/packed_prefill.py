@@ -4,9 +4,10 @@ Each prompt keeps its own position ids (0..L-1, restarting at every prompt), so 
 position embeddings see what a single-request prefill sees; attention must then be block-diagonal
 causal: a token attends only to earlier tokens of its own prompt. Two ways to get that:
 
-- `segments` (SDPA models): the model's attention function is swapped, for this forward only, for one
-  that runs HF's own SDPA attention once per prompt on its slice of the row (no mask, `is_causal`),
-  exactly the call a single-request prefill makes. Attention work is sum(L_i^2), as unpadded.
+- `segments` (SDPA models): this forward's attention runs HF's own SDPA once per prompt on its slice of
+  the row (no mask, `is_causal`), exactly the call a single-request prefill makes; it is selected for the
+  engine's forward only (`engine/attention.py`), never by writing the model's config. Attention work is
+  sum(L_i^2), as unpadded.
 - `dense` (any implementation, the always-available fallback): a 4-D additive mask `[1, 1, T, T]`,
   block-diagonal causal, through the model's own attention. It costs T^2 attention work and T^2 mask
   memory, which the planner charges for.
@@ -21,16 +22,15 @@ columns belong to which prompt, and the runner copies each slice right-aligned i
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from autobucket.engine.hf_compat import ForwardSpec, attention_swapped, layer_key_values, output_cache
+from autobucket.engine.attention import dispatches, engine_attention, hf_sdpa
+from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.engine.prefill import PrefillOutput
 from autobucket.planning.forms import DENSE, SEGMENTS
-
-SEGMENT_ATTENTION = "autobucket_segments"  # the name our attention function is registered under
 
 
 class _Packing:
@@ -49,9 +49,7 @@ _PACKING: contextvars.ContextVar[_Packing | None] = contextvars.ContextVar("pack
 
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = hf_sdpa()
     packing = _PACKING.get()
     assert packing is not None, "segment attention runs only inside a packed prefill"
     packing.calls += 1
@@ -65,22 +63,9 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=1), None
 
 
-def _register() -> bool:
-    try:
-        from transformers import AttentionInterface
-    except ImportError:  # pragma: no cover - both supported transformers versions have it
-        return False
-    AttentionInterface.register(SEGMENT_ATTENTION, _segment_attention)
-    return True
-
-
-_REGISTERED = _register()
-
-
 def packing_attention(model: torch.nn.Module) -> str:
     """How packed prompts are kept apart for this model: per-segment SDPA, else a dense 4-D mask."""
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
-    return SEGMENTS if implementation == "sdpa" and _REGISTERED else DENSE
+    return SEGMENTS if dispatches(model) else DENSE
 
 
 def bounds_of(lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -102,13 +87,13 @@ def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, device: torch.
 
 
 @contextmanager
-def _attention_swapped(model: torch.nn.Module, bounds: list[tuple[int, int]]):
-    """Route this forward's attention through `_segment_attention` (restored afterwards, even on error);
-    yields the `_Packing` whose `calls` count the layers that used it."""
+def _segments_selected(bounds: list[tuple[int, int]]) -> Iterator[_Packing]:
+    """This thread's forwards in the block run `_segment_attention`; yields the `_Packing` whose `calls`
+    count the layers that used it."""
     packing = _Packing(bounds)
     token = _PACKING.set(packing)
     try:
-        with attention_swapped(model, SEGMENT_ATTENTION):
+        with engine_attention(_segment_attention):
             yield packing
     finally:
         _PACKING.reset(token)
@@ -141,7 +126,7 @@ def prefill_packed(
         # A zero-cost 4-D placeholder: mask construction returns a 4-D mask as is, and the segment
         # attention ignores it (its blocks are the bounds).
         mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device).expand(1, 1, total, total)
-        with _attention_swapped(model, bounds) as packing:
+        with _segments_selected(bounds) as packing:
             output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
         _check_every_layer_used_segments(model, packing, len(layer_key_values(output_cache(output))[0]))
     else:

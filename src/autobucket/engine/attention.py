@@ -1,0 +1,115 @@
+"""The engine's own attention, chosen per forward without touching the trainer's model.
+
+autobucket runs inside the trainer's process, on the trainer's own model, so the model's state is shared
+with other threads (an async trainer step, an evaluation loop, a reward model on the same backbone).
+Writing `model.config._attn_implementation` for the length of a forward — what transformers' dispatch
+reads — would make those threads' forwards run the engine's attention. Instead:
+
+- one dispatcher replaces transformers' registered `"sdpa"` attention function, process-wide. It looks up
+  the attention the *current forward* asked for and otherwise calls the function it replaced with the
+  same arguments, so every other forward is bit-for-bit what it was (tested from a second thread);
+- the engine asks for its attention through a context variable (`engine_attention`), which is per thread
+  and per asyncio task, for eager forwards; compiled graphs cannot read context variables, so the
+  compiled decode step passes the function as a forward keyword (`ATTENTION_KEYWORD`) that transformers
+  hands down to the attention call on the architectures that forward `**kwargs` (Llama, Qwen, Mistral
+  families); elsewhere the compiled step runs transformers' own SDPA, which is equally exact.
+
+Models loaded with `attn_implementation="eager"` never reach the registry (their layers call
+`eager_attention_forward` directly); the engine then uses masks only (dense block-diagonal packing).
+
+`eval_semantics` gives the engine's forwards eval behaviour on a model left in `train()` mode (dropout
+off) without flipping its training flag, which another thread's training step reads."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
+ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine's attention into a graph
+
+_ENGINE_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvars.ContextVar(
+    "autobucket_engine_attention", default=None
+)
+_HF_SDPA: AttentionFunction | None = None  # the function the dispatcher replaced
+
+
+def hf_sdpa() -> AttentionFunction:
+    """transformers' own SDPA attention (what a model configured for "sdpa" runs outside the engine)."""
+    install_dispatcher()
+    assert _HF_SDPA is not None
+    return _HF_SDPA
+
+
+def _dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    chosen = kwargs.pop(ATTENTION_KEYWORD, None)
+    if chosen is None and not torch.compiler.is_compiling():
+        chosen = _ENGINE_ATTENTION.get()
+    if chosen is None:
+        return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
+    return chosen(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def install_dispatcher() -> None:
+    """Put `_dispatch_sdpa` in front of transformers' registered "sdpa" function (once per process)."""
+    global _HF_SDPA
+    if _HF_SDPA is not None:
+        return
+    from transformers import AttentionInterface
+
+    registered = AttentionInterface._global_mapping["sdpa"]
+    if registered is not _dispatch_sdpa:
+        _HF_SDPA = registered
+        AttentionInterface.register("sdpa", _dispatch_sdpa)
+
+
+def dispatches(model: torch.nn.Module) -> bool:
+    """Whether this model's attention layers go through the dispatcher (configured for SDPA)."""
+    install_dispatcher()
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+
+@contextmanager
+def engine_attention(function: AttentionFunction) -> Iterator[None]:
+    """Run this thread's (task's) forwards inside the block through `function`; other threads are untouched."""
+    install_dispatcher()
+    token = _ENGINE_ATTENTION.set(function)
+    try:
+        yield
+    finally:
+        _ENGINE_ATTENTION.reset(token)
+
+
+# ------------------------------------------------------------------ eval semantics on a training model
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+
+
+class _NoDropout(TorchFunctionMode):
+    """Dropout as in eval mode for the torch calls of this thread (mode stacks are thread-local)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            kwargs["dropout_p"] = 0.0
+            if len(args) > 4:  # positional dropout_p
+                args = (*args[:4], 0.0, *args[5:])
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
+    """Forwards inside the block behave as in `model.eval()` (no dropout), without writing `model.training`.
+    A model already in eval mode pays nothing."""
+    if not any(module.training for module in model.modules()):
+        yield
+        return
+    with _NoDropout():
+        yield

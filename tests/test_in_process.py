@@ -1,0 +1,213 @@
+"""The in-process contract: a `generate` call leaves the trainer's model exactly as found, and other
+threads' forwards of the same model are unaffected while it runs.
+
+A prober thread runs a forward of the same model in a loop while the main thread runs `generate` on each
+route (packed prefill, chunked prefill, the compiled decode step, ordinary `generate`). Its oracle is a
+forward computed before any engine call: every output must equal it bit for bit, and the model's state
+(config, attention implementation, hooks, training flags, parameters, buffers) must equal the snapshot
+taken before, at every iteration. The torch RNG state is compared before and after.
+
+Negative controls run the same probe against deliberately mutating variants of the engine — today's
+config swap around a packed forward, and forward hooks registered around ordinary `generate` — and
+must see them."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+from conftest import assert_matches_oracle, oracle_batch, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import ordinary, packed_prefill
+from autobucket.models import build_tiny_model
+from autobucket.planning.costs import CostCoefficients
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
+
+LENGTHS = (5, 17, 30, 3, 9, 40, 12, 26)
+BUDGET = 6
+PACK_EVERYTHING = CostCoefficients(fixed_ms=1e4)  # the planner packs each admission into few forwards
+
+ROUTE_CONFIGS = {
+    "packed": dict(route="bucketed", costs=PACK_EVERYTHING),
+    "chunked": dict(route="aligned", prefill_max_tokens=8),
+    "ordinary": dict(route="ordinary"),
+    "auto": dict(route="auto", costs=CostCoefficients()),
+}
+
+
+def model_state(model: torch.nn.Module) -> dict:
+    """Everything a call could change on the model that another thread's forward would see."""
+    modules = {
+        name: (
+            module.training,
+            len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks),
+            len(module._backward_pre_hooks), len(module._state_dict_hooks), len(module._load_state_dict_pre_hooks),
+            sorted(k for k in vars(module) if not k.startswith("_")),
+        )  # fmt: skip
+        for name, module in model.named_modules()
+    }
+    tensors = {
+        name: (t.data_ptr(), t._version, t.requires_grad, t.dtype)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
+    config = model.config
+    return {
+        "config": config.to_dict(),
+        "attn_implementation": config._attn_implementation,
+        "generation_config": model.generation_config.to_dict(),
+        "modules": modules,
+        "tensors": tensors,
+        "global_hooks": len(torch.nn.modules.module._global_forward_hooks),
+    }
+
+
+class Prober(threading.Thread):
+    """Forwards of `model` in a loop; records every output that differs from the reference, every state
+    change and every exception, and how many iterations overlapped the main thread's `generate`."""
+
+    def __init__(self, model: torch.nn.Module, generating: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.model, self.generating = model, generating
+        self.ids = torch.tensor([random_prompts([24], seed=99)[0]])
+        with torch.inference_mode():
+            self.reference = model(input_ids=self.ids).logits
+        self.state = model_state(model)
+        self.stop, self.failures, self.overlapped = threading.Event(), [], 0
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        while not self.stop.is_set():
+            during = self.generating.is_set()
+            try:
+                with torch.inference_mode():
+                    logits = self.model(input_ids=self.ids).logits
+                if not torch.equal(logits, self.reference):
+                    self.failures.append(f"logits differ by {(logits - self.reference).abs().max().item():.3g}")
+                if model_state(self.model) != self.state:
+                    self.failures.append("model state changed")
+            except Exception as error:  # noqa: BLE001 - what a trainer's thread would see; reported below
+                self.failures.append(f"{type(error).__name__}: {error}")
+            self.overlapped += during and self.generating.is_set()
+
+
+@contextmanager
+def probing(model):
+    generating = threading.Event()
+    prober = Prober(model, generating)
+    prober.start()
+    try:
+        yield prober, generating
+    finally:
+        prober.stop.set()
+        prober.join(timeout=60)
+
+
+def run_probed(model, config: dict, prompts, calls: int = 3, until_failure: bool = False):
+    """`calls` generate calls (or up to 30 until the prober sees a failure); returns (prober, last result)."""
+    rollout = Rollout(model, config=RolloutConfig(**config))
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4)
+    with probing(model) as (prober, generating):
+        for _ in range(30 if until_failure else calls):
+            generating.set()
+            result = rollout.generate(prompts, sampling)
+            generating.clear()
+            if until_failure and prober.failures:
+                break
+    return prober, result
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-qwen2", seed=21)
+
+
+@pytest.mark.parametrize("name", sorted(ROUTE_CONFIGS))
+def test_other_threads_forwards_and_the_model_state_are_untouched(model, name):
+    prompts = random_prompts(LENGTHS, seed=5)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    rng_before, state_before = torch.get_rng_state(), model_state(model)
+    prober, result = run_probed(model, ROUTE_CONFIGS[name], prompts)
+    assert not prober.failures, prober.failures[:3]
+    assert prober.overlapped >= 2, "the probe never ran while generate did: the test proved nothing"
+    assert_matches_oracle(result, tokens, reasons)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert model_state(model) == state_before
+    if name == "packed":
+        assert any(len(bucket) > 1 for admission in result.profile.prefill_buckets for bucket in admission)
+    if name == "chunked":
+        assert "chunked" in {form for forms in result.profile.prefill_forms for form in forms}
+
+
+def test_the_compiled_decode_step_leaves_other_threads_alone():
+    model = build_tiny_model("tiny-llama", seed=23)  # its own model: its own compiled graph
+    prompts = random_prompts([7, 23, 12, 30], seed=3)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True))
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, eos_token_id=[])
+    rollout.generate(prompts, sampling)  # compile first, so the probe overlaps compiled steps
+    state_before = model_state(model)
+    with probing(model) as (prober, generating):
+        for _ in range(3):
+            generating.set()
+            result = rollout.generate(prompts, sampling)
+            generating.clear()
+    assert result.profile.compiled_steps > 0, result.profile.compile_fallback
+    assert not prober.failures, prober.failures[:3]
+    assert prober.overlapped >= 2
+    assert result.tokens == tokens
+    assert model_state(model) == state_before
+
+
+# ---- negative controls: the probe catches a mutating engine -------------------------------------------
+
+
+def test_control_a_config_swap_around_the_packed_forward_is_caught(model, monkeypatch):
+    from transformers import AttentionInterface
+
+    selected = packed_prefill._segments_selected
+    AttentionInterface.register("autobucket_test_swap", packed_prefill._segment_attention)
+
+    @contextmanager
+    def swapping(bounds):  # what the engine did before: write the model's config for the forward
+        with selected(bounds) as packing:
+            before, model.config._attn_implementation = model.config._attn_implementation, "autobucket_test_swap"
+            try:
+                yield packing
+            finally:
+                model.config._attn_implementation = before
+
+    monkeypatch.setattr(packed_prefill, "_segments_selected", swapping)
+    prober, _ = run_probed(model, ROUTE_CONFIGS["packed"], random_prompts(LENGTHS, seed=5), until_failure=True)
+    assert prober.failures, "the probe did not see the config swap: it cannot catch one"
+
+
+def test_control_forward_hooks_around_ordinary_generate_are_caught(model, monkeypatch):
+    original = ordinary._generate_batch
+
+    def hooked(model_, *args, **kwargs):  # what the ordinary route did before: time forwards by hooks
+        handle = model_.register_forward_hook(lambda *a: None)
+        try:
+            return original(model_, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(ordinary, "_generate_batch", hooked)
+    prober, _ = run_probed(model, ROUTE_CONFIGS["ordinary"], random_prompts(LENGTHS, seed=5), until_failure=True)
+    assert any("state" in failure for failure in prober.failures)
+
+
+def test_control_the_probe_sees_a_changed_weight():
+    """The prober's bitwise oracle does fail when another thread's forward really changes."""
+    model = build_tiny_model("tiny-qwen2", seed=22)  # its own: the weight stays changed
+    with probing(model) as (prober, _):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.0 + 1e-3)
+        for _ in range(200):
+            if prober.failures:
+                break
+            threading.Event().wait(0.05)
+    assert any("differ" in failure for failure in prober.failures)
