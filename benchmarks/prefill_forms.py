@@ -17,7 +17,7 @@ Contenders, interleaved, one warm-up, medians:
 Ratios are also reported paired: the median over rounds of the two contenders' times in one round.
 
 Memory section: one prompt of 8,192 tokens, 8 new tokens, prefill_max_tokens=1024 (chunked) vs None
-(one forward); peak RSS of each call (`Profile.peak_memory_bytes`, reset per call) and the tokens of
+(one forward); peak RSS of each call (`Profile.peak_memory_bytes`, the mark reset by the benchmark before each call) and the tokens of
 both against single-request HF `generate`.
 """
 
@@ -33,6 +33,7 @@ import torch
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.models import TINY_CONFIGS, build_tiny_model
 from autobucket.planning.costs import CostCoefficients
+from autobucket.profile import reset_peak_memory
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import reference_workloads, time_interleaved, tokens_agree
 
@@ -108,6 +109,7 @@ def memory_table(model, args) -> list[dict]:
     for repeat in range(args.repeats):
         for budget in (1024, None):
             rollout = Rollout(model, config=RolloutConfig(route="aligned", prefill_max_tokens=budget))
+            reset_peak_memory(torch.device("cpu"))  # this process is the benchmark's: per-call peaks
             before = rss_bytes()
             result = rollout.generate(prompt, SamplingConfig(**{**sampling.__dict__, "eos_token_id": []}))
             profile = result.profile

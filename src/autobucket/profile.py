@@ -49,7 +49,8 @@ class Profile:
     output_tokens: int = 0
     tokens_per_s: float = 0.0
     kv_cache_bytes: int = 0
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # the device's high-water mark after the call (never reset by autobucket)
+    peak_memory_growth_bytes: int = 0  # how far this call raised that mark (0: it stayed under an earlier peak)
     trims: int = 0
     trimmed_columns: int = 0
     moved_bytes: int = 0
@@ -101,37 +102,54 @@ class PhaseTimer:
 
 
 class PeakMemory:
-    """Peak memory during a call: CUDA's allocator peak, or on CPU the process's peak RSS.
+    """Peak memory over a call, read without resetting anything the process (the trainer) owns.
 
-    On Linux the RSS high-water mark is reset by writing "5" to /proc/self/clear_refs, so the
-    reading belongs to this call rather than to the whole process lifetime.
-    """
+    The reading is the device's high-water mark after the call — CUDA's allocator peak, or on CPU the
+    process's peak RSS (VmHWM) — and `growth_bytes` how far the call raised it (0 when the call stayed
+    under an earlier peak). Resetting the marks per call (`torch.cuda.reset_peak_memory_stats`,
+    /proc/self/clear_refs) would clobber the trainer's own memory logging; a benchmark that owns its
+    process calls `reset_peak_memory` itself before each contender."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.before_bytes = 0
 
     def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            try:
-                with open("/proc/self/clear_refs", "w") as handle:
-                    handle.write("5")
-            except OSError:
-                pass
+        self.before_bytes = self.peak_bytes()
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
 
+    @property
+    def growth_bytes(self) -> int:
+        return max(0, self.peak_bytes() - self.before_bytes)
+
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            with open("/proc/self/status") as handle:
-                for line in handle:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return _cpu_peak_rss_bytes()
+
+
+def _cpu_peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Reset the device's high-water mark (CUDA allocator peak; on Linux the RSS peak). For benchmarks that
+    own their process — the engine itself never calls it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass

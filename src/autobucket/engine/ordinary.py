@@ -1,8 +1,8 @@
 """The ordinary route: HF `generate` on left-padded batches of at most `continuous_batch_size` rows.
 
 Outputs are cut at each row's first EOS (inclusive): what HF writes after it is structural padding.
-A forward hook times the first forward of each `generate` call as prefill and the rest as decode,
-so the profile has the same breakdown as the CB routes."""
+A logits processor times the first forward of each `generate` call as prefill and each later step
+as decode, so the profile has the same breakdown as the CB routes; nothing is registered on the model."""
 
 from __future__ import annotations
 
@@ -22,52 +22,33 @@ from autobucket.planning.costs import ORDINARY_STEP, PREFILL_FORWARD
 from autobucket.profile import PhaseTimer, Profile, Timing
 
 
-class _ForwardClock:
-    """Forward hooks that split one generate call's forwards into prefill (first) and decode.
+class _StepClock:
+    """A logits processor that times the steps of one `generate` call: called right after each forward,
+    the first call ends the prefill forward and each later call ends one decode *step* (forward plus HF's
+    per-step work between forwards: processors, stopping checks, growing `input_ids`), as a CB step counts.
 
-    For the cost model it also records the prefill forward and each decode *step*: from one decode
-    forward's start to the next one's (to `remove` for the last), so HF's per-step work between
-    forwards (logits processors, stopping checks, growing `input_ids`) counts, as it does in a CB step."""
+    Timing from inside the call (not with forward hooks on the model) keeps the trainer's model untouched
+    and never times another thread's forwards of the same model."""
 
-    def __init__(self, model: torch.nn.Module, profile: Profile, timer: PhaseTimer, rows: int, width: int) -> None:
-        self.profile, self.timer, self.calls, self.started = profile, timer, 0, 0.0
-        self.rows, self.width, self.step_started = rows, width, None
-        self.handles = [
-            model.register_forward_pre_hook(self._before),
-            model.register_forward_hook(self._after),
-        ]
+    def __init__(self, profile: Profile, timer: PhaseTimer, rows: int, width: int) -> None:
+        self.profile, self.timer, self.rows, self.width = profile, timer, rows, width
+        self.calls, self.started = 0, time.perf_counter()
+        self.last = self.started
 
-    def _before(self, *args: object) -> None:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.timer.sync()
-        self.started = time.perf_counter()
-        self._end_step(self.started)
-        if self.calls > 0:
-            self.step_started = self.started
-
-    def _after(self, *args: object) -> None:
-        self.timer.sync()
-        elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        now = time.perf_counter()
+        elapsed_ms = (now - self.last) * 1e3
         if self.calls == 0:
             self.profile.prefill_ms += elapsed_ms
             self.profile.prefill_forwards += 1
-            self.profile.record(PREFILL_FORWARD, self.rows, self.width, self.started)
-        else:
+            self.profile.timings.append(Timing(PREFILL_FORWARD, self.rows, self.width, elapsed_ms))
+        else:  # decode step k = self.calls attends the prompt width plus k positions
             self.profile.decode_ms += elapsed_ms
             self.profile.decode_forwards += 1
-        self.calls += 1
-
-    def _end_step(self, now: float) -> None:
-        if self.step_started is not None:
-            # Decode forward k (k = self.calls - 1 >= 1) attends the prompt width plus k positions.
-            ms = (now - self.step_started) * 1e3
-            self.profile.timings.append(Timing(ORDINARY_STEP, self.rows, self.width + self.calls - 1, ms))
-            self.step_started = None
-
-    def remove(self) -> None:
-        self.timer.sync()
-        self._end_step(time.perf_counter())
-        for handle in self.handles:
-            handle.remove()
+            self.profile.timings.append(Timing(ORDINARY_STEP, self.rows, self.width + self.calls, elapsed_ms))
+        self.calls, self.last = self.calls + 1, now
+        return scores
 
 
 class _EngineSelection:
@@ -132,17 +113,14 @@ def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selec
     # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,
     # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
     exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
-    clock = _ForwardClock(model, profile, timer, len(batch), width)
-    try:
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=LogitsProcessorList([selector] if selector else []),
-            **exact,
-        )
-    finally:
-        clock.remove()
+    clock = _StepClock(profile, timer, len(batch), width)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=config,
+        logits_processor=LogitsProcessorList([clock, selector] if selector else [clock]),
+        **exact,
+    )
     eos = frozenset(generation.eos_token_ids)
     step_logprobs = torch.stack(selector.logprobs, dim=1).tolist() if selector and selector.logprobs else None
     results = []

@@ -10,7 +10,7 @@ import torch
 
 from autobucket.engine.finished import cut_at_eos
 from autobucket.engine.generation_setup import eos_token_ids as as_eos_ids
-from autobucket.profile import PeakMemory
+from autobucket.profile import PeakMemory, reset_peak_memory
 
 HF_BATCH = "hf_generate_batch"
 DISABLED_EOS = -1  # what generate_batch itself substitutes for "no EOS" (after warning that none is set)
@@ -52,7 +52,9 @@ def hf_batch_contender(model: torch.nn.Module, max_new_tokens: int) -> Any:
     """`hf_generate_batch` as a `tools.workloads.Contender`: prompts -> (tokens, {"peak_memory_bytes"})."""
 
     def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
-        with PeakMemory(next(model.parameters()).device) as memory:
+        device = next(model.parameters()).device
+        reset_peak_memory(device)  # a benchmark owns its process: this run's peak
+        with PeakMemory(device) as memory:
             tokens = hf_generate_batch(model, prompts, max_new_tokens)
         return tokens, {"peak_memory_bytes": memory.peak_bytes()}
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from autobucket.checks import require_int
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.profile import reset_peak_memory
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,14 @@ Contender = Callable[[list[list[int]]], tuple[list[list[int]], dict[str, Any] | 
 def rollout_contender(
     model: Any, route: str, sampling: SamplingConfig, costs: Any = None, tokenizer: Any = None
 ) -> Contender:
-    """One route as a contender: prompts -> (tokens, profile dict); the `Rollout` is built once."""
+    """One route as a contender: prompts -> (tokens, profile dict); the `Rollout` is built once. A benchmark
+    owns its process, so each run resets the peak-memory mark first: the profile's peak is that run's."""
     from autobucket.engine.rollout import Rollout
 
     rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs))
 
     def run(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+        reset_peak_memory(rollout.device)
         result = rollout.generate(prompts, sampling)
         return result.tokens, result.profile.to_dict()
 
