@@ -4,7 +4,7 @@
 
 Model: `bench-qwen2` (20.3M params, random weights, fp32, CPU). Workload: 128 prompts from the
 reference's long-tail ratio (8 x 512 + 120 x 16 tokens, shuffled with --seeds), 16 new tokens, route
-"auto" with the 2-core CPU coefficients of ENVIRONMENT.md (or --costs). Contenders, interleaved after
+"auto" with the 2-core CPU coefficients of docs/benchmarks.md (or --costs). Contenders, interleaved after
 one warm-up each: one process with 2 threads (the whole machine) and with 1 thread, and RayRollout
 with cost and round-robin sharding (the same two actors, the strategy switched between calls).
 Reported: medians, speed-ups, predicted and measured imbalance (max/mean over workers), Ray overhead
@@ -28,7 +28,7 @@ from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import rollout_contender, time_interleaved, tokens_agree
 
-# Fitted on this model on the 2-core development machine (ENVIRONMENT.md): ms ~ 5.8 + 0.0537·B·L + 4.1e-5·B·L².
+# Fit on this model, 2-core development machine (docs/benchmarks.md): ms ~ 5.8 + 0.0537·B·L + 4.1e-5·B·L².
 CPU_COSTS = CostCoefficients(fixed_ms=5.8, token_ms=0.0537, attention_ms=10.0)
 
 
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--prompts", type=int, default=128)
-    parser.add_argument("--costs", help="costs JSON (default: the ENVIRONMENT.md CPU fit)")
+    parser.add_argument("--costs", help="costs JSON (default: the 2-core CPU fit of docs/benchmarks.md)")
     parser.add_argument("--out", default="results/distributed.json")
     args = parser.parse_args()
     import ray

@@ -37,7 +37,7 @@ from autobucket.planning.route_choice import choose_route
 
 SIZES = (32, 128, 256, 1024)
 MAX_LENGTHS = (512, 65536)
-REFERENCE_SIZES = (128, 256)  # the reference PR timed these many prompts of exactly 65,536 tokens
+REFERENCE_SIZES = (128, 256)  # the DeepSpeed prefill-bucketing PR timed this many prompts of 65,536 tokens
 LIMITS = (65536, None)
 WARMUP_RUNS = 3
 

@@ -1,8 +1,8 @@
-"""Every route on the reference's five workloads (32 prompts, 16 new tokens), plus decode speed.
+"""Every route on the five prefill-bucketing workloads (32 prompts, 16 new tokens), plus decode speed.
 
     python benchmarks/routes.py --repeats 3 --out results/routes.json
 
-Model: the 20.3M-param random-weight Qwen2 of ENVIRONMENT.md (`bench-qwen2`), fp32, CPU.
+Model: the 20.3M-param random-weight Qwen2 `bench-qwen2` (docs/benchmarks.md), fp32, CPU.
 Contenders: ordinary (HF generate), equal_width, aligned, auto (when --costs is given or fitted
 with --fit), and HF `generate_batch` (transformers 5.x). One warm-up, then interleaved repeats;
 medians, ratios, token agreement; raw samples to JSON.

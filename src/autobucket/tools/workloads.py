@@ -34,7 +34,7 @@ class Workload:
 
 
 def reference_workloads() -> list[Workload]:
-    """The reference PR's five shapes: 32 prompts each."""
+    """The five shapes of the DeepSpeed prefill-bucketing pull request: 32 prompts each."""
     return [
         Workload("short similar (20..13 x4)", tuple(list(range(20, 12, -1)) * 4)),
         Workload("long tail (1x512 + 31x16)", (512,) + (16,) * 31),
