@@ -113,3 +113,23 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
         return
     with _NoDropout():
         yield
+
+
+# ------------------------------------------------------------------ gradient checkpointing in train mode
+@contextmanager
+def checkpointing_layers_kept_cached(model: torch.nn.Module) -> Iterator[None]:
+    """transformers drops the KV cache where gradient checkpointing is on in train mode — per layer on 4.57
+    (5.x keeps it without gradients), per model in 5.x's GPT-2 family (`cache if not (gradient_checkpointing
+    and training)`), even under inference mode. So for the call, and only on the modules with gradient
+    checkpointing on and in train mode, the training flag is cleared and restored after (even on error).
+    This is the one write a call makes, and it changes no values another thread computes: on those
+    modules the flag only decides whether activations are recomputed in backward (dropout belongs to their
+    submodules, whose flags are untouched)."""
+    modules = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    for module in modules:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.training = True

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
+from autobucket.engine.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import resolve_generation
@@ -80,7 +81,8 @@ class Rollout:
             self.model, self.spec, self.geometry, costs or CostCoefficients(), self.config, token_prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
         )  # fmt: skip
-        with PeakMemory(self.device) as memory:
+        # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
+        with PeakMemory(self.device) as memory, eval_semantics(self.model), checkpointing_layers_kept_cached(self.model):
             finished = ROUTES[self.config.route](call)
         result = _result(call, finished, memory, started)
         self.cost_source.after_call(profile, costs)
@@ -109,7 +111,10 @@ def _probe_runner(model: torch.nn.Module) -> RunRoute:
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:
     seeds = request_seeds(sampling.seed, prompt_count)
-    return SamplerSettings(sampling.temperature, sampling.top_k, sampling.top_p, seeds)
+    return SamplerSettings(
+        sampling.temperature, sampling.top_k, sampling.top_p, seeds, min_p=sampling.min_p,
+        typical_p=sampling.typical_p, epsilon_cutoff=sampling.epsilon_cutoff, eta_cutoff=sampling.eta_cutoff,
+    )  # fmt: skip
 
 
 def _nest(values: list, samples_per_prompt: int) -> list:
@@ -127,6 +132,7 @@ def _result(
     tokens = [item.tokens for item in ordered]
     profile.output_tokens = sum(len(t) for t in tokens)
     profile.peak_memory_bytes = memory.peak_bytes()
+    profile.peak_memory_growth_bytes = memory.growth_bytes
     if call.timer.device.type == "cuda":
         torch.cuda.synchronize(call.timer.device)
     profile.total_ms = (time.perf_counter() - started) * 1e3

@@ -1,0 +1,168 @@
+"""The models trainers hand over: a LoRA `PeftModel` (unmerged, active adapter, several adapters), DDP and
+`torch.compile` wrappers, gradient checkpointing, `train()` mode with dropout, tied embeddings.
+
+Oracle: the same object's single-request greedy `generate` (a PeftModel generates through its adapters,
+a model in train mode is asked in eval mode before it is switched). Every route must match it token for
+token, and leave the handed-over object as found. Negative controls: the adapter changes the oracle
+(else a test that ignored it would pass), and without eval semantics dropout changes the tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from conftest import assert_matches_oracle, mismatches, oracle_batch, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import rollout as rollout_module
+from autobucket.models import build_tiny_model
+from autobucket.planning.costs import CostCoefficients
+
+peft = pytest.importorskip("peft")
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
+
+LENGTHS = (5, 17, 30, 3, 9, 12)
+BUDGET = 6
+ROUTE_CONFIGS = {
+    "ordinary": dict(route="ordinary"),
+    "equal_width": dict(route="equal_width"),
+    "aligned": dict(route="aligned", prefill_max_tokens=8),  # chunked
+    "bucketed": dict(route="bucketed", costs=CostCoefficients(fixed_ms=1e4)),  # packed
+    "auto": dict(route="auto", costs=CostCoefficients()),
+}
+
+
+def sampling() -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4)
+
+
+def lora(model, name: str = "default", seed: int = 0):
+    """An unmerged LoRA with random B (peft's default B = 0 would make the adapter a no-op)."""
+    config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(model, peft.PeftModel):
+            model.add_adapter(name, config)
+            return model
+        return peft.get_peft_model(model, config, adapter_name=name)
+
+
+@pytest.fixture(scope="module")
+def peft_model():
+    return lora(build_tiny_model("tiny-qwen2", seed=31)).eval()
+
+
+@pytest.mark.parametrize("route", sorted(ROUTE_CONFIGS))
+def test_a_lora_peft_model_matches_its_own_generate_on_every_route(peft_model, route):
+    prompts = random_prompts(LENGTHS, seed=7)
+    tokens, reasons = oracle_batch(peft_model, prompts, BUDGET)
+    result = Rollout(peft_model, config=RolloutConfig(**ROUTE_CONFIGS[route])).generate(prompts, sampling())
+    assert_matches_oracle(result, tokens, reasons)
+
+
+def test_control_the_adapter_changes_the_oracle(peft_model):
+    prompts = random_prompts(LENGTHS, seed=7)
+    with peft_model.disable_adapter():
+        base_tokens, _ = oracle_batch(peft_model.get_base_model(), prompts, BUDGET)
+    assert mismatches(oracle_batch(peft_model, prompts, BUDGET)[0], base_tokens)
+
+
+@pytest.mark.parametrize("route", ["ordinary", "bucketed"])
+def test_several_adapters_generate_with_the_active_one(route):
+    model = lora(lora(build_tiny_model("tiny-llama", seed=32)), "second", seed=1).eval()
+    prompts = random_prompts(LENGTHS, seed=8)
+    rollout = Rollout(model, config=RolloutConfig(**ROUTE_CONFIGS[route]))
+    answers = {}
+    for adapter in ("default", "second"):
+        model.set_adapter(adapter)
+        tokens, reasons = oracle_batch(model, prompts, BUDGET)
+        assert_matches_oracle(rollout.generate(prompts, sampling()), tokens, reasons)
+        answers[adapter] = tokens
+        del tokens
+        from conftest import forget_oracle
+
+        forget_oracle(model)  # the oracle cache is keyed by model, not by active adapter
+    assert answers["default"] != answers["second"]
+    assert model.active_adapter == "second"
+
+
+@contextlib.contextmanager
+def one_process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "compiled", "ddp_of_peft"])
+def test_wrapped_models_match_the_inner_models_generate(wrapper, peft_model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = peft_model if wrapper == "ddp_of_peft" else build_tiny_model("tiny-mistral", seed=33)
+    prompts = random_prompts(LENGTHS, seed=9)
+    tokens, reasons = oracle_batch(inner, prompts, BUDGET)
+    with one_process_group():
+        wrapped = torch.compile(inner) if wrapper == "compiled" else DistributedDataParallel(inner)
+        for route in ("ordinary", "bucketed"):
+            result = Rollout(wrapped, config=RolloutConfig(**ROUTE_CONFIGS[route])).generate(prompts, sampling())
+            assert_matches_oracle(result, tokens, reasons)
+
+
+def dropout_model():
+    """A GPT-2 (tied embeddings) with real dropout everywhere, so train-mode forwards differ."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=1024, initializer_range=0.2,
+                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(34)
+        return GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("route", sorted(ROUTE_CONFIGS))
+def test_a_model_in_train_mode_with_gradient_checkpointing_generates_with_eval_semantics(route):
+    model = dropout_model()
+    prompts = random_prompts(LENGTHS, seed=10)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)  # eval mode
+    model.gradient_checkpointing_enable()
+    model.train()
+    result = Rollout(model, config=RolloutConfig(**ROUTE_CONFIGS[route])).generate(prompts, sampling())
+    assert_matches_oracle(result, tokens, reasons)
+    assert all(module.training for module in model.modules())  # the mode is the trainer's, as found
+    assert model.is_gradient_checkpointing
+
+
+def test_control_without_eval_semantics_dropout_changes_the_tokens(monkeypatch):
+    model = dropout_model()
+    prompts = random_prompts(LENGTHS, seed=10)
+    tokens, _ = oracle_batch(model, prompts, BUDGET)
+    model.train()
+    monkeypatch.setattr(rollout_module, "eval_semantics", lambda model: contextlib.nullcontext())
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling())
+    assert mismatches(result.tokens, tokens)
+
+
+def test_tied_embeddings_stay_tied_and_exact():
+    model = build_tiny_model("tiny-gpt2", seed=35)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    prompts = random_prompts(LENGTHS, seed=11)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    result = Rollout(model, config=RolloutConfig(**ROUTE_CONFIGS["bucketed"])).generate(prompts, sampling())
+    assert_matches_oracle(result, tokens, reasons)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_something_that_is_not_a_causal_lm_is_refused_by_name():
+    with pytest.raises(TypeError, match="not a Hugging Face causal LM.*PeftModel"):
+        Rollout(torch.nn.Linear(2, 2))
