@@ -4,6 +4,7 @@ with one shared prefill, and logprobs against single-request HF generate."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -229,11 +230,29 @@ def test_sampled_logprobs_are_under_the_warped_distribution(model):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("n", 0), ("seed", 1.5), ("seed", "7"),
-     ("seed", [1, -2]), ("logprobs", "yes")],
+     ("seed", [1, -2]), ("logprobs", "yes"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")),
+     ("typical_p", 0.0), ("typical_p", 1.01), ("typical_p", "0.9"), ("epsilon_cutoff", 1.0),
+     ("epsilon_cutoff", -1e-4), ("eta_cutoff", 1.0), ("eta_cutoff", float("inf")), ("eta_cutoff", True)],
 )
 def test_bad_sampling_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is invalid")):
         SamplingConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fix"),
+    [("min_p", 1.5, r"in \[0, 1\] \(0\.0 disables it\)"), ("typical_p", 0.0, r"in \(0, 1\] \(1\.0 disables it\)"),
+     ("epsilon_cutoff", 1.0, r"in \[0, 1\) \(0\.0 disables it\)"), ("eta_cutoff", -0.5, r"in \[0, 1\)")],
+)  # fmt: skip
+def test_bad_warper_values_say_the_range_and_the_off_value(field, value, fix):
+    with pytest.raises(ValueError, match=fix):
+        SamplingConfig(**{field: value})
+
+
+def test_warper_range_ends_and_off_values_are_accepted():
+    for settings in ({"min_p": 0.0}, {"min_p": 1.0}, {"typical_p": 1.0}, {"typical_p": 1e-9}, {"epsilon_cutoff": 0.0},
+                     {"epsilon_cutoff": 0.999}, {"eta_cutoff": 0.0}, {"eta_cutoff": 0.5}):  # fmt: skip
+        assert getattr(SamplingConfig(**settings), next(iter(settings))) == next(iter(settings.values()))
 
 
 def test_seed_list_must_match_prompts(model):

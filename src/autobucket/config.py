@@ -73,9 +73,24 @@ class RolloutConfig:
                 )
 
 
+# Each warper's valid range (transformers' MinP/Typical/Epsilon/Eta LogitsWarper ranges, the "off" value
+# included) and the value that disables it.
+_WARPER_RANGES = {
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "[0, 1]", 0.0),
+    "typical_p": (lambda v: 0.0 < v <= 1.0, "(0, 1]", 1.0),
+    "epsilon_cutoff": (lambda v: 0.0 <= v < 1.0, "[0, 1)", 0.0),
+    "eta_cutoff": (lambda v: 0.0 <= v < 1.0, "[0, 1)", 0.0),
+}
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """What one `generate` call produces.
+    """What one `generate` call produces: the one owner of every sampling option.
+
+    `Rollout.generate` reads sampling only from here: the model's `generation_config` sampling values
+    (do_sample, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
+    repetition_penalty) are not used, and passing any of them as a `generate` override is a ValueError.
+    The TRL and DeepSpeed adapters translate their trainer's generation settings into these fields.
 
     max_new_tokens: generation budget per request (the first token comes from prefill).
     continuous_batch_size: most rows decoded at once; more rows wait in a queue and refill.
@@ -83,8 +98,13 @@ class SamplingConfig:
       used as given; the model's generation_config value is not consulted.
     eos_token_id: int or list of ints; None uses the model's resolved generation config; [] disables
       EOS (every row generates its full budget).
-    temperature: 0.0 is greedy; > 0 samples (top_k / top_p apply only then, as in HF).
+    temperature: 0.0 is greedy; > 0 samples (the warpers below apply only then, as in HF, and in HF's
+      order: temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff).
     top_k: keep the k most likely tokens (0: off). top_p: nucleus mass to keep (1.0: off).
+    min_p: drop tokens less likely than min_p x the most likely one's probability, in [0, 1] (0.0: off).
+    typical_p: locally typical sampling's mass to keep, in (0, 1] (1.0: off).
+    epsilon_cutoff: drop tokens with probability below it, in [0, 1) (0.0: off).
+    eta_cutoff: eta sampling, drop tokens below min(eta, sqrt(eta) * exp(-entropy)), in [0, 1) (0.0: off).
     seed: int for the whole call (each prompt's stream is keyed by (seed, prompt index)), or one int
       per prompt (streams then do not depend on the prompt's position in the batch).
     n: samples per prompt; each unique prompt is prefilled once and its KV shared by its n rows.
@@ -98,6 +118,10 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     seed: int | list[int] = 0
     n: int = 1
     logprobs: bool = False
@@ -114,10 +138,17 @@ class SamplingConfig:
         top_p = require_finite("top_p", self.top_p, "1.0 disables top-p")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} is invalid: it must be in (0, 1] (1.0 disables top-p)")
+        self._check_warpers()
         require_int("n", self.n, 1, "ask for at least one sample per prompt")
         self._check_seed()
         require_bool("logprobs", self.logprobs)
         self._check_eos()
+
+    def _check_warpers(self) -> None:
+        for name, (inside, bounds, off) in _WARPER_RANGES.items():
+            value = getattr(self, name)
+            if not inside(require_finite(name, value, f"{off} disables it")):
+                raise ValueError(f"{name}={value!r} is invalid: it must be in {bounds} ({off} disables it)")
 
     def _check_seed(self) -> None:
         seeds = self.seed if isinstance(self.seed, (list, tuple)) else [self.seed]

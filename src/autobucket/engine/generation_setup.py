@@ -3,7 +3,12 @@
 The effective generation config is the model's `generation_config` plus the caller's overrides
 plus `SamplingConfig`; every route reads the same resolved values, so a route can never change the
 tokens. Options the engine cannot honour are rejected *after* resolution, so an unsupported
-setting hidden in the model's own generation config is caught too."""
+setting hidden in the model's own generation config is caught too.
+
+Sampling has one owner, `SamplingConfig`: its options are refused as overrides, and the model's own
+sampling values (do_sample, temperature, top_k, top_p, min_p, typical_p, the cutoffs, top_h,
+repetition_penalty) are inert — the resolved config has `do_sample=False` (HF never warps or samples;
+`autobucket.engine.selection` does) and the penalty is SamplingConfig's."""
 
 from __future__ import annotations
 
@@ -16,7 +21,13 @@ import torch
 from autobucket.config import SamplingConfig
 
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
-_SAMPLING_KEYS = ("max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p")
+_SAMPLING_KEYS = (
+    "max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p", "min_p", "typical_p",
+    "epsilon_cutoff", "eta_cutoff",
+)  # fmt: skip
+# HF sampling warpers autobucket's sampler does not implement: refused as overrides (a model's own value
+# is inert like every other sampling value of its generation_config).
+_UNIMPLEMENTED_SAMPLING_KEYS = ("top_h",)
 
 
 def _is_set(value: Any) -> bool:
@@ -73,18 +84,12 @@ def resolve_generation(
     model: torch.nn.Module, sampling: SamplingConfig, overrides: dict[str, Any], vocab_size: int
 ) -> ResolvedGeneration:
     """Merge model defaults, caller overrides and `sampling`; reject what no route can honour."""
-    for key in _SAMPLING_KEYS:
-        if key in overrides:
-            raise ValueError(f"generate option {key!r} must be set in SamplingConfig, not as an override")
+    _reject_sampling_overrides(overrides)
     config = copy.deepcopy(model.generation_config)
     unknown = config.update(**overrides)
     if unknown:
         raise ValueError(
             f"unknown generate option(s) {sorted(unknown)}: they are not GenerationConfig fields; remove them"
-        )
-    if overrides.get("do_sample"):
-        raise ValueError(
-            "do_sample=True is not an override here: sample with SamplingConfig(temperature>0, top_k, top_p, seed)"
         )
     config.do_sample = False  # autobucket selects tokens itself (autobucket.engine.selection); HF never samples
     config.max_new_tokens = sampling.max_new_tokens
@@ -98,6 +103,26 @@ def resolve_generation(
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     config.pad_token_id = pad
     return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, config)
+
+
+def _reject_sampling_overrides(overrides: dict[str, Any]) -> None:
+    if overrides.get("do_sample"):
+        raise ValueError(
+            "do_sample=True is not an override here: sample with SamplingConfig(temperature>0, top_k, top_p, "
+            "min_p, typical_p, epsilon_cutoff, eta_cutoff, seed)"
+        )
+    for key in _SAMPLING_KEYS:
+        if key in overrides:
+            raise ValueError(
+                f"generate option {key!r} must be set in SamplingConfig, not as an override: pass "
+                f"sampling=SamplingConfig({key}={overrides[key]!r}) instead"
+            )
+    for key in _UNIMPLEMENTED_SAMPLING_KEYS:
+        if key in overrides:
+            raise ValueError(
+                f"generate option {key}={overrides[key]!r} is not supported by autobucket's sampler: remove it "
+                "(SamplingConfig offers temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff)"
+            )
 
 
 def _reject_unsupported(config: Any) -> None:

@@ -7,8 +7,11 @@ of the request's identity and the step, and picks the token by inverse CDF over 
 distribution. The same request gets the same `u` on every route, and a tiny logit difference
 between routes can only change the token if `u` falls within that difference of a CDF boundary.
 
-Warping follows HF's sampling processors in HF's order: temperature, then top-k (ties at the k-th
-logit kept), then top-p (smallest set whose probability exceeds top_p, at least one token kept).
+Warping follows HF's sampling processors in HF's order (`GenerationMixin._get_logits_processor`):
+temperature, top-k (ties at the k-th logit kept), top-p (smallest set whose probability exceeds
+top_p), min-p, typical, epsilon, eta; each keeps at least one token, and each works on the scores the
+previous one left (so e.g. the epsilon cutoff compares against the top-k survivors' renormalised
+probabilities).
 
 The repetition penalty follows HF's `RepetitionPenaltyLogitsProcessor` exactly (negative logits
 multiplied, positive divided, in fp32), but over a `seen` mask `[rows, vocab]` of the prompt's and
@@ -69,19 +72,86 @@ def request_seeds(seed: int | Sequence[int], prompt_count: int) -> tuple[int, ..
     return tuple(request_seed(seed, index) for index in range(prompt_count))
 
 
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[rows, vocab] fp32 logits -> temperature-scaled logits with filtered tokens at -inf."""
+def warp_logits(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    *,
+    min_p: float = 0.0,
+    typical_p: float = 1.0,
+    epsilon_cutoff: float = 0.0,
+    eta_cutoff: float = 0.0,
+) -> torch.Tensor:
+    """[rows, vocab] fp32 logits -> temperature-scaled logits with filtered tokens at -inf.
+
+    Each warper runs only when set (top_k 0, top_p 1.0, min_p 0.0, typical_p 1.0 and the cutoffs 0.0
+    are off), in HF's order."""
     scores = logits / temperature
     if top_k > 0 and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p < 1.0:
-        ascending, order = torch.sort(scores, dim=-1)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= 1 - top_p
-        drop_sorted[..., -1] = False  # keep at least the most likely token
-        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        scores = _top_p(scores, top_p)
+    if min_p > 0.0:
+        scores = _min_p(scores, min_p)
+    if typical_p < 1.0:
+        scores = _typical(scores, typical_p)
+    if epsilon_cutoff > 0.0:
+        scores = _below_or_top(scores, torch.tensor(epsilon_cutoff, dtype=scores.dtype, device=scores.device))
+    if eta_cutoff > 0.0:
+        scores = _below_or_top(scores, _eta_threshold(scores, eta_cutoff))
     return scores
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """HF's TopPLogitsWarper: drop the ascending prefix whose mass is <= 1 - top_p, keep the top token."""
+    ascending, order = torch.sort(scores, dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted[..., -1] = False  # keep at least the most likely token
+    return scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """HF's MinPLogitsWarper: drop tokens with probability < min_p x the top probability."""
+    probs = scores.softmax(dim=-1)  # [rows, vocab]
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)  # keep at least the most likely token
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """HF's TypicalLogitsWarper: keep the tokens whose surprisal is closest to the entropy, up to `mass`.
+
+    Tokens are ranked by |-log p - H|; the cut is at the first rank whose cumulative probability reaches
+    `mass` (that token included, and every token tied with its distance); the most typical is always kept."""
+    log_probs = scores.log_softmax(dim=-1)
+    entropy = -(log_probs * log_probs.exp()).nansum(-1, keepdim=True)  # [rows, 1]; -inf * 0 = nan skipped
+    distance, order = torch.sort((-log_probs - entropy).abs(), dim=-1)  # [rows, vocab] ascending
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp_(max=scores.shape[-1] - 1)  # [rows, 1]
+    drop_sorted = distance > distance.gather(-1, last)
+    drop_sorted[..., 0] = False
+    return scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def _eta_threshold(scores: torch.Tensor, eta: float) -> torch.Tensor:
+    """[rows, 1] HF's EtaLogitsWarper threshold min(eta, sqrt(eta) * exp(-H)), H the entropy of softmax(scores).
+
+    H as `torch.distributions.Categorical(logits=scores).entropy()` computes it (filtered tokens' -inf
+    log-probabilities clamped to the dtype's minimum, so 0 * log 0 counts as 0)."""
+    log_probs = scores - scores.logsumexp(dim=-1, keepdim=True)
+    clamped = log_probs.clamp(min=torch.finfo(scores.dtype).min)
+    entropy = -(clamped * log_probs.softmax(dim=-1)).sum(-1)  # [rows]
+    epsilon = torch.tensor(eta, dtype=scores.dtype, device=scores.device)
+    return torch.minimum(epsilon, epsilon.sqrt() * torch.exp(-entropy))[..., None]
+
+
+def _below_or_top(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """HF's Epsilon/Eta rule: drop tokens with probability < threshold, except those tied with the top logit."""
+    drop = (scores.softmax(dim=-1) < threshold) & (scores < scores.amax(dim=-1, keepdim=True))
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +176,21 @@ class SamplerSettings:
     top_k: int  # 0: off
     top_p: float  # 1.0: off
     request_seeds: tuple[int, ...]  # per prompt: the key of its random streams
+    min_p: float = 0.0  # 0.0: off
+    typical_p: float = 1.0  # 1.0: off
+    epsilon_cutoff: float = 0.0  # 0.0: off
+    eta_cutoff: float = 0.0  # 0.0: off
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] fp32 logits -> the warped scores sampled from (every route calls this)."""
+        return warp_logits(
+            logits, self.temperature, self.top_k, self.top_p, min_p=self.min_p, typical_p=self.typical_p,
+            epsilon_cutoff=self.epsilon_cutoff, eta_cutoff=self.eta_cutoff,
+        )  # fmt: skip
 
 
 def select_tokens(
@@ -132,7 +213,7 @@ def select_tokens(
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     seeds = [settings.request_seeds[p] for p in prompts]
     uniforms = torch.from_numpy(stream_uniforms(seeds, samples, steps)).to(logits.device)
-    tokens, logprobs = sample_inverse_cdf(warp_logits(logits, settings.temperature, settings.top_k, settings.top_p), uniforms)
+    tokens, logprobs = sample_inverse_cdf(settings.warp(logits), uniforms)
     return tokens, (logprobs if want_logprobs else None)
 
 
