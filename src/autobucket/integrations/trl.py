@@ -41,7 +41,10 @@ class AutobucketGRPOTrainer(GRPOTrainer):
 
     rollout_config: how autobucket runs (default `RolloutConfig(route="auto")`).
     continuous_batch_size: most completions decoded at once (None: the whole generation batch).
-    Other arguments are `GRPOTrainer`'s.
+    Other arguments are `GRPOTrainer`'s; with `peft_config` it generates through the active LoRA adapter.
+
+    Generation has eval semantics (no dropout), as TRL's vLLM path; TRL's own transformers path generates
+    in train() mode, so with `lora_dropout > 0` the two agree only under `disable_dropout=True`.
     """
 
     def __init__(
