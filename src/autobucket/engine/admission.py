@@ -1,0 +1,98 @@
+"""Admission policies: how each admission's prompts are split into prefill groups, one per CB route.
+
+A policy receives the admission's prompt indices (only prompts not yet prefilled) and returns
+`PrefillGroup`s: a padded group is one left-padded forward, a packed group one unpadded forward of
+the prompts concatenated, a chunked group one prompt in forwards of at most `prefill_max_tokens`.
+
+- `equal_width_groups`: one padded group per admission (split in input order only where it would pass
+  the token budget);
+- `aligned_groups`: one group per prompt;
+- `PlannedGroups` (bucketed and auto): the forms planner's exact DP over the admission's length-sorted
+  prompts; auto's first admission reuses its route decision's plan.
+
+Every policy chunks a prompt longer than the budget: `prefill_max_tokens` is a per-forward budget."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from autobucket.engine.packed_prefill import packing_attention
+from autobucket.engine.prefill import PrefillGroup
+from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
+from autobucket.planning.route_choice import FormOptions, RouteDecision
+
+if TYPE_CHECKING:
+    from autobucket.engine.routes import RouteCall
+
+
+def equal_width_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    """One padded group per admission, split in input order only where it would pass the token limit;
+    a prompt longer than the limit is chunked on its own."""
+    limit = call.config.prefill_max_tokens
+    long, groups = _chunked_groups(call, admitted), [[]]
+    chunked = {g.prompts[0] for g in long}
+    for index in admitted:
+        if index in chunked:
+            continue
+        width = max([len(call.prompts[i]) for i in groups[-1]] + [len(call.prompts[index])])
+        if groups[-1] and limit is not None and width * (len(groups[-1]) + 1) > limit:
+            groups.append([])
+        groups[-1].append(index)
+    return long + [PrefillGroup(tuple(g)) for g in groups if g]
+
+
+def aligned_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    """One forward per prompt; a prompt longer than the token limit in chunks."""
+    return [_own_group(call, i) for i in admitted]
+
+
+def _chunked_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:
+    return [group for group in (_own_group(call, i) for i in admitted) if group.form == CHUNKED]
+
+
+def _own_group(call: RouteCall, index: int) -> PrefillGroup:
+    """Prompt `index` prefilled on its own: one forward, or chunks when it is over the token limit."""
+    limit = call.config.prefill_max_tokens
+    if limit is not None and len(call.prompts[index]) > limit:
+        return PrefillGroup((index,), CHUNKED, limit)
+    return PrefillGroup((index,))
+
+
+def form_options(call: RouteCall) -> FormOptions:
+    """How this call's model can pack prompts (per-segment SDPA or a dense mask; None: not at all)."""
+    return FormOptions(packing=packing_attention(call.model) if call.config.packing else None)
+
+
+class PlannedGroups:
+    """Admission policy: the forms planner's groups over the admitted prompts (padded, packed or chunked;
+    survivors keep their rows)."""
+
+    def __init__(self, call: RouteCall, first_plan: Sequence[PrefillGroup] | None) -> None:
+        self.call = call
+        self.first_plan = first_plan  # a route decision's plan, reused when it covers the first admission
+
+    def __call__(self, admitted: Sequence[int]) -> list[PrefillGroup]:
+        if self.first_plan is not None:
+            plan, self.first_plan = self.first_plan, None
+            return list(plan)
+        call = self.call
+        started = time.perf_counter()
+        lengths = [len(call.prompts[index]) for index in admitted]
+        options = form_options(call)
+        limit = call.config.prefill_max_tokens
+        plan = plan_forms(lengths, call.geometry, call.costs, limit, call.sampling.n, options.packing, options.costs)
+        call.profile.plan_ms += (time.perf_counter() - started) * 1e3
+        return [
+            PrefillGroup(tuple(admitted[position] for position in group), form, limit if form == CHUNKED else None)
+            for group, form in zip(plan.groups, plan.forms, strict=True)
+        ]
+
+
+def decision_groups(decision: RouteDecision, limit: int | None) -> list[PrefillGroup]:
+    forms = decision.forms or (PADDED,) * len(decision.buckets)
+    return [
+        PrefillGroup(tuple(g), form, limit if form == CHUNKED else None)
+        for g, form in zip(decision.buckets, forms, strict=True)
+    ]
