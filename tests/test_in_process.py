@@ -4,8 +4,8 @@ threads' forwards of the same model are unaffected while it runs.
 A prober thread runs a forward of the same model in a loop while the main thread runs `generate` on each
 route (packed prefill, chunked prefill, the compiled decode step, ordinary `generate`). Its oracle is a
 forward computed before any engine call: every output must equal it bit for bit, and the model's state
-(config, attention implementation, hooks, training flags, parameters, buffers) must equal the snapshot
-taken before, at every iteration. The torch RNG state is compared before and after.
+(config, attention implementation, hooks, training flags, parameters, buffers) and the global torch RNG
+state must equal the snapshot taken before, at every iteration, and after the calls.
 
 Negative controls run the same probe against deliberately mutating variants of the engine — today's
 config swap around a packed forward, and forward hooks registered around ordinary `generate` — and
@@ -75,7 +75,7 @@ class Prober(threading.Thread):
         self.ids = torch.tensor([random_prompts([24], seed=99)[0]])
         with torch.inference_mode():
             self.reference = model(input_ids=self.ids).logits
-        self.state = model_state(model)
+        self.state, self.rng = model_state(model), torch.get_rng_state()
         self.stop, self.failures, self.overlapped = threading.Event(), [], 0
 
     def run(self) -> None:
@@ -89,6 +89,8 @@ class Prober(threading.Thread):
                     self.failures.append(f"logits differ by {(logits - self.reference).abs().max().item():.3g}")
                 if model_state(self.model) != self.state:
                     self.failures.append("model state changed")
+                if not torch.equal(torch.get_rng_state(), self.rng):
+                    self.failures.append("global torch RNG state changed")
             except Exception as error:  # noqa: BLE001 - what a trainer's thread would see; reported below
                 self.failures.append(f"{type(error).__name__}: {error}")
             self.overlapped += during and self.generating.is_set()
@@ -211,3 +213,29 @@ def test_control_the_probe_sees_a_changed_weight():
                 break
             threading.Event().wait(0.05)
     assert any("differ" in failure for failure in prober.failures)
+
+
+def test_two_threads_generating_on_one_model_at_once_both_match_the_oracle(model):
+    """The engine's attention choice is per thread: a packed call and a chunked call at the same time."""
+    prompts = random_prompts(LENGTHS, seed=6)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4)
+    results, errors = {}, []
+
+    def worker(name: str) -> None:
+        torch.set_num_threads(1)
+        try:
+            rollout = Rollout(model, config=RolloutConfig(**ROUTE_CONFIGS[name]))
+            results[name] = [rollout.generate(prompts, sampling) for _ in range(3)]
+        except Exception as error:  # noqa: BLE001 - re-raised below in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in ("packed", "chunked")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    for name in ("packed", "chunked"):
+        for result in results[name]:
+            assert_matches_oracle(result, tokens, reasons)
