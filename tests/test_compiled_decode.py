@@ -1,5 +1,6 @@
 """The compiled decode step (`RolloutConfig(compile=...)`) against the oracle, single-request
-`model.generate`; weights updated in place between calls; the fallback; the compile decision.
+`model.generate`; weights updated in place between calls; errors raised in or under a compiled step
+propagate unchanged while only compile failures fall back; the compile decision and its credit.
 
 Compiling a decode graph takes tens of seconds on a CPU, so the engine tests here are built to need
 exactly one graph (fixed rows, no EOS, short prompts: one row bucket, one column bucket). The whole
@@ -7,8 +8,11 @@ oracle suite with compile forced on is `make test-compile` (AUTOBUCKET_TEST_COMP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +20,15 @@ from conftest import forget_oracle, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import compiled_decode
-from autobucket.engine.compiled_decode import column_bucket, predicted_graph_keys, row_bucket
+from autobucket.engine.compile_setup import compile_credit_ms, compile_decision
+from autobucket.engine.compiled_decode import (
+    column_bucket,
+    decode_graphs,
+    predicted_graph_keys,
+    row_bucket,
+    store_columns,
+)
+from autobucket.engine.dynamo_compat import LIFTED_GRAPH_LIMIT, dynamo_limit_name, lifted_graph_limit
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
 from autobucket.planning.costs import CB_STEP
@@ -87,8 +99,8 @@ def test_control_compiled_step_with_wrong_positions_fails_the_oracle(own_model, 
     expected, _ = oracle_batch(own_model, prompts, BUDGET, eos_token_id=[])
     correct = compiled_decode.CompiledDecode._inputs
 
-    def shifted(self, runner, key):
-        ids, positions, *rest = correct(self, runner, key)
+    def shifted(self, inputs, key):
+        ids, positions, *rest = correct(self, inputs, key)
         return (ids, positions + 1, *rest)
 
     monkeypatch.setattr(compiled_decode.CompiledDecode, "_inputs", shifted)
@@ -113,10 +125,63 @@ def test_a_model_that_does_not_trace_falls_back_to_eager_with_a_warning_and_the_
         result = _generate(model, True)
     assert result.tokens == expected
     assert result.profile.compiled_steps == 0 and "graph_break" in result.profile.compile_fallback.lower()
+    assert result.profile.eager_steps == result.profile.decode_forwards > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per model, not per call
         again = _generate(model, True)
     assert again.tokens == expected and again.profile.compile_fallback
+
+
+@pytest.mark.engine
+def test_auto_with_an_explicit_cache_capacity_reuses_the_graphs_it_compiled(own_model):
+    """An explicit cache_capacity is kept exactly (140 columns, not rounded to 256): the auto decision's
+    predicted keys must be the real ones, or it never sees its own graphs and gives no compile credit."""
+    prompts, capacity = random_prompts(LENGTHS, seed=3), 140
+    expected, _ = oracle_batch(own_model, prompts, BUDGET, eos_token_id=[])
+
+    def decide(round_capacity: bool = False):
+        return compile_decision(own_model, "auto", 4, 4, max(LENGTHS), BUDGET, capacity, round_capacity)
+
+    before = decide()
+    assert before.compile_ms > 0 and not before.compile_new and compile_credit_ms(before) == 0.0
+    config = RolloutConfig(route="aligned", compile=True, cache_capacity=capacity)
+    first = Rollout(own_model, config=config).generate(prompts, _sampling())
+    assert first.tokens == expected
+    assert (first.profile.cache_capacity, first.profile.compiled_graphs) == (capacity, 1)
+
+    after = decide()
+    assert after.compile_ms == 0.0 and "already compiled" in after.reason
+    assert compile_credit_ms(after) == after.saving_ms > 0
+    assert decide(round_capacity=True).compile_ms > 0  # control: the old, rounded prediction misses it
+
+    config = dataclasses.replace(config, compile="auto")
+    second = Rollout(own_model, config=config).generate(prompts, _sampling())
+    assert second.tokens == expected and "already compiled" in second.profile.compile_decision
+    assert second.profile.compiled_steps == second.profile.decode_forwards > 0
+    assert (second.profile.compiled_graphs, second.profile.eager_steps, second.profile.compile_ms) == (0, 0, 0.0)
+
+
+@pytest.mark.engine
+def test_a_model_that_raises_only_while_traced_falls_back_after_its_eager_step_succeeds():
+    """The traced raise looks like a model error (dynamo's stand-in for it); the eager step then runs
+    fine, so it was a tracing problem: the next step disables compiling, with one warning."""
+    model = build_tiny_model("tiny-qwen2", seed=10)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def compile_shy(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise ModelError("refuses to be traced")
+        return forward(*args, **kwargs)
+
+    model.__dict__["forward"] = compile_shy
+    expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    with pytest.warns(RuntimeWarning, match="raised only while traced") as caught:
+        result = _generate(model, True)
+    assert len([w for w in caught if "decoding eagerly" in str(w.message)]) == 1
+    assert result.tokens == expected
+    assert result.profile.compiled_steps == 0 and result.profile.eager_steps == result.profile.decode_forwards
+    assert "refuses to be traced" in result.profile.compile_fallback
 
 
 @pytest.mark.engine
@@ -137,14 +202,171 @@ def test_a_recompile_storm_is_counted_then_stops_compiled_decoding(own_model, mo
     assert profile.decode_forwards > profile.compiled_steps  # the rest ran eagerly
 
 
+# ---- engine: errors propagate, only compile failures fall back -------------------------------------------
+
+
+class ModelError(RuntimeError):
+    """The user's own exception type."""
+
+
+class Tripwire:
+    """What the tripwire model raises, when, and whether the compiled step was running at that moment."""
+
+    def __init__(self) -> None:
+        self.raise_when_wide = False  # read at trace time: the forward raises once it attends > 128 columns
+        self.fail_at: int | None = None  # run time: the decode forward (1-based) whose tripwire op raises
+        self.calls = 0  # decode forwards seen by the op, eager or compiled
+        self.in_compiled_step = False
+        self.raised: BaseException | None = None
+        self.raised_in_compiled_step: bool | None = None
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def fire(self, error: BaseException) -> BaseException:
+        self.raised, self.raised_in_compiled_step = error, self.in_compiled_step
+        return error
+
+
+TRIPWIRE = Tripwire()
+
+
+@torch.library.custom_op("autobucket_test::tripwire", mutates_args=())
+def tripwire(ids: torch.Tensor) -> torch.Tensor:
+    """Opaque to dynamo, so its body runs at run time inside the compiled graph (and in eager steps)."""
+    TRIPWIRE.calls += 1
+    if TRIPWIRE.calls == TRIPWIRE.fail_at:
+        raise TRIPWIRE.fire(torch.OutOfMemoryError("tripwire: out of memory"))
+    return ids.clone()
+
+
+@tripwire.register_fake
+def _(ids):
+    return torch.empty_like(ids)
+
+
+@pytest.fixture(scope="module")
+def tripwire_model(monkeypatch_module):
+    """A tiny model whose decode forwards pass the tripwire op, and which raises ModelError, when
+    armed, from any decode forward attending over more than 128 columns; `_compiled_step` is wrapped
+    to record whether a raise happened inside the compiled call."""
+    model = build_tiny_model("tiny-llama", seed=13)
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps the signature the engine inspects
+    def guarded(*args, **kwargs):
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        if ids.shape[1] == 1:
+            kwargs["input_ids"] = tripwire(ids)
+            wide = mask is not None and mask.dim() == 4 and mask.shape[-1] > compiled_decode.COLUMN_STEP
+            if wide and TRIPWIRE.raise_when_wide:  # short-circuit: narrow graphs never guard on the flag
+                raise TRIPWIRE.fire(ModelError("a decode forward past 128 columns"))
+        return forward(*args, **kwargs)
+
+    model.__dict__["forward"] = guarded
+    compiled_step = compiled_decode._compiled_step
+
+    def recording_step():
+        step = compiled_step()
+
+        def run(*args):
+            TRIPWIRE.in_compiled_step = True
+            try:
+                return step(*args)
+            finally:
+                TRIPWIRE.in_compiled_step = False
+
+        return run
+
+    monkeypatch_module.setattr(compiled_decode, "_compiled_step", recording_step)
+    return model
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+TRIP_SAMPLING = SamplingConfig(max_new_tokens=4, continuous_batch_size=2, eos_token_id=[])
+TRIP_CONFIG = RolloutConfig(route="aligned", compile=True, cache_capacity=256)  # one capacity: shared graphs
+SHORT = random_prompts([5, 9], seed=4)
+
+
+def _good_call_is_compiled_and_exact(rollout, model) -> None:
+    TRIPWIRE.reset()
+    expected, _ = oracle_batch(model, SHORT, 4, eos_token_id=[])
+    TRIPWIRE.reset()
+    good = rollout.generate(SHORT, TRIP_SAMPLING)
+    assert good.tokens == expected
+    assert good.profile.compiled_steps == good.profile.decode_forwards == 3 and not good.profile.compile_fallback
+
+
+@pytest.mark.engine
+def test_a_model_error_on_the_third_decode_forward_propagates_and_the_rollout_stays_usable(tripwire_model):
+    """The model raises ModelError on its third decode forward: prompts of 126 and 5 tokens put the
+    third step at column 128, the first step past one column bucket, so it is a new graph and dynamo
+    traces the forward's `raise` then. Measured (torch 2.13, fullgraph=True): dynamo does not raise
+    the user's exception but `Unsupported("Observed exception")` caused by a stand-in
+    `ObservedModelErrorError` — its code never ran. The engine runs that step eagerly, where the
+    forward raises the real ModelError object, which must leave `generate` unchanged; compiled decoding
+    stays on for the model (it was the model's error, not a compile failure)."""
+    rollout = Rollout(tripwire_model, config=TRIP_CONFIG)
+    TRIPWIRE.reset()
+    TRIPWIRE.raise_when_wide = True
+    with pytest.raises(ModelError) as caught:
+        rollout.generate(random_prompts([126, 5], seed=4), TRIP_SAMPLING)
+    assert caught.value is TRIPWIRE.raised and TRIPWIRE.calls == 3  # the third decode forward's own object
+    assert TRIPWIRE.raised_in_compiled_step is False  # dynamo could not run the raise: the eager step did
+    assert decode_graphs(tripwire_model).disabled_reason == ""
+    _good_call_is_compiled_and_exact(rollout, tripwire_model)
+
+
+@pytest.mark.engine
+def test_out_of_memory_inside_the_third_compiled_step_propagates_as_itself(tripwire_model):
+    """A `torch.OutOfMemoryError` raised at run time inside the compiled graph (by the tripwire, a
+    custom op dynamo cannot look into, so its body runs inside the compiled call as an allocation
+    would) leaves `generate` as the same object; no eager retry swallows it."""
+    rollout = Rollout(tripwire_model, config=TRIP_CONFIG)
+    TRIPWIRE.reset()
+    TRIPWIRE.fail_at = 3
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        rollout.generate(SHORT, TRIP_SAMPLING)
+    assert caught.value is TRIPWIRE.raised and TRIPWIRE.raised_in_compiled_step is True
+    assert decode_graphs(tripwire_model).disabled_reason == ""
+    _good_call_is_compiled_and_exact(rollout, tripwire_model)
+
+
 # ---- pure: buckets, the decision, the config -----------------------------------------------------------
 
 
 def test_row_and_column_buckets():
     assert [row_bucket(r, 24) for r in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
     assert [column_bucket(c, 384) for c in (1, 128, 129, 300, 384)] == [128, 128, 256, 384, 384]
-    assert predicted_graph_keys(32, 512, 16, 528) == {(32, 640, 640)}
-    assert predicted_graph_keys(4, 100, 64, 164) == {(4, 128, 256), (4, 256, 256)}
+    assert predicted_graph_keys(32, 512, 16, store_columns(528, True)) == {(32, 640, 640)}
+    assert predicted_graph_keys(4, 100, 64, store_columns(164, True)) == {(4, 128, 256), (4, 256, 256)}
+    # an explicit cache_capacity is kept exactly, in the store and in the prediction
+    assert store_columns(140, False) == 140
+    assert predicted_graph_keys(4, 30, 8, 140) == {(4, 128, 140)}
+    assert predicted_graph_keys(4, 100, 64, 164) == {(4, 128, 164), (4, 164, 164)}
+
+
+def test_the_dynamo_graph_limit_is_set_under_the_name_this_torch_has():
+    assert dynamo_limit_name(SimpleNamespace(recompile_limit=8, cache_size_limit=8)) == "recompile_limit"
+    assert dynamo_limit_name(SimpleNamespace(cache_size_limit=8)) == "cache_size_limit"  # torch < 2.7
+    assert dynamo_limit_name(SimpleNamespace()) is None
+    patched = []
+    old_torch = SimpleNamespace(cache_size_limit=8, patch=lambda **names: patched.append(names) or nullcontext())
+    with lifted_graph_limit(old_torch):
+        pass
+    assert patched == [{"cache_size_limit": LIFTED_GRAPH_LIMIT}]
+    with lifted_graph_limit(SimpleNamespace()):  # neither name: nothing to patch, nothing raised
+        pass
+    name = dynamo_limit_name(torch._dynamo.config)  # this torch (the pyproject floor is the tested one)
+    before = getattr(torch._dynamo.config, name)
+    with lifted_graph_limit():
+        assert getattr(torch._dynamo.config, name) == LIFTED_GRAPH_LIMIT != before
+    assert getattr(torch._dynamo.config, name) == before
 
 
 def test_auto_compiles_only_when_the_saving_repays_new_graphs():

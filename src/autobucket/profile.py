@@ -68,6 +68,7 @@ class Profile:
     compiled_graphs: int = 0  # decode shapes compiled by this call
     recompiles: int = 0  # already compiled shapes compiled again (guard failures)
     compiled_steps: int = 0  # decode steps that ran a compiled graph
+    eager_steps: int = 0  # decode steps run eagerly although compiling was on (new shape not compiled, fallback)
     compile_fallback: str = ""  # why compiled decoding was off or stopped ("" when it was not)
     compile_decision: str = ""
 

@@ -9,17 +9,26 @@ from autobucket.engine.compiled_decode import (
     CompiledDecode,
     decode_graphs,
     predicted_graph_keys,
-    rounded_capacity,
+    store_columns,
 )
 from autobucket.planning.compile_choice import CompileDecision, choose_compile
 from autobucket.profile import Profile
 
 
 def compile_decision(
-    model: torch.nn.Module, setting: bool | str, rows: int, items: int, longest: int, max_new_tokens: int, capacity: int
+    model: torch.nn.Module,
+    setting: bool | str,
+    rows: int,
+    items: int,
+    longest: int,
+    max_new_tokens: int,
+    capacity: int,
+    round_capacity: bool = True,
 ) -> CompileDecision:
-    """The decision for a CB call with `items` rows to decode, `rows` at once, on a `capacity`-column cache."""
-    keys = predicted_graph_keys(rows, longest, max_new_tokens, rounded_capacity(capacity))
+    """The decision for a CB call with `items` rows to decode, `rows` at once, on a `capacity`-column cache;
+    `round_capacity` as for `compiled_decode_for` (False: an explicit cache_capacity, kept exactly), so the
+    predicted graph keys are the ones the call's store will really have."""
+    keys = predicted_graph_keys(rows, longest, max_new_tokens, store_columns(capacity, round_capacity))
     new_graphs = len(keys - decode_graphs(model).shapes)
     waves = -(-items // rows)
     parameters = sum(p.numel() for p in model.parameters())
@@ -48,6 +57,7 @@ def record_compile(profile: Profile, compiled: CompiledDecode | None) -> None:
     profile.compiled_graphs += stats.new_graphs
     profile.recompiles += stats.recompiles
     profile.compiled_steps += stats.compiled_steps
+    profile.eager_steps += stats.eager_steps
     profile.compile_fallback = stats.fallback_reason
 
 

@@ -7,7 +7,8 @@ additive mask over the same columns, the position ids and the write column as a 
 padded up to a *row bucket* (powers of two, plus the cache's row count). A call therefore reuses a
 handful of graphs, and graphs survive across calls: they are cached per model, keyed by
 (rows, columns, cache capacity) — the capacity is rounded up to a multiple of `COLUMN_STEP` so calls
-of similar lengths share strides and graphs.
+of similar lengths share strides and graphs (an explicit `cache_capacity` is a memory limit: kept
+exactly, `store_columns`). The step receives a `StepInputs`, never the runner.
 
 Padded rows feed the pad token at position 0 with every column masked; their logits are dropped and
 the garbage they write lands in rows no active row reads (admission rewrites a row's columns and mask).
@@ -19,12 +20,17 @@ them in as constants and return the old model's tokens; measured, see docs/bench
 Attention: under dynamo, transformers expands grouped K/V heads with `repeat_kv` (a full copy of the
 cache every step, measured 2.6x slower than eager); here one decode token's query heads are grouped
 onto their K/V head instead (`[rows, kv_heads, group, head_dim]`), so SDPA reads the cache in place.
-That function is registered with transformers' `AttentionInterface` and selected only while a
-compiled step runs.
+The step passes that function as a forward keyword which transformers hands down to the attention
+call (`engine/attention.py`); the model's config is never written, so other threads are unaffected.
 
-Failures never raise: a model that does not trace, a graph limit, or a recompile storm disables the
-compiled path for that model with a one-line warning and the reason in the profile; eager decoding
-continues."""
+Errors propagate; only compiling falls back. A compiled graph that raises at run time (the model's
+error, `torch.OutOfMemoryError`) raises the same exception object out of `step`. Dynamo reports an
+exception the model's own code raises *while traced* as `Unsupported` caused by an `ObservedException`
+(torch 2.13, measured): that step runs eagerly, where the model raises its real exception; only if the
+eager step succeeds was it a tracing problem, and the next step disables compiling. Any other dynamo
+or inductor failure (a graph break under `fullgraph=True`, `BackendCompilerFailed`, our attention's
+NotImplementedError at trace time), a graph limit or a recompile storm disables the compiled path for
+that model with one warning and the reason in the profile; eager decoding continues."""
 
 from __future__ import annotations
 
@@ -37,12 +43,17 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from autobucket.engine.hf_compat import attention_swapped
+from autobucket.engine.attention import ATTENTION_KEYWORD, install_dispatcher
+from autobucket.engine.dynamo_compat import (
+    is_observed_not_implemented,
+    lifted_graph_limit,
+    observed_model_error,
+)
+from autobucket.engine.static_cache import StaticKVCache
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
 MAX_RECOMPILES_PER_MODEL = 4  # guard failures on an already compiled shape before giving up
-ATTENTION_NAME = "autobucket_decode"
 
 
 def row_bucket(rows: int, capacity_rows: int) -> int:
@@ -62,11 +73,18 @@ def rounded_capacity(columns: int) -> int:
     return -(-columns // COLUMN_STEP) * COLUMN_STEP
 
 
+def store_columns(columns: int, round_capacity: bool) -> int:
+    """The columns a compiled call's cache gets: rounded up so calls of similar lengths share graphs,
+    or exactly `columns` when they are an explicit `cache_capacity` (a memory limit)."""
+    return rounded_capacity(columns) if round_capacity else columns
+
+
 def predicted_graph_keys(rows: int, longest: int, max_new_tokens: int, capacity: int) -> set[tuple[int, int, int]]:
-    """The (rows, columns, capacity) graphs a call with full rows will visit (its tail may add smaller row buckets)."""
-    capacity = rounded_capacity(capacity)
+    """The (rows, columns, capacity) graphs a call with full rows will visit (its tail may add smaller row
+    buckets); `capacity` is the store's exact column count (`store_columns`), as in the real keys."""
     first, last = column_bucket(longest + 1, capacity), column_bucket(longest + max_new_tokens, capacity)
-    return {(row_bucket(rows, rows), c, capacity) for c in range(first, last + 1, COLUMN_STEP)}
+    columns = {*range(first, last, COLUMN_STEP), last}  # last: the capacity itself when it caps a bucket
+    return {(row_bucket(rows, rows), c, capacity) for c in columns}
 
 
 # ------------------------------------------------------------------ attention used inside the graph
@@ -84,16 +102,7 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout=
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, grouped_decode_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # never used: the step passes a 4-D mask
-
-
-def _attention_swapped(model: torch.nn.Module):
-    """Select the grouped decode attention for the duration of one compiled step."""
-    return attention_swapped(model, ATTENTION_NAME)
+    install_dispatcher()  # the engine's attention reaches the graph as a forward keyword, never via the config
 
 
 # ------------------------------------------------------------------ the cache face inside the graph
@@ -156,7 +165,7 @@ def decode_step(model, cache_keyword, input_ids, position_ids, mask, column, key
     cache = StepCache(keys, values, column)
     output = model(
         input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-        **{cache_keyword: cache},
+        **{cache_keyword: cache, ATTENTION_KEYWORD: grouped_decode_attention},
     )  # fmt: skip
     return output.logits[:, -1, :].float()
 
@@ -200,6 +209,16 @@ def _graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What one decode step reads: the active rows' next tokens and positions, and the cache they extend."""
+
+    tokens: torch.Tensor  # [rows] long, the token each active row feeds at this step
+    positions: torch.Tensor  # [rows] long, its true position
+    store: StaticKVCache  # the engine's static cache; this step writes its column `front`
+    pad_token_id: int  # fed by the padding rows of a row bucket
+
+
 @dataclass
 class CompileStats:
     """What one call's compiled decode did (copied into its Profile)."""
@@ -223,15 +242,22 @@ class CompiledDecode:
         self.graphs = decode_graphs(model)
         self.stats = CompileStats(fallback_reason=self.graphs.disabled_reason)
         self.last_step_compiled = False  # the last step's time was compile time (kept out of step timings)
+        self.traced_error = ""  # the last step's trace hit the model's own raise; its eager step decides
 
     def capacity(self, columns: int) -> int:
-        """Cache columns to allocate: rounded up so calls of similar lengths share graphs."""
-        return rounded_capacity(columns) if self.round_capacity else columns
+        """Cache columns to allocate (`store_columns`)."""
+        return store_columns(columns, self.round_capacity)
 
-    def step(self, runner) -> torch.Tensor | None:
-        """Logits [active_rows, vocab] fp32 of one decode step, or None: decode this step eagerly."""
-        store, graphs = runner.store, self.graphs
-        rows, self.last_step_compiled = runner.active_rows, False
+    def step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits [rows, vocab] fp32 of one decode step, or None: decode this step eagerly.
+
+        Whatever the compiled graph raises at run time (a model error, `torch.OutOfMemoryError`)
+        propagates unchanged; only a failure to trace or compile is caught (`_compile_failed`)."""
+        store, graphs = inputs.store, self.graphs
+        rows, self.last_step_compiled = int(inputs.tokens.shape[0]), False
+        if self.traced_error:  # the model raised while traced, yet its eager step ran: a tracing problem
+            reason, self.traced_error = self.traced_error, ""
+            self._disable(f"the model raised only while traced: {reason}")
         key = (row_bucket(rows, store.rows), column_bucket(store.front + 1, store.columns), store.columns)
         new = key not in graphs.shapes
         if graphs.disabled_reason or (new and not self._may_compile(graphs)):
@@ -239,18 +265,27 @@ class CompiledDecode:
             return None
         started, graphs_before = time.perf_counter(), _graph_count()
         try:
-            with _attention_swapped(self.model), torch._dynamo.config.patch(recompile_limit=1 << 20):
-                logits = _compiled_step()(self.model, self.cache_keyword, *self._inputs(runner, key))
-        except (torch._dynamo.exc.TorchDynamoException, NotImplementedError) as error:
-            self._disable(f"{type(error).__name__}: {_first_line(error)}")
-            self.stats.eager_steps += 1
-            return None
-        except Exception as error:  # noqa: BLE001 - e.g. the model's own error: the eager step shows it
-            self.stats.fallback_reason = f"step failed, ran eagerly: {type(error).__name__}: {_first_line(error)}"
-            self.stats.eager_steps += 1
+            with lifted_graph_limit():
+                logits = _compiled_step()(self.model, self.cache_keyword, *self._inputs(inputs, key))
+        except torch._dynamo.exc.TorchDynamoException as error:
+            self._compile_failed(error)
             return None
         self._account(key, new, _graph_count() - graphs_before, (time.perf_counter() - started) * 1e3)
         return logits[:rows]
+
+    def _compile_failed(self, error: BaseException) -> None:
+        """Dynamo or inductor could not produce the graph: this step runs eagerly."""
+        self.stats.eager_steps += 1
+        observed = observed_model_error(error)
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        if observed is not None:
+            reason += f" ({_first_line(observed)})"
+        if observed is None or is_observed_not_implemented(observed):
+            self._disable(reason)  # a graph break, a backend failure, an unsupported attention
+            return
+        # The model's own code raised under tracing. Dynamo holds only a stand-in, so the eager step
+        # (next) raises the model's real exception object; if it succeeds instead, the next step disables.
+        self.traced_error = reason
 
     def _may_compile(self, graphs: DecodeGraphs) -> bool:
         if not self.allow_new_graphs:
@@ -260,12 +295,12 @@ class CompiledDecode:
             return False
         return True
 
-    def _inputs(self, runner, key: tuple[int, int, int]) -> tuple:
-        store, (rows, columns, _) = runner.store, key
-        pad = rows - runner.active_rows
-        input_ids, positions = runner.next_input, runner.next_position
+    def _inputs(self, inputs: StepInputs, key: tuple[int, int, int]) -> tuple:
+        store, (rows, columns, _) = inputs.store, key
+        input_ids, positions = inputs.tokens, inputs.positions
+        pad = rows - int(input_ids.shape[0])
         if pad:
-            input_ids = torch.cat([input_ids, input_ids.new_full((pad,), runner.pad_token_id)])
+            input_ids = torch.cat([input_ids, input_ids.new_full((pad,), inputs.pad_token_id)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
         column = torch.tensor([store.front], dtype=torch.long, device=input_ids.device)
         return (

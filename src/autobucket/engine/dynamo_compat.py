@@ -1,0 +1,55 @@
+"""What the compiled decode step needs to know about dynamo across torch versions: the name of its
+graph limit, and how to tell the model's own exception from a failure to compile.
+
+Measured on torch 2.13: an exception the traced code raises (`raise ValueError(...)` in a model's
+forward) does not reach the caller under `fullgraph=True`. Dynamo raises `Unsupported("Observed
+exception")` whose `__cause__` is a stand-in class, `Observed<Name>Error` (an `ObservedException`),
+created per user exception type; the real exception object never exists, because its code never ran.
+An exception raised by a compiled graph at *run time* (an allocation failure, a custom op) propagates
+as itself."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+LIFTED_GRAPH_LIMIT = 1 << 20
+
+
+def dynamo_limit_name(config: Any) -> str | None:
+    """The name of dynamo's per-function graph limit in this torch: `recompile_limit` (2.7+), formerly
+    `cache_size_limit`; None when neither exists (dynamo's own limit then applies)."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            return name
+    return None
+
+
+def lifted_graph_limit(config: Any = None) -> AbstractContextManager:
+    """Dynamo's per-function graph limit out of the way for one call of the compiled step (`config`:
+    torch._dynamo.config unless given)."""
+    # One compiled function serves every model and shape, so dynamo's default (8) would refuse graphs
+    # we want; the compiled step's own caps (graphs and recompiles per model) apply instead.
+    config = torch._dynamo.config if config is None else config
+    name = dynamo_limit_name(config)
+    return config.patch(**{name: LIFTED_GRAPH_LIMIT}) if name is not None else nullcontext()
+
+
+def observed_model_error(error: BaseException) -> BaseException | None:
+    """Dynamo's stand-in for an exception the traced code raised (found along the cause chain), or None."""
+    observed = getattr(torch._dynamo.exc, "ObservedException", ())
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, observed):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def is_observed_not_implemented(observed: BaseException) -> bool:
+    """The traced code raised NotImplementedError: code saying it cannot be compiled, not a model error."""
+    return isinstance(observed, getattr(torch._dynamo.exc, "ObservedNotImplementedError", ()))
