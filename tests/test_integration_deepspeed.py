@@ -137,6 +137,44 @@ def test_sampling_is_route_invariant_and_seeded(ds, workload):
     assert not torch.equal(other_seed.generate(request, settings).input_ids, batches[0].input_ids)
 
 
+def tokens_outside_min_p(model, request, rows, n, min_p: float) -> int:
+    """Generated tokens HF's MinPLogitsWarper filters on a teacher-forced forward (temperature 1, no top-k/p)."""
+    from transformers import MinPLogitsWarper
+
+    outside = 0
+    for row, tokens in enumerate(rows):
+        prompt = request.prompt_ids[row // n][request.prompt_attention_mask[row // n].bool()].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        kept = torch.isfinite(MinPLogitsWarper(min_p)(None, logits))  # [steps, vocab]
+        outside += int((~kept[torch.arange(len(tokens)), torch.tensor(tokens)]).sum())
+    return outside
+
+
+def test_model_generation_config_warpers_apply_when_sampling(ds, workload, monkeypatch):
+    """HybridEngineRollout's `module.generate` applies the model's generation_config min_p when sampling;
+    so does AutobucketRollout. Oracle: HF's MinPLogitsWarper; without min_p the kept set is left."""
+    from autobucket.integrations.deepspeed import AutobucketRollout
+
+    _, engine = ds
+    request, tokenizer = workload
+    settings = sampling(temperature=1.0, top_k=-1, top_p=1.0, n_samples_per_prompt=3)
+    rows = {}
+    for min_p in (0.1, None):
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.module.generation_config, "min_p", min_p)
+            ours = AutobucketRollout(engine, tokenizer, RolloutConfig(route="aligned"))
+            ours.generate(request, settings)
+            rows[min_p] = ours.last_result.flat_tokens()
+    assert tokens_outside_min_p(engine.module, request, rows[0.1], 3, 0.1) == 0
+    assert tokens_outside_min_p(engine.module, request, rows[None], 3, 0.1) > 0  # negative control
+    with monkeypatch.context() as patch:  # a warper autobucket lacks: refused when sampling, inert when greedy
+        patch.setattr(engine.module.generation_config, "top_h", 0.5, raising=False)
+        with pytest.raises(ValueError, match=r"generation_config sets top_h=0\.5, which autobucket cannot apply"):
+            AutobucketRollout(engine, tokenizer).generate(request, settings)
+        AutobucketRollout(engine, tokenizer).generate(request, sampling())
+
+
 def test_sync_weights_after_optimizer_step_follows_new_weights(ds, workload):
     from deepspeed.runtime.rollout import HybridEngineRollout
 

@@ -197,10 +197,65 @@ def test_logprobs_match_trl_recomputed(tmp_path, eos_id):
         assert (ours - trl).abs().median() < 2e-6
 
 
+# ------------------------------------------------------------------ sampling options
+def tokens_outside_min_p(outputs, min_p: float) -> int:
+    """Completion tokens of the first generation call that HF's MinPLogitsWarper (on a teacher-forced
+    forward of the initial model; the run's temperature 1.0, top_k 0, top_p 1.0 change nothing) filters."""
+    from transformers import MinPLogitsWarper
+
+    model, output, outside = build_tiny_model("tiny-qwen2"), outputs[0], 0
+    for row in range(output["prompt_ids"].shape[0]):
+        prompt = output["prompt_ids"][row][output["prompt_mask"][row].bool()].tolist()
+        completion = output["completion_ids"][row][output["completion_mask"][row].bool()].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+        kept = torch.isfinite(MinPLogitsWarper(min_p)(None, logits))  # [steps, vocab]
+        outside += int((~kept[torch.arange(len(completion)), torch.tensor(completion)]).sum())
+    return outside
+
+
+def test_min_p_is_applied(tmp_path, eos_id):
+    run = run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"min_p": 0.1, "max_steps": 1})
+    assert run.outputs[0]["completion_mask"].sum() >= len(PROMPT_WORDS) * NUM_GENERATIONS
+    assert tokens_outside_min_p(run.outputs, 0.1) == 0
+    # negative control: sampling without min_p leaves its kept set
+    unwarped = run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"max_steps": 1})
+    assert tokens_outside_min_p(unwarped.outputs, 0.1) > 0
+
+
+def test_generation_kwargs_warpers_map_to_sampling_config(tmp_path, eos_id):
+    from transformers import GenerationConfig
+
+    from autobucket.integrations.trl import sampling_from_generation_config
+
+    warpers = {"typical_p": 0.9, "epsilon_cutoff": 1e-3, "eta_cutoff": 2e-3}
+    trainer = AutobucketGRPOTrainer(
+        model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0],
+        args=grpo_config(tmp_path, greedy=False, min_p=0.05, generation_kwargs=warpers),
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+    )
+    sampling = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
+    assert {k: getattr(sampling, k) for k in ("min_p", *warpers)} == {"min_p": 0.05, **warpers}
+    # values transformers would not apply (typical_p 1, cutoffs outside (0, 1)) are off here too
+    inert = GenerationConfig(do_sample=True, max_new_tokens=4, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=1.0)
+    sampling = sampling_from_generation_config(inert, [eos_id])
+    assert (sampling.min_p, sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff) == (0.0, 1.0, 0.0, 0.0)
+
+
 # ------------------------------------------------------------------ bad input
 def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
-    with pytest.raises(ValueError, match=r"min_p=0\.1, which autobucket cannot apply"):
-        run_grpo(AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides={"min_p": 0.1})
+    with pytest.raises(ValueError, match=r"top_h=0\.5, which autobucket cannot apply"):
+        AutobucketGRPOTrainer(
+            model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0],
+            args=grpo_config(tmp_path, greedy=False, generation_kwargs={"top_h": 0.5}),
+            train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+        )
+    with pytest.raises(ValueError, match=r"min_p=1\.5 is invalid: it must be in \[0, 1\]"):
+        AutobucketGRPOTrainer(
+            model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0],
+            args=grpo_config(tmp_path, greedy=False, min_p=1.5),
+            train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+        )
 
 
 def test_vllm_mode_is_rejected(tmp_path, eos_id):

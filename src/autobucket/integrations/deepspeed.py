@@ -33,7 +33,7 @@ from deepspeed.runtime.rollout import SamplingConfig as DeepSpeedSamplingConfig
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import optional_int, require_int
 from autobucket.engine.generation_setup import eos_token_ids
-from autobucket.integrations.generation_options import reject_unsupported_warpers
+from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 from autobucket.result import RolloutResult
 
 
@@ -82,8 +82,10 @@ class AutobucketRollout(RolloutEngine):
         warping = {"temperature": 0.0}
         if sampling.temperature > 0:
             _check_model_warpers(generation_config)
+            # HybridEngineRollout's `module.generate` fills what DeepSpeed's SamplingConfig lacks (min_p,
+            # typical_p, the cutoffs) from the model's generation_config, as it does the penalty.
             warping = {"temperature": float(sampling.temperature), "top_k": max(int(sampling.top_k), 0),
-                       "top_p": float(sampling.top_p)}
+                       "top_p": float(sampling.top_p), **warper_settings(generation_config)}
         return SamplingConfig(
             max_new_tokens=sampling.max_new_tokens,
             continuous_batch_size=sampling.continuous_batch_size or total_rows,

@@ -15,8 +15,8 @@ depend on the route or the batch plan.
 Settings come from the trainer's `generation_config` (what TRL itself passes to `generate`).
 Anything autobucket cannot honour raises a ValueError naming the option; nothing falls back silently.
 Log-probabilities are returned when sampling (under the distribution sampled from, after temperature,
-top-k, top-p and penalty, like vLLM's processed logprobs); greedy decoding returns None, as TRL's own
-path does."""
+top-k, top-p, min-p, typical, epsilon/eta cutoffs and penalty, like vLLM's processed logprobs); greedy
+decoding returns None, as TRL's own path does."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import optional_int
-from autobucket.integrations.generation_options import reject_unsupported_warpers
+from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
 
@@ -168,6 +168,7 @@ def _warping(generation_config: Any) -> dict[str, Any]:
         "temperature": 1.0 if generation_config.temperature is None else float(generation_config.temperature),
         "top_k": _HF_DEFAULT_TOP_K if top_k is None else int(top_k),
         "top_p": 1.0 if top_p is None else float(top_p),
+        **warper_settings(generation_config),  # GRPOConfig's min_p; typical_p and cutoffs via generation_kwargs
     }
 
 
