@@ -105,15 +105,30 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "compiled", "ddp_of_peft"])
-def test_wrapped_models_match_the_inner_models_generate(wrapper, peft_model):
+def wrap(wrapper: str, model):
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    if wrapper == "compiled":
+        return torch.compile(model)
+    if wrapper == "fsdp1":
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if wrapper == "fsdp2":  # shards in place: the layers, then the root (its hooks all-gather per forward)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    return DistributedDataParallel(model)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "compiled", "ddp_of_peft", "fsdp1", "fsdp2"])
+def test_wrapped_models_match_the_inner_models_generate(wrapper, peft_model):
+    """One process (gloo, world size 1): FSDP's unsharding hooks and the engine's autograd mode meet for real
+    (FSDP2's unshard needs version counters, which inference tensors lack)."""
     inner = peft_model if wrapper == "ddp_of_peft" else build_tiny_model("tiny-mistral", seed=33)
     prompts = random_prompts(LENGTHS, seed=9)
     tokens, reasons = oracle_batch(inner, prompts, BUDGET)
     with one_process_group():
-        wrapped = torch.compile(inner) if wrapper == "compiled" else DistributedDataParallel(inner)
+        wrapped = wrap(wrapper, inner)
         for route in ("ordinary", "bucketed"):
             result = Rollout(wrapped, config=RolloutConfig(**ROUTE_CONFIGS[route])).generate(prompts, sampling())
             assert_matches_oracle(result, tokens, reasons)
@@ -166,3 +181,15 @@ def test_tied_embeddings_stay_tied_and_exact():
 def test_something_that_is_not_a_causal_lm_is_refused_by_name():
     with pytest.raises(TypeError, match="not a Hugging Face causal LM.*PeftModel"):
         Rollout(torch.nn.Linear(2, 2))
+
+
+def test_control_fsdp2_under_inference_mode_fails(monkeypatch):
+    """Why the engine picks its autograd mode per model: FSDP2 cannot unshard under inference mode."""
+    from autobucket.engine import grad_mode
+
+    model = build_tiny_model("tiny-mistral", seed=36)
+    monkeypatch.setattr(grad_mode, "needs_version_counters", lambda model: False)
+    with one_process_group():
+        wrapped = wrap("fsdp2", model)
+        with pytest.raises(RuntimeError, match="version counter"):
+            Rollout(wrapped, config=RolloutConfig(route="aligned")).generate(random_prompts([4], seed=1), sampling())

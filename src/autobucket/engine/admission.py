@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from autobucket.engine.packed_prefill import packing_attention
 from autobucket.engine.prefill import PrefillGroup
+from autobucket.engine.route_call import RouteCall
 from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
 from autobucket.planning.route_choice import FormOptions, RouteDecision
-
-if TYPE_CHECKING:
-    from autobucket.engine.routes import RouteCall
 
 
 def equal_width_groups(call: RouteCall, admitted: Sequence[int]) -> list[PrefillGroup]:

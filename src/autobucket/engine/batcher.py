@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autobucket.engine.finished import Finished
+from autobucket.engine.grad_mode import without_autograd
 from autobucket.engine.model_runner import ModelRunner, RowInsert
 from autobucket.engine.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.selection import Selection
@@ -72,7 +73,7 @@ class ContinuousBatcher:
         self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
         self.finished: dict[tuple[int, int], Finished] = {}
 
-    @torch.inference_mode()
+    @without_autograd
     def run(
         self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, admission_policy: AdmissionPolicy
     ) -> dict[tuple[int, int], Finished]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autobucket.engine.grad_mode import without_autograd
 from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.engine.prefill import PrefillOutput
 
@@ -21,7 +22,7 @@ def _chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
     return torch.ones((1, end), dtype=torch.long, device=device)
 
 
-@torch.inference_mode()
+@without_autograd
 def prefill_chunked(
     model: torch.nn.Module, spec: ForwardSpec, prompt: Sequence[int], chunk_tokens: int
 ) -> PrefillOutput:

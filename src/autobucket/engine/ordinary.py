@@ -16,6 +16,7 @@ from transformers import LogitsProcessorList
 
 from autobucket.engine.finished import Finished, cut_at_eos
 from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.grad_mode import without_autograd
 from autobucket.engine.prefill import left_pad
 from autobucket.engine.selection import Selection, seen_in_left_padded
 from autobucket.planning.costs import ORDINARY_STEP, PREFILL_FORWARD
@@ -79,7 +80,7 @@ class _EngineSelection:
         return forced.scatter_(1, tokens[:, None], 0.0)
 
 
-@torch.inference_mode()
+@without_autograd
 def run_ordinary(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],

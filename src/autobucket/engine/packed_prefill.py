@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from autobucket.engine.attention import dispatches, engine_attention, hf_sdpa
+from autobucket.engine.grad_mode import without_autograd
 from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.engine.prefill import PrefillOutput
 from autobucket.planning.forms import DENSE, SEGMENTS
@@ -108,7 +109,7 @@ def _check_every_layer_used_segments(model: torch.nn.Module, packing: _Packing, 
         )
 
 
-@torch.inference_mode()
+@without_autograd
 def prefill_packed(
     model: torch.nn.Module, spec: ForwardSpec, prompts: Sequence[Sequence[int]], attention: str
 ) -> PrefillOutput:

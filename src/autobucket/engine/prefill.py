@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.engine.grad_mode import without_autograd
 from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.planning.forms import PADDED
 
@@ -65,7 +66,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-@torch.inference_mode()
+@without_autograd
 def prefill_bucket(
     model: torch.nn.Module, spec: ForwardSpec, prompts: Sequence[Sequence[int]], pad_token_id: int
 ) -> PrefillOutput:

@@ -20,6 +20,7 @@ from autobucket.engine.attention import checkpointing_layers_kept_cached, eval_s
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
+from autobucket.engine.grad_mode import autograd_off_for
 from autobucket.engine.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
@@ -99,7 +100,12 @@ class Rollout:
         )  # fmt: skip
         call = with_compile_decision(call)
         # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
-        with PeakMemory(self.device) as memory, eval_semantics(self.model), checkpointing_layers_kept_cached(self.model):
+        with (
+            PeakMemory(self.device) as memory,
+            autograd_off_for(self.model),
+            eval_semantics(self.model),
+            checkpointing_layers_kept_cached(self.model),
+        ):
             finished = ROUTES[config.route](call)
         return _result(call, finished, memory, started)
 

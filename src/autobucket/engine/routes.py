@@ -19,11 +19,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
-
-from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
     aligned_groups,
@@ -39,42 +36,20 @@ from autobucket.engine.compile_setup import (
     record_compile,
 )
 from autobucket.engine.finished import Finished
-from autobucket.engine.generation_setup import ResolvedGeneration
-from autobucket.engine.hf_compat import ForwardSpec, attention_implementation, sliding_window_limit
+from autobucket.engine.hf_compat import attention_implementation, sliding_window_limit
 from autobucket.engine.model_runner import CacheShape, ModelRunner
 from autobucket.engine.ordinary import run_ordinary
-from autobucket.engine.selection import Selection
+from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.planning.route_choice import (
     ROUTE_BUCKETED,
     ROUTE_ORDINARY,
     RouteDecision,
     choose_route,
 )
-from autobucket.profile import PhaseTimer, Profile
+from autobucket.profile import Profile
 
 FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
-
-
-@dataclass(frozen=True)
-class RouteCall:
-    """Everything one generate call's route needs."""
-
-    model: torch.nn.Module
-    spec: ForwardSpec
-    geometry: ModelGeometry
-    costs: CostCoefficients
-    config: RolloutConfig
-    prompts: list[list[int]]
-    generation: ResolvedGeneration
-    sampling: SamplingConfig
-    selection: Selection
-    profile: Profile
-    timer: PhaseTimer
-    vocab_size: int
-    max_positions: int | None
-    compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
 
 
 Route = Callable[[RouteCall], FinishedItems]

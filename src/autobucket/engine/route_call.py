@@ -1,0 +1,36 @@
+"""`RouteCall`: everything one `generate` call's route needs, built once by `Rollout` and read by the
+routes and the admission policies (which never reach back into the `Rollout`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.hf_compat import ForwardSpec
+from autobucket.engine.selection import Selection
+from autobucket.planning.compile_choice import CompileDecision
+from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.profile import PhaseTimer, Profile
+
+
+@dataclass(frozen=True)
+class RouteCall:
+    """Everything one generate call's route needs."""
+
+    model: torch.nn.Module
+    spec: ForwardSpec
+    geometry: ModelGeometry
+    costs: CostCoefficients
+    config: RolloutConfig
+    prompts: list[list[int]]
+    generation: ResolvedGeneration
+    sampling: SamplingConfig
+    selection: Selection
+    profile: Profile
+    timer: PhaseTimer
+    vocab_size: int
+    max_positions: int | None
+    compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
