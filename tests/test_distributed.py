@@ -185,6 +185,7 @@ def test_update_weights_matches_one_process_and_survives_a_dead_worker(rr, expec
 def test_shutdown_kills_the_actors(ray_cluster) -> None:
     with RayRollout("tiny-qwen2", num_workers=1, worker_options={"num_cpus": 0}) as rollout:
         actor = rollout._actors[0]
+        assert rollout.config == RolloutConfig(route="auto")  # issue 19: the default every entry point names
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.describe.remote(), timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):

@@ -164,7 +164,7 @@ def test_sampling_settings_in_the_models_generation_config_do_not_change_greedy_
 
 
 def test_eos_outside_the_vocabulary_is_rejected(model):
-    rollout = Rollout(model)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))  # the old default, what this test ran
     with pytest.raises(ValueError, match="eos_token_id 5000 is outside the vocabulary"):
         rollout.generate(GOOD_PROMPTS, sampling(eos_token_id=[3, 5000]))
     assert_still_exact(rollout)

@@ -39,7 +39,7 @@ def imports_of(module: str, source: str, modules: set[str]) -> list[tuple[str, s
     """(imported module, imported name or None) for every import statement, at any depth."""
     found: list[tuple[str, str | None]] = []
     package = module if _is_package(module, modules) else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_checked_tree(module, ast.parse(source))):
         if isinstance(node, ast.Import):
             found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -48,6 +48,16 @@ def imports_of(module: str, source: str, modules: set[str]) -> list[tuple[str, s
                 submodule = f"{base}.{alias.name}"
                 found.append((submodule, None) if submodule in modules else (base, alias.name))
     return found
+
+
+def _checked_tree(module: str, tree: ast.Module) -> ast.Module:
+    """The tree without the package root's `if TYPE_CHECKING:` block: it names, for type checkers only, the
+    public surface that the root's lazy `__getattr__` resolves (invisible here too), and never runs.
+    Anywhere else a TYPE_CHECKING import counts like any other."""
+    if module != "autobucket":
+        return tree
+    body = [node for node in tree.body if not (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")]
+    return ast.Module(body=body, type_ignores=[])
 
 
 def _is_package(module: str, modules: set[str]) -> bool:
@@ -164,4 +174,11 @@ def test_a_deliberate_cycle_is_reported():
     sources = package_sources()
     sources["autobucket.engine.cycle_a"] = "from autobucket.engine import cycle_b\n"
     sources["autobucket.engine.cycle_b"] = "def f():\n    import autobucket.engine.cycle_a\n"
+    assert "import cycle: autobucket.engine.cycle_a -> autobucket.engine.cycle_b" in violations(sources)
+
+
+def test_a_type_checking_import_outside_the_package_root_still_counts():
+    sources = package_sources()
+    sources["autobucket.engine.cycle_a"] = "from autobucket.engine import cycle_b\n"
+    sources["autobucket.engine.cycle_b"] = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import autobucket.engine.cycle_a\n"
     assert "import cycle: autobucket.engine.cycle_a -> autobucket.engine.cycle_b" in violations(sources)

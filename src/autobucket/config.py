@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
 from autobucket.checks import require_bool, require_choice, require_finite, require_int
 
-ROUTES = ("ordinary", "equal_width", "aligned", "bucketed", "auto")
-COMPILE_CHOICES = ("auto", True, False)
+if TYPE_CHECKING:
+    from autobucket.planning.costs import CostCoefficients
+
+# The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
+Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
+CompileChoice: TypeAlias = bool | Literal["auto"]
+# A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
+CostsSpec: TypeAlias = "CostCoefficients | str | os.PathLike[str] | None"
+
+ROUTES: tuple[Route, ...] = get_args(Route)
+COMPILE_CHOICES: tuple[CompileChoice, ...] = ("auto", True, False)
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,7 @@ class RolloutConfig:
     route: "ordinary" (HF generate on the left-padded batch), "equal_width" (CB, each admission
       prefilled as one padded batch), "aligned" (CB, one prefill per request), "bucketed" (CB, each
       admission split into the planner's DP buckets) or "auto" (the cost model picks "ordinary" or
-      "bucketed" per call).
+      "bucketed" per call; the default).
     costs: the cost model's coefficients (used by "auto" and "bucketed"): None or "online" (learned from
       every call, starting from what earlier processes learned for this model on this machine, else from a
       probe of a few seconds), a `CostCoefficients`, or a path to a calibration / coefficients JSON.
@@ -41,17 +50,25 @@ class RolloutConfig:
       time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
       can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
+    persist_costs: keep what online learning learns between processes (the only switch for it). True
+      (default): start from this model's entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
+      `~/.cache/autobucket`) and save it after every call. Only one process writes: rank 0 of
+      `torch.distributed` when it is initialised, else the process whose `RANK` environment variable
+      (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
+      cache folder that cannot be written gets one warning and the call goes on. False: the cache
+      folder is neither read nor written; learning stays in this process.
     """
 
-    route: str = "aligned"
-    costs: Any = None
+    route: Route = "auto"
+    costs: CostsSpec = None
     costs_strict: bool = True
     prefill_max_tokens: int | None = 65536
     packing: bool = True
     cache_capacity: int | None = None
     trim_cache: bool = False
     profile: bool = False
-    compile: bool | str = False
+    compile: CompileChoice = False
+    persist_costs: bool = True
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
@@ -61,7 +78,7 @@ class RolloutConfig:
             require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
         if self.cache_capacity is not None:
             require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
-        for name in ("trim_cache", "profile", "costs_strict", "packing"):
+        for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
             from autobucket.planning.costs import CostCoefficients

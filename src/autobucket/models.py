@@ -87,24 +87,53 @@ def build_tiny_model(
     return model.to(dtype).eval()
 
 
-def load_model(
-    name: str, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False, attn_implementation: str = "sdpa"
-) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) for a tiny config name, "smollm2", or a local path / HF id via `from_pretrained`.
+DTYPES = ("float32", "bfloat16", "float16")  # the CLI's --dtype choices
 
-    Tiny random-weight models have no tokenizer (None): pass token ids to them; so has a folder written
-    by a model's `save_pretrained` alone. "smollm2" converts the embedded GGUF on first use into
-    `smollm2_cache_dir()` and loads that copy afterwards. A name that is none of these raises a
-    ValueError naming it and what a model name may be.
+
+def load_model(
+    model: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) for any form `--model` takes, with the CLI's loading flags as keywords.
+
+    model: a tiny random-weight name (`TINY_CONFIGS`), "smollm2" (the embedded GGUF, converted on first
+      use into `smollm2_cache_dir()`), an HF config.json path (random weights), or a local folder / HF id
+      for `from_pretrained`. Anything else raises a ValueError naming it and the accepted forms.
+    dtype: "float32", "bfloat16", "float16" or a torch.dtype. device: where the weights go ("cpu" here;
+      the CLI's --device default is cuda when available). attn_implementation: "sdpa" or "eager" (or any
+      backend transformers knows). trust_remote_code: allow the model repo's own code. threads: torch CPU
+      threads (`threads.set_torch_threads`; None keeps torch's), set before loading.
+
+    Tiny and config.json models have no tokenizer (None): pass token ids to them; so has a folder written
+    by a model's `save_pretrained` alone.
     """
-    check_model_name(name)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if name in TINY_CONFIGS:
-        return build_tiny_model(name, dtype=dtype, attn_implementation=attn_implementation), None
-    if name == SMOLLM2:
-        return _load_pretrained(str(ensure_smollm2_cache()), dtype, False, attn_implementation)
-    return _load_pretrained(name, dtype, trust_remote_code, attn_implementation)
+    from autobucket.threads import set_torch_threads
+
+    check_model_name(model)
+    torch_dtype = _checked_dtype(dtype)
+    set_torch_threads(threads)
+    if model.endswith(".json") and Path(model).is_file():
+        return random_model_from_config(model, torch_dtype, attn_implementation=attn_implementation, device=device), None
+    if model in TINY_CONFIGS:
+        tiny = build_tiny_model(model, dtype=torch_dtype, attn_implementation=attn_implementation)
+        return tiny.to(device), None
+    if model == SMOLLM2:  # our own converted copy: no remote code to trust
+        model, trust_remote_code = str(ensure_smollm2_cache()), False
+    loaded, tokenizer = _load_pretrained(model, torch_dtype, trust_remote_code, attn_implementation)
+    return loaded.to(device), tokenizer
+
+
+def _checked_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r} is invalid: pass one of {', '.join(DTYPES)} or a torch.dtype")
 
 
 def check_model_name(name: Any) -> None:
@@ -240,18 +269,3 @@ def random_model_from_config(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
-
-
-def load_any_model(
-    name: str, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) for any `--model` form: a config JSON path gives a random-weight model (no
-    tokenizer); anything else goes through `load_model` (tiny names, smollm2, local folders, HF ids)."""
-    check_model_name(name)
-    if name.endswith(".json") and Path(name).is_file():
-        return random_model_from_config(
-            name, dtype, attn_implementation=attn_implementation, device=device
-        ), None
-    model, tokenizer = load_model(name, dtype, trust_remote_code, attn_implementation)
-    return model.to(device), tokenizer

@@ -8,8 +8,10 @@ import argparse
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+ONLINE_COSTS = "online"  # RolloutConfig.costs's word for "learn them" (engine.cost_source.ONLINE)
 _LENGTH_ITEM = re.compile(r"(\d+)(?:[xX](\d+))?", re.ASCII)
 MODEL_HELP = (
     "a model folder, a Hugging Face id in the local cache, smollm2 (the embedded SmolLM2-135M-Instruct), "
@@ -39,6 +41,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def costs_argument(text: str) -> str | Path:
+    """--costs: "online" (Auto learns from its own calls) or a calibration / coefficients JSON path."""
+    return ONLINE_COSTS if text == ONLINE_COSTS else Path(text)
 
 
 def non_negative_float(text: str) -> float:
@@ -87,12 +94,17 @@ def model_device(args: argparse.Namespace) -> str:
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) from `add_model_arguments`' flags, after setting the threads."""
-    from autobucket.models import load_any_model
+    """(model, tokenizer) from `add_model_arguments`' flags: `autobucket.load_model` takes them by name."""
+    from autobucket.models import load_model
 
-    apply_threads(args)  # recorded in calibration and sweep metadata
-    return load_any_model(args.model, args.dtype, model_device(args), args.attn_implementation,
-                          args.trust_remote_code)  # fmt: skip
+    return load_model(**model_arguments(args))
+
+
+def model_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--model` group's flags as `autobucket.load_model`'s keywords (same names)."""
+    return {"model": args.model, "dtype": args.dtype, "device": model_device(args),
+            "attn_implementation": args.attn_implementation, "trust_remote_code": args.trust_remote_code,
+            "threads": args.threads}  # fmt: skip
 
 
 # ---------------------------------------------------------------- renamed flags and error wording

@@ -18,7 +18,13 @@ _WHAT_RAN = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli.args import add_alias, add_threads_argument, finish_parser, positive_int
+    from autobucket.cli.args import (
+        add_alias,
+        add_threads_argument,
+        costs_argument,
+        finish_parser,
+        positive_int,
+    )
 
     parser = subparsers.add_parser(
         "demo",
@@ -30,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--out-dir", type=Path, default=Path("results/demo"), help="default: results/demo")
     parser.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="default: 48")
-    parser.add_argument("--costs", type=Path, help="calibration or coefficients JSON for the auto route")
+    parser.add_argument("--costs", type=costs_argument, metavar="FILE|online",
+                        help="calibration or coefficients JSON for the auto route, or online (default)")  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                         help="timed runs per route, interleaved; medians are shown (default: 1)")  # fmt: skip
     parser.add_argument("--no-hf-batch", dest="with_hf_batch", action="store_false",
@@ -43,10 +50,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from autobucket.cli.args import apply_threads
+    from autobucket.cli.args import ONLINE_COSTS, apply_threads
     from autobucket.tools.demo import DemoConfig, run_demo
 
-    config = DemoConfig(args.out_dir, args.max_new_tokens, args.costs, args.repeats, args.with_hf_batch)
+    costs = None if args.costs == ONLINE_COSTS else args.costs  # DemoConfig: None is learned online
+    config = DemoConfig(args.out_dir, args.max_new_tokens, costs, args.repeats, args.with_hf_batch)
     apply_threads(args)
     console = Console(highlight=False)
     report = run_demo(config, lambda message: console.print(f"[dim]{message}...[/dim]"))

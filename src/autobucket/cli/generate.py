@@ -6,14 +6,13 @@ torch and transformers are imported only by the handler, so registering this com
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from autobucket.config import ROUTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli.args import add_model_arguments, finish_parser, positive_int
+    from autobucket.cli.args import add_model_arguments, costs_argument, finish_parser, positive_int
 
     parser = subparsers.add_parser(
         "generate",
@@ -30,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
     parser.add_argument("--route", choices=ROUTES, default="auto")
-    parser.add_argument("--costs", type=Path,
-                        help="cost coefficients or calibration JSON for --route auto (default: learned online)")  # fmt: skip
+    parser.add_argument("--costs", type=costs_argument, default="online", metavar="FILE|online",
+                        help="cost coefficients or calibration JSON for --route auto, or online (default): "
+                        "learned from the calls")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
@@ -40,20 +40,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from autobucket.cli.args import apply_threads, model_device
+    from autobucket.cli.args import model_arguments
     from autobucket.config import RolloutConfig, SamplingConfig
     from autobucket.tools.generate_job import GenerateJob, run_generate_job
 
     job = GenerateJob(
         prompts=args.prompts,
         out=args.out,
-        model=args.model,
         input_format=args.input_format,
         chat=args.chat,
-        trust_remote_code=args.trust_remote_code,
-        dtype=args.dtype,
-        device=model_device(args),
-        attn_implementation=args.attn_implementation,
+        **model_arguments(args),  # the --model group, named as `autobucket.load_model` takes it
         rollout=RolloutConfig(route=args.route, costs=args.costs),
         sampling=SamplingConfig(
             max_new_tokens=args.max_new_tokens,
@@ -61,7 +57,6 @@ def _run_generate(args: argparse.Namespace) -> int:
             repetition_penalty=args.repetition_penalty,
         ),
     )
-    apply_threads(args)
     if args.quiet:
         run_generate_job(job)
         return 0

@@ -8,10 +8,17 @@ process keeps learning where this one stopped) and the metadata they are valid f
 An entry is used only when every field of its metadata equals this process's (the calibration file's
 must-match fields, the thread count, the torch version and the engine's source fingerprint); a corrupt,
 stale or mismatched entry is ignored with a one-line warning, and overwritten by the next save.
+
+One process writes (`persist_entry`): under data parallelism every rank learns the same model on the same
+kind of device, so N ranks would rewrite one file N times per step. The writer is rank 0 of
+`torch.distributed` when it is initialised, else the process whose `RANK` environment variable (torchrun,
+accelerate and deepspeed launchers set it) is 0 or unset; the other ranks still read. A cache folder that
+cannot be written is warned about once per entry and process and not retried: learning goes on in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +35,8 @@ from autobucket.profile import Timing
 
 STORE_SCHEMA_VERSION = 1
 _FOLDER = "online-costs"
+RANK_ENV = "RANK"  # the global rank that torchrun, accelerate and deepspeed launchers export
+_UNWRITABLE: set[Path] = set()  # entries whose save failed in this process: warned once, not retried
 
 
 def store_metadata(model: torch.nn.Module) -> dict[str, Any]:
@@ -60,19 +69,58 @@ def save_entry(
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(document) + "\n", encoding="utf-8")
-    temporary.replace(path)
+    try:
+        temporary.write_text(json.dumps(document) + "\n", encoding="utf-8")
+        temporary.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):  # the original error is the one to report
+            temporary.unlink(missing_ok=True)
+        raise
     return path
+
+
+def writer_rank() -> int:
+    """This process's rank for the one-writer rule: torch.distributed's when initialised, else `$RANK`, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get(RANK_ENV, "0"))
+    except ValueError:  # not a launcher's rank: a single process
+        return 0
+
+
+def persist_entry(
+    metadata: dict[str, Any], costs: CostCoefficients, observations: list[Timing], source: str
+) -> Path | None:
+    """`save_entry` from the one writing process (the path), else None: another rank writes, or this
+    entry could not be written (one warning per entry and process; never an error for the caller)."""
+    path = entry_path(metadata)
+    if writer_rank() != 0 or path in _UNWRITABLE:
+        return None
+    try:
+        return save_entry(metadata, costs, observations, source)
+    except OSError as exc:
+        _UNWRITABLE.add(path)
+        reason = " ".join(str(exc).split())
+        warnings.warn(f"learned costs are kept in memory only: cannot write {str(path)!r} ({reason})", stacklevel=3)
+        return None
 
 
 def load_entry(metadata: dict[str, Any]) -> tuple[CostCoefficients, list[Timing], str] | None:
     """(costs, observations, source) of the entry for `metadata`, or None (absent, or ignored with a notice)."""
     path = entry_path(metadata)
-    if not path.exists():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):  # no entry (a cache root that is a file holds none)
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"ignoring the learned cost entry {str(path)!r}: {exc}", stacklevel=3)
         return None
     try:
-        return _parsed_entry(json.loads(path.read_text(encoding="utf-8")), metadata)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        return _parsed_entry(json.loads(text), metadata)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         warnings.warn(f"ignoring the learned cost entry {str(path)!r}: {exc}", stacklevel=3)
         return None
 

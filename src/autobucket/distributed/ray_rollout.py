@@ -59,12 +59,13 @@ def _import_ray() -> Any:
 class RayRollout:
     """Data-parallel `Rollout` over Ray actors.
 
-    >>> with RayRollout("bench-qwen2", num_workers=2, config=RolloutConfig(route="auto")) as rr:
+    >>> with RayRollout("bench-qwen2", num_workers=2) as rr:
     ...     result = rr.generate(prompts, SamplingConfig(max_new_tokens=16))
 
     model_factory: a picklable callable returning (model, tokenizer) or a bare model, built inside each
-      worker; or a string for `autobucket.models.load_any_model` (tiny name, smollm2, folder, HF id,
-      config.json). A path that does not exist is refused here, before any actor starts.
+      worker; or a string for `autobucket.load_model` (tiny name, smollm2, folder, HF id, config.json).
+      A path that does not exist is refused here, before any actor starts.
+    config: every worker's `RolloutConfig` (None: the defaults, route "auto" with online costs).
     worker_options: Ray actor options (`num_cpus`, `num_gpus`, `resources`, `runtime_env`, ...);
       `num_cpus` defaults to 1.
     torch_threads: `torch.set_num_threads` in each worker; None: the actor's `num_cpus` (an int).

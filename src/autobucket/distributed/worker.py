@@ -66,12 +66,12 @@ class Worker:
 
 
 def build_model(factory: ModelFactory) -> tuple[Any, Any]:
-    """(model, tokenizer) from a factory, or from a model name as `autobucket.models.load_any_model`
-    takes it (tiny name, smollm2, folder, HF id, config.json)."""
+    """(model, tokenizer) from a factory, or from a model name as `autobucket.load_model` takes it
+    (tiny name, smollm2, folder, HF id, config.json)."""
     if isinstance(factory, str):
-        from autobucket.models import load_any_model
+        from autobucket.models import load_model
 
-        return load_any_model(factory)
+        return load_model(factory)
     built = factory()
     return built if isinstance(built, tuple) else (built, None)
 

@@ -9,7 +9,9 @@
   routes, sized from a first tiny call to take about `PROBE_BUDGET_MS` ("probe"). After every call the
   call's timings refine the coefficients (`coefficients.online.OnlineCosts`) and the entry is saved
   ("online"). The probe runs only when a route needs coefficients (auto, bucketed): other routes'
-  timings are kept and join the probe's.
+  timings are kept and join the probe's. `RolloutConfig.persist_costs=False` keeps all of it in this
+  process: no entry is read or written. Only one process writes, and an unwritable cache folder is one
+  warning, never a failed call (`coefficients.store.persist_entry`).
 
 Every call's profile gets the coefficients it used, their source, and what they predict for the
 call's timed events next to what those events measured.
@@ -25,7 +27,7 @@ import torch
 
 from autobucket.coefficients.file import load_calibration
 from autobucket.coefficients.online import OnlineCosts, predicted_ms
-from autobucket.coefficients.store import load_entry, save_entry, store_metadata
+from autobucket.coefficients.store import load_entry, persist_entry, store_metadata
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
 from autobucket.profile import Profile, Timing
@@ -48,6 +50,7 @@ class CostSource:
         self.pending: list[Timing] = []  # online timings seen before the learner exists
         costs = config.costs
         self.online = costs is None or (isinstance(costs, str) and costs == ONLINE)
+        self.persist = self.online and config.persist_costs  # read and write the cache entry
         if self.online:
             self.fixed, self.source = None, ONLINE
         elif isinstance(costs, CostCoefficients):
@@ -65,7 +68,7 @@ class CostSource:
         return None if self.learner is None else self.learner.costs
 
     def _start(self, run: RunRoute | None) -> None:
-        entry = load_entry(self.metadata)
+        entry = load_entry(self.metadata) if self.persist else None
         if entry is not None:
             costs, observations, _ = entry
             self.learner, self.source = OnlineCosts(costs, self.geometry, observations), "stored"
@@ -96,12 +99,8 @@ class CostSource:
         self._save()
 
     def _save(self) -> None:
-        try:
-            save_entry(self.metadata, self.learner.costs, self.learner.observations(), self.source)
-        except OSError as exc:  # a read-only cache must not fail generation
-            import warnings
-
-            warnings.warn(f"could not save the learned costs: {exc}", stacklevel=3)
+        if self.persist and self.learner is not None:
+            persist_entry(self.metadata, self.learner.costs, self.learner.observations(), self.source)
 
 
 def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias
 
 from autobucket.checks import optional_int, require_int
 from autobucket.planning.costs import (
@@ -48,7 +49,10 @@ from autobucket.planning.planner import (
     shared_prefill_costs,
 )
 
-PADDED, PACKED, CHUNKED = "padded", "packed", "chunked"
+Form: TypeAlias = Literal["padded", "packed", "chunked"]  # how one prefill group is run
+PADDED: Final = "padded"
+PACKED: Final = "packed"
+CHUNKED: Final = "chunked"
 SEGMENTS, DENSE = "segments", "dense"  # how a packed row keeps its prompts apart
 DENSE_MAX_PROMPTS = 8
 _TIE_RELATIVE = 1e-12
@@ -84,7 +88,7 @@ class FormPlan:
     """Prefill groups of original prompt indices, each with its form; longest prompts first."""
 
     groups: tuple[tuple[int, ...], ...]
-    forms: tuple[str, ...]
+    forms: tuple[Form, ...]
     widths: tuple[int, ...]  # longest prompt of each group (tokens)
     cost_ms: float
 

@@ -42,7 +42,7 @@ class PromptRecord:
 @dataclass(frozen=True)
 class GenerateJob:
     """What `autobucket generate` does; `prompts` and `out` are paths or "-" for stdin / stdout; `model`
-    and its loading options as `autobucket.models.load_any_model` takes them."""
+    and its loading options (`model` to `threads`) as `autobucket.load_model` takes them."""
 
     prompts: str
     out: str = STDIO
@@ -53,6 +53,7 @@ class GenerateJob:
     dtype: str = "float32"
     device: str = "cpu"
     attn_implementation: str = "sdpa"
+    threads: int | None = None  # torch CPU threads (None: torch's)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(route="auto"))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chunk_prompts: int | None = None  # prompts per generate call (None: CHUNK_BATCHES continuous batches)
@@ -181,12 +182,13 @@ def encode_prompts(
 def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> dict[str, Any]:
     """Read, generate, write; returns the summary (route, buckets, times, tokens/s)."""
     from autobucket.engine.rollout import Rollout
-    from autobucket.models import load_any_model
+    from autobucket.models import load_model
 
     records = read_prompts(job.prompts, job.input_format)
     _check_output_path(job.out)
     started = time.perf_counter()
-    model, tokenizer = load_any_model(job.model, job.dtype, job.device, job.attn_implementation, job.trust_remote_code)
+    model, tokenizer = load_model(job.model, dtype=job.dtype, device=job.device, threads=job.threads,
+                                  attn_implementation=job.attn_implementation, trust_remote_code=job.trust_remote_code)
     load_s = time.perf_counter() - started
     rollout = Rollout(model, tokenizer, job.rollout)
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
