@@ -239,3 +239,16 @@ def test_two_threads_generating_on_one_model_at_once_both_match_the_oracle(model
     for name in ("packed", "chunked"):
         for result in results[name]:
             assert_matches_oracle(result, tokens, reasons)
+
+
+def test_the_tiny_model_builders_leave_the_global_rng_alone():
+    from autobucket.models import load_model
+
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    first = build_tiny_model("tiny-llama", seed=5)
+    load_model("tiny-qwen2")
+    assert torch.equal(torch.rand(3), expected)  # the caller's stream continues as if nothing ran
+    again = build_tiny_model("tiny-llama", seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True))

@@ -42,7 +42,8 @@ def test_decode_rows_without_a_penalty_track_no_seen_ids():
 
 def test_the_online_probe_runs_the_routes_under_the_users_config_without_nested_rollouts(monkeypatch):
     model = build_tiny_model("tiny-qwen2", seed=41)
-    config = RolloutConfig(route="auto", packing=False, prefill_max_tokens=48, trim_cache=True)
+    # persist_costs=False: no stored entry from an earlier test can stand in for the probe
+    config = RolloutConfig(route="auto", packing=False, prefill_max_tokens=48, trim_cache=True, persist_costs=False)
     rollout = Rollout(model, config=config)
     seen_configs, constructed = [], []
     original_route, original_init = RolloutClass._run_route, RolloutClass.__init__

@@ -16,6 +16,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-gpt2": ("GPT2Config", {
         "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 2048, "vocab_size": 1024,
         "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2}),
-    # The 20.3M-parameter benchmark model of ENVIRONMENT.md (hidden 256, 4 layers, 4 heads, 2 KV heads).
+    # The 20.3M-parameter benchmark model of docs/benchmarks.md (hidden 256, 4 layers, 4 heads, 2 KV heads).
     "bench-qwen2": ("Qwen2Config", {
         "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
@@ -69,6 +71,14 @@ MODEL_FORMS = (
     "a model folder, a Hugging Face id in the local cache, \"smollm2\" (the embedded SmolLM2-135M-Instruct), "
     f"a tiny random-weight name ({', '.join(sorted(TINY_CONFIGS))}) or an HF config.json (random weights)"
 )
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Random init from `seed` without touching the caller's global torch RNG (restored on exit)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def build_tiny_model(
@@ -82,8 +92,8 @@ def build_tiny_model(
     class_name, kwargs = TINY_CONFIGS[name]
     config = getattr(transformers, class_name)(**kwargs)
     config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with _seeded(seed):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
 
 
@@ -265,7 +275,6 @@ def random_model_from_config(
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read model config {str(path)!r}: {exc}") from exc
     config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with _seeded(seed), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()

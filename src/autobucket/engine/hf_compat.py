@@ -45,7 +45,7 @@ def unwrap_model(model: Any) -> torch.nn.Module:
 def _unwrap_once(model: Any) -> Any:
     if _is_peft_model(model):
         return model.get_base_model()
-    if isinstance(model, torch.nn.Module):
+    if _looks_wrapped(model):
         from accelerate.utils import extract_model_from_parallel
 
         unwrapped = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=False)
@@ -54,6 +54,18 @@ def _unwrap_once(model: Any) -> Any:
     if not hasattr(model, "generation_config") and hasattr(model, "module"):
         return model.module  # other wrappers that keep the model in `.module`
     return model
+
+
+_WRAPPER_CLASSES = frozenset({
+    "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine", "OptimizedModule",
+})  # fmt: skip
+
+
+def _looks_wrapped(model: Any) -> bool:
+    """A wrapper accelerate would remove. Checked first by class name because accelerate's unwrapping
+    imports DeepSpeed when installed, which prints to stdout (a CLI writing JSON there must not see it)."""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    return isinstance(model, torch.nn.Module) and (bool(names & _WRAPPER_CLASSES) or "_orig_mod" in vars(model))
 
 
 def _is_peft_model(model: Any) -> bool:
