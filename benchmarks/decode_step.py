@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from autobucket.engine.compiled_decode import CompiledDecode
-from autobucket.engine.hf_compat import forward_spec
-from autobucket.engine.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.compiled.compiled_decode import CompiledDecode
+from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 

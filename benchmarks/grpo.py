@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.prefill import left_pad
+from autobucket.engine.batching.prefill import left_pad
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.baselines import has_generate_batch
@@ -37,7 +37,7 @@ def autobucket_contender(model, costs):
 
     def run(prompts):
         profile = rollout.generate(prompts, sampling).profile
-        return {"prefill_tokens": profile.prefill_tokens, "route": profile.route, "groups": profile.prefill_buckets}
+        return {"prefill_tokens": profile.prefill_tokens, "route": profile.route, "groups": profile.prefill_groups}
 
     return run
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from autobucket.engine.hf_compat import forward_spec
-from autobucket.engine.packed_prefill import bounds_of, prefill_packed
+from autobucket.engine.batching.packed_prefill import bounds_of, prefill_packed
+from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 from autobucket.planning.forms import SEGMENTS
 from autobucket.prompts import random_prompts

@@ -54,7 +54,7 @@ def route_table(model, args, costs) -> list[dict]:
                 "ratio_to_best_manual": run.median_ms / best_manual,
                 "peak_memory_mib": profile.get("peak_memory_bytes", 0) / 2**20,
                 "prefill_forwards": profile.get("prefill_forwards"), "decode_forwards": profile.get("decode_forwards"),
-                "route": profile.get("route"), "prefill_buckets": profile.get("prefill_buckets"),
+                "route": profile.get("route"), "prefill_groups": profile.get("prefill_groups"),
                 "prefill_ms": profile.get("prefill_ms"), "decode_ms": profile.get("decode_ms"),
                 "cache_ms": profile.get("cache_ms"), "plan_ms": profile.get("plan_ms"),
             })

@@ -87,7 +87,7 @@ def test_auto_decisions_for_chosen_coefficients(tiny_models, name, route, forwar
     assert aligned.profile.prefill_forwards == 32
     assert result.tokens == aligned.tokens
     if route == "bucketed":
-        groups = result.profile.prefill_buckets[0]
+        groups = result.profile.prefill_groups[0]
         assert sorted(len(g) for g in groups) == [1, 31] and groups[0] == [0]  # the long prompt alone
         assert result.profile.estimated_bucketed_ms < result.profile.estimated_ordinary_ms
 
@@ -100,8 +100,8 @@ def test_bucket_count_responds_to_fixed_cost(tiny_models):
     cheap = auto(model, packing=False).generate(prompts, sampling)
     costly = auto(model, CostCoefficients(fixed_ms=5000.0, token_ms=0.05, attention_ms=0.5, kv_ms=0.02,
                                           decode_ms=1.0), packing=False).generate(prompts, sampling)
-    assert all(len(groups) > 1 for groups in cheap.profile.prefill_buckets)
-    assert all(len(groups) == 1 for groups in costly.profile.prefill_buckets)
+    assert all(len(groups) > 1 for groups in cheap.profile.prefill_groups)
+    assert all(len(groups) == 1 for groups in costly.profile.prefill_groups)
     assert cheap.tokens == costly.tokens
 
 
@@ -112,7 +112,7 @@ def test_every_refill_admission_is_planned(tiny_models):
     eos = choose_firing_eos(free_run)
     sampling = SamplingConfig(max_new_tokens=12, continuous_batch_size=16, eos_token_id=eos)
     result = auto(model, packing=False).generate(prompts, sampling)  # padded buckets, so the DP splits
-    admissions = result.profile.prefill_buckets
+    admissions = result.profile.prefill_groups
     assert result.route == "bucketed" and len(admissions) > 4
     admitted = [index for groups in admissions for group in groups for index in group]
     assert sorted(admitted) == list(range(64)), "every prompt admitted exactly once"
@@ -180,7 +180,7 @@ def test_bucketed_route_matches_oracle_and_plans_every_admission(tiny_models, ar
     assert_matches_oracle(result, tokens, reasons)
     assert result.route == "bucketed" and result.profile.estimated_ordinary_ms is None
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
-    for buckets in result.profile.prefill_buckets:
+    for buckets in result.profile.prefill_groups:
         admitted = sorted(index for bucket in buckets for index in bucket)
         plan = plan_prefill([len(prompts[i]) for i in admitted], geometry, CPU_LIKE, 65536)
         assert sorted(sorted(b) for b in buckets) == sorted(sorted(admitted[i] for i in b) for b in plan.buckets)

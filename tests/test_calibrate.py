@@ -319,7 +319,7 @@ def test_calibrate_cli_rejects_a_bad_shape(capsys):
 # ------------------------------------------------------------------------------------------- measuring
 def test_calibration_times_the_engines_own_prefill_and_insert(model, monkeypatch):
     from autobucket.calibration.measure import measure
-    from autobucket.engine.model_runner import ModelRunner
+    from autobucket.engine.batching.model_runner import ModelRunner
 
     calls = {"prefill": 0, "insert": 0}
     for name in calls:

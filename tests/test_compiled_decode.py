@@ -19,16 +19,16 @@ import torch
 from conftest import forget_oracle, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import compiled_decode
-from autobucket.engine.compile_setup import compile_credit_ms, compile_decision
-from autobucket.engine.compiled_decode import (
+from autobucket.engine.compiled import compiled_decode
+from autobucket.engine.compiled.compile_setup import compile_credit_ms, compile_decision
+from autobucket.engine.compiled.compiled_decode import (
     column_bucket,
     decode_graphs,
     predicted_graph_keys,
     row_bucket,
     store_columns,
 )
-from autobucket.engine.dynamo_compat import LIFTED_GRAPH_LIMIT, dynamo_limit_name, lifted_graph_limit
+from autobucket.engine.compiled.dynamo_compat import LIFTED_GRAPH_LIMIT, dynamo_limit_name, lifted_graph_limit
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
 from autobucket.planning.costs import CB_STEP
@@ -402,7 +402,7 @@ def test_auto_does_not_compile_a_new_shape_for_a_small_call():
 
 
 def test_compile_credit_counts_compile_time_only_for_new_graphs():
-    from autobucket.engine.compile_setup import compile_credit_ms
+    from autobucket.engine.compiled.compile_setup import compile_credit_ms
     from autobucket.planning.compile_choice import CompileDecision
 
     assert compile_credit_ms(CompileDecision(False, False, 500.0, 0.0, "")) == 0.0

@@ -106,7 +106,7 @@ def test_results_equal_a_single_process(rr, expected, sharding: str) -> None:
     assert [w.predicted_ms for w in result.workers] == pytest.approx(list(plan.predicted_ms))
     assert result.predicted_imbalance == pytest.approx(plan.imbalance)
     assert all(w.measured_ms > 0 for w in result.workers) and result.measured_imbalance >= 1.0
-    grouped = sorted(i for admission in result.profile.prefill_buckets for group in admission for i in group)
+    grouped = sorted(i for admission in result.profile.prefill_groups for group in admission for i in group)
     assert grouped == list(range(len(PROMPTS)))
     assert result.profile.output_tokens == sum(len(t) for t in expected.tokens)
     assert result.profile.total_ms >= max(w.measured_ms for w in result.workers)

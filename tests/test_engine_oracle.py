@@ -29,7 +29,7 @@ from conftest import (
 )
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.static_cache import StaticKVCache
+from autobucket.engine.batching.static_cache import StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -121,7 +121,7 @@ def test_every_route_matches_generate_on_every_arch_with_refill_and_eos(tiny_mod
     assert_matches_oracle(result, case.tokens, case.reasons)
     assert result.route == route
     if route != "ordinary":
-        assert len(result.profile.prefill_buckets) > 1  # rows were refilled
+        assert len(result.profile.prefill_groups) > 1  # rows were refilled
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -249,8 +249,8 @@ def test_equal_width_prefill_token_limit_splits_groups_and_stays_exact(tiny_mode
     assert_matches_oracle(result, case.tokens, case.reasons)
     profile = result.profile
     admissions, _, _ = simulate_schedule([len(t) for t in case.tokens], MIXED_ROWS)
-    assert [[i for g in groups for i in g] for groups in profile.prefill_buckets] == admissions
-    groups = [g for groups in profile.prefill_buckets for g in groups]
+    assert [[i for g in groups for i in g] for groups in profile.prefill_groups] == admissions
+    groups = [g for groups in profile.prefill_groups for g in groups]
     padded = [len(g) * max(len(case.prompts[i]) for i in g) for g in groups]
     assert all(tokens <= limit for tokens, g in zip(padded, groups, strict=True) if len(g) > 1)
     assert profile.prefill_forwards == len(groups) > len(admissions)
@@ -394,10 +394,10 @@ def test_continuous_batching_profile_counts_match_the_schedule(tiny_models, rout
     profile = result.profile
     admissions, decode_forwards, peak = simulate_schedule([len(t) for t in case.tokens], MIXED_ROWS)
     if route == "aligned":
-        assert profile.prefill_buckets == [[[i] for i in admitted] for admitted in admissions]
+        assert profile.prefill_groups == [[[i] for i in admitted] for admitted in admissions]
         assert profile.prefill_forwards == len(case.prompts)
     else:
-        assert profile.prefill_buckets == [[admitted] for admitted in admissions]
+        assert profile.prefill_groups == [[admitted] for admitted in admissions]
         assert profile.prefill_forwards == len(admissions)
     assert profile.decode_forwards == decode_forwards
     assert profile.max_active_rows == peak <= MIXED_ROWS
@@ -425,10 +425,10 @@ def test_ordinary_profile_counts_match_generate_batches(tiny_models):
 
 
 def test_control_wrong_prefill_positions_fail_the_oracle(tiny_models, monkeypatch):
-    import autobucket.engine.prefill
+    import autobucket.engine.batching.prefill
 
-    correct = autobucket.engine.prefill.positions_from_mask
-    monkeypatch.setattr(autobucket.engine.prefill, "positions_from_mask", lambda mask: correct(mask) + 1)
+    correct = autobucket.engine.batching.prefill.positions_from_mask
+    monkeypatch.setattr(autobucket.engine.batching.prefill, "positions_from_mask", lambda mask: correct(mask) + 1)
     for arch in ("tiny-llama", "tiny-gpt2"):  # rotary and learned absolute positions
         model = tiny_models(arch)
         case = mixed_case(model, arch)

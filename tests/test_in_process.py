@@ -21,7 +21,8 @@ import torch
 from conftest import assert_matches_oracle, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import ordinary, packed_prefill
+from autobucket.engine import ordinary
+from autobucket.engine.batching import packed_prefill
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import CostCoefficients
 
@@ -139,7 +140,7 @@ def test_other_threads_forwards_and_the_model_state_are_untouched(model, name):
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert model_state(model) == state_before
     if name == "packed":
-        assert any(len(bucket) > 1 for admission in result.profile.prefill_buckets for bucket in admission)
+        assert any(len(bucket) > 1 for admission in result.profile.prefill_groups for bucket in admission)
     if name == "chunked":
         assert "chunked" in {form for forms in result.profile.prefill_forms for form in forms}
 

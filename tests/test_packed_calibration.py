@@ -74,7 +74,7 @@ def model():
 
 def test_calibration_times_packed_forwards_through_the_engines_prefill(model, monkeypatch):
     from autobucket.calibration.measure import measure
-    from autobucket.engine.model_runner import ModelRunner
+    from autobucket.engine.batching.model_runner import ModelRunner
 
     forms = []
     original = ModelRunner.prefill

@@ -14,7 +14,7 @@ import torch
 from conftest import ARCHS, assert_matches_oracle, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import chunked_prefill, model_runner, packed_prefill
+from autobucket.engine.batching import chunked_prefill, model_runner, packed_prefill
 from autobucket.planning.costs import CostCoefficients
 from autobucket.planning.forms import CHUNKED, DENSE, PACKED, SEGMENTS
 
@@ -43,7 +43,7 @@ def multi_prompt_forms(result) -> set[str]:
     profile = result.profile
     return {
         form
-        for buckets, forms in zip(profile.prefill_buckets, profile.prefill_forms, strict=True)
+        for buckets, forms in zip(profile.prefill_groups, profile.prefill_forms, strict=True)
         for bucket, form in zip(buckets, forms, strict=True)
         if len(bucket) > 1
     }

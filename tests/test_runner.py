@@ -10,7 +10,7 @@ from conftest import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
-from autobucket.engine.decode_rows import DecodeRows
+from autobucket.engine.batching.decode_rows import DecodeRows
 from autobucket.engine.rollout import Rollout as RolloutClass
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import CostCoefficients

@@ -171,7 +171,7 @@ def test_shared_prefill_counts_unique_prompts(model, route):
     lengths = [7, 19, 3, 11]
     prompts = random_prompts(lengths)
     result = generate(model, route, prompts, sampling(n=8, continuous_batch_size=12))
-    assert sum(len(group) for admission in result.profile.prefill_buckets for g in admission for group in [g]) == 4
+    assert sum(len(group) for admission in result.profile.prefill_groups for g in admission for group in [g]) == 4
     if route == "aligned":
         assert result.profile.prefill_forwards == 4
         assert result.profile.prefill_tokens == sum(lengths)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autobucket.engine.static_cache import CacheCapacityError, StaticKVCache
+from autobucket.engine.batching.static_cache import CacheCapacityError, StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 

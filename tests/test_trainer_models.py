@@ -185,7 +185,7 @@ def test_something_that_is_not_a_causal_lm_is_refused_by_name():
 
 def test_control_fsdp2_under_inference_mode_fails(monkeypatch):
     """Why the engine picks its autograd mode per model: FSDP2 cannot unshard under inference mode."""
-    from autobucket.engine import grad_mode
+    from autobucket.engine.model_access import grad_mode
 
     model = build_tiny_model("tiny-mistral", seed=36)
     monkeypatch.setattr(grad_mode, "needs_version_counters", lambda model: False)

@@ -36,7 +36,7 @@ class Timing:
 @dataclass
 class Profile:
     route: str = ""
-    prefill_buckets: list[list[list[int]]] = field(default_factory=list)  # per admission, buckets of prompt indices
+    prefill_groups: list[list[list[int]]] = field(default_factory=list)  # per admission, its prefill groups' prompt indices
     prefill_forms: list[list[str]] = field(default_factory=list)  # per admission, each bucket's form
     prefill_forwards: int = 0
     prefill_tokens: int = 0  # padded token positions run through prefill
@@ -71,6 +71,14 @@ class Profile:
     eager_steps: int = 0  # decode steps run eagerly although compiling was on (new shape not compiled, fallback)
     compile_fallback: str = ""  # why compiled decoding was off or stopped ("" when it was not)
     compile_decision: str = ""
+
+    @property
+    def prefill_buckets(self) -> list[list[list[int]]]:
+        """Deprecated name of `prefill_groups` (one name for prompts prefilled together)."""
+        import warnings
+
+        warnings.warn("Profile.prefill_buckets is now Profile.prefill_groups", DeprecationWarning, stacklevel=2)
+        return self.prefill_groups
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but the raw `timings` (one entry per decode step: long)."""

@@ -46,7 +46,7 @@ from autobucket.calibration.timing import (
 )
 from autobucket.coefficients.fit import MAX_MEDIAN_ERROR, DecodePoint, FitReport, PrefillPoint, fit_costs
 from autobucket.coefficients.packed_fit import PackedPoint
-from autobucket.engine.packed_prefill import packing_attention
+from autobucket.engine.batching.packed_prefill import packing_attention
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.planning.forms import PACKED, PADDED
 

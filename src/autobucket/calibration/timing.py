@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-from autobucket.engine.hf_compat import forward_spec
-from autobucket.engine.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.planning.costs import CB_STEP, ORDINARY_STEP, CostCoefficients
 from autobucket.planning.forms import PADDED
 from autobucket.prompts import random_prompts
@@ -39,7 +39,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def time_prefill_insert(
     model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, form: str = PADDED
 ) -> tuple[float, float]:
-    """(forward ms, KV-copy ms) of one bucket (or packed group: `form`) through the engine's `ModelRunner`."""
+    """(forward ms, KV-copy ms) of one padded group (or packed group: `form`) through the engine's `ModelRunner`."""
     rows, width = len(prompts), max(len(p) for p in prompts)
     device = next(model.parameters()).device
     runner = ModelRunner(model, forward_spec(model), CacheShape(2 * rows, width + new_tokens), 0,

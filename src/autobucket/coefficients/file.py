@@ -33,9 +33,9 @@ REQUIRED_METADATA = ("model", *MUST_MATCH, *WARN_ONLY, "date")
 # The planner and the engine paths whose speed the coefficients describe.
 # Sources whose change can change what a calibration means (paths below the package root).
 FINGERPRINT_SOURCES = (
-    "planning/costs.py", "planning/planner.py", "engine/batcher.py", "engine/model_runner.py",
-    "engine/static_cache.py", "engine/prefill.py", "engine/routes.py", "planning/forms.py",
-    "engine/packed_prefill.py", "engine/admission.py", "engine/attention.py", "engine/decode_rows.py",
+    "planning/costs.py", "planning/planner.py", "engine/batching/batcher.py", "engine/batching/model_runner.py",
+    "engine/batching/static_cache.py", "engine/batching/prefill.py", "engine/routes.py", "planning/forms.py",
+    "engine/batching/packed_prefill.py", "engine/admission.py", "engine/model_access/attention.py", "engine/batching/decode_rows.py",
 )
 # Config fields that change with how a model was loaded, not with what it is.
 _VOLATILE_CONFIG_KEYS = frozenset({

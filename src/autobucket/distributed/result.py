@@ -3,7 +3,7 @@
 `DistributedResult` is a `RolloutResult` (same tokens / finish_reasons / route / profile) with the
 per-worker reports and the imbalance properties. The merged `Profile` sums the workers' counters, phase
 times (work, not wall time) and peak memory (each its own process's), takes the largest `capacity`, maps
-`prefill_buckets` to input indices (worker by worker), and sets `total_ms` to the wall time of the call."""
+`prefill_groups` to input indices (worker by worker), and sets `total_ms` to the wall time of the call."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class WorkerReport:
     predicted_ms: float  # the shard's summed `prompt_cost_ms`
     measured_ms: float  # the worker's own `Rollout.generate` wall time (0 for an empty shard)
     route: str = ""
-    profile: Profile | None = None  # the worker's profile; its prefill_buckets use shard-local indices
+    profile: Profile | None = None  # the worker's profile; its prefill_groups use shard-local indices
 
 
 @dataclass
@@ -81,8 +81,8 @@ def _merge_profiles(plan: ShardPlan, results: dict[int, RolloutResult], config_r
     merged.cache_capacity = max((profile.cache_capacity for profile in profiles.values()), default=0)
     for worker, profile in sorted(profiles.items()):
         shard = plan.shards[worker]
-        merged.prefill_buckets += [[[shard[i] for i in group] for group in admission]
-                                  for admission in profile.prefill_buckets]
+        merged.prefill_groups += [[[shard[i] for i in group] for group in admission]
+                                  for admission in profile.prefill_groups]
     for name in ("estimated_ordinary_ms", "estimated_bucketed_ms"):
         values = [getattr(profile, name) for profile in profiles.values()]
         setattr(merged, name, sum(values) if values and None not in values else None)

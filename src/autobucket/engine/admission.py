@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from autobucket.engine.packed_prefill import packing_attention
-from autobucket.engine.prefill import PrefillGroup
+from autobucket.engine.batching.packed_prefill import packing_attention
+from autobucket.engine.batching.prefill import PrefillGroup
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
 from autobucket.planning.route_choice import FormOptions, RouteDecision

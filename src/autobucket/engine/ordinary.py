@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessorList
 
+from autobucket.engine.batching.prefill import left_pad
 from autobucket.engine.finished import Finished, cut_at_eos
 from autobucket.engine.generation_setup import ResolvedGeneration
-from autobucket.engine.grad_mode import without_autograd
-from autobucket.engine.prefill import left_pad
+from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection, seen_in_left_padded
 from autobucket.planning.costs import ORDINARY_STEP, PREFILL_FORWARD
 from autobucket.profile import PhaseTimer, Profile, Timing

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
-from autobucket.engine.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
-from autobucket.engine.grad_mode import autograd_off_for
-from autobucket.engine.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
+from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
+from autobucket.engine.model_access.grad_mode import autograd_off_for
+from autobucket.engine.model_access.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
 from autobucket.planning.costs import CostCoefficients, ModelGeometry

@@ -9,7 +9,7 @@ import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.generation_setup import ResolvedGeneration
-from autobucket.engine.hf_compat import ForwardSpec
+from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import Selection
 from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.costs import CostCoefficients, ModelGeometry

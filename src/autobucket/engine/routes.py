@@ -28,16 +28,16 @@ from autobucket.engine.admission import (
     equal_width_groups,
     form_options,
 )
-from autobucket.engine.batcher import AdmissionPolicy, ContinuousBatcher
-from autobucket.engine.compile_setup import (
+from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher
+from autobucket.engine.batching.model_runner import CacheShape, ModelRunner
+from autobucket.engine.compiled.compile_setup import (
     compile_credit_ms,
     compile_decision,
     compiled_decode_for,
     record_compile,
 )
 from autobucket.engine.finished import Finished
-from autobucket.engine.hf_compat import attention_implementation, sliding_window_limit
-from autobucket.engine.model_runner import CacheShape, ModelRunner
+from autobucket.engine.model_access.hf_compat import attention_implementation, sliding_window_limit
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
@@ -97,7 +97,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
     profile.estimated_bucketed_ms = decision.bucketed_ms
     profile.decision_reason = decision.reason
     if decision.route == ROUTE_ORDINARY:
-        profile.prefill_buckets = [[list(range(len(call.prompts)))]]
+        profile.prefill_groups = [[list(range(len(call.prompts)))]]
         return ordinary_route(call)
     fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
     first = decision_groups(decision, call.config.prefill_max_tokens) if fits_first_admission else None

@@ -107,7 +107,7 @@ class DemoReport:
     def auto_widths(self) -> list[tuple[int, int]]:
         """(rows, padded width) of each prefill group of auto's first admission."""
         profile = self.timings["auto"].profile or {}
-        groups = (profile.get("prefill_buckets") or [[]])[0]
+        groups = (profile.get("prefill_groups") or [[]])[0]
         return [(len(g), max(len(self.prompts[i].ids) for i in g)) for g in groups]
 
 

@@ -298,6 +298,6 @@ def _chunk_starts(results: Sequence[Any]) -> list[tuple[Any, int]]:
 
 def _first_admission_widths(profile: Any, prompts: Sequence[list[int]], start: int) -> list[int]:
     """Padded width of each prefill group of a chunk's first admission (empty for plain ordinary)."""
-    if not profile.prefill_buckets:
+    if not profile.prefill_groups:
         return []
-    return [max(len(prompts[start + i]) for i in group) for group in profile.prefill_buckets[0]]
+    return [max(len(prompts[start + i]) for i in group) for group in profile.prefill_groups[0]]

@@ -226,7 +226,7 @@ def _contender_report(run: ContenderRun, tokens_match: bool) -> dict[str, Any]:
 
 def _auto_choice(profile: dict[str, Any], lengths: Sequence[int]) -> dict[str, Any]:
     """Auto's route and its first admission's buckets as [rows, width] pairs."""
-    admissions = profile.get("prefill_buckets") or []
+    admissions = profile.get("prefill_groups") or []
     first = admissions[0] if admissions else []
     buckets = [[len(group), max(lengths[i] for i in group)] for group in first]
     return {

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from autobucket.engine.grad_mode import without_autograd
-from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
-from autobucket.engine.prefill import PrefillOutput
+from autobucket.engine.batching.prefill import PrefillOutput
+from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
 
 
 def _chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor:

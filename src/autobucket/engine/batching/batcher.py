@@ -1,8 +1,8 @@
 """Continuous batching, host side: the queue, the active rows, retained prefills and finish checks.
 
 One loop serves every CB route; routes differ only in their admission policy, which splits each
-admission's prompts into prefill buckets (equal_width: one padded bucket; aligned: one bucket per
-prompt; bucketed: the planner's DP buckets). All device work goes through a `ModelRunner`.
+admission's prompts into prefill groups (equal_width: one padded group; aligned: one group per
+prompt; bucketed: the planner's padded, packed or chunked groups). All device work goes through a `ModelRunner`.
 
 Work items are (prompt, sample) pairs, queued prompt-major. A prompt is prefilled once; its K/V and
 last-token logits serve all of its `n` samples: each sample draws its own first token from the
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
+from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.finished import Finished
-from autobucket.engine.grad_mode import without_autograd
-from autobucket.engine.model_runner import ModelRunner, RowInsert
-from autobucket.engine.prefill import PrefillGroup, PrefillOutput, as_group
+from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
 from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
 from autobucket.planning.forms import PADDED
@@ -97,7 +97,7 @@ class ContinuousBatcher:
             sources[self.retained[0]] = self.retained[1]
         new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
         groups = [as_group(b) for b in policy(new_prompts)] if new_prompts else []
-        self.profile.prefill_buckets.append([list(g.prompts) for g in groups])
+        self.profile.prefill_groups.append([list(g.prompts) for g in groups])
         self.profile.prefill_forms.append([g.form for g in groups])
         # Widest group first: it sets the front, narrower groups then fit without a gap.
         for group in sorted(groups, key=lambda g: -max(len(prompts[i]) for i in g.prompts)):

@@ -6,7 +6,7 @@ causal: a token attends only to earlier tokens of its own prompt. Two ways to ge
 
 - `segments` (SDPA models): this forward's attention runs HF's own SDPA once per prompt on its slice of
   the row (no mask, `is_causal`), exactly the call a single-request prefill makes; it is selected for the
-  engine's forward only (`engine/attention.py`), never by writing the model's config. Attention work is
+  engine's forward only (`engine/model_access/attention.py`), never by writing the model's config. Attention work is
   sum(L_i^2), as unpadded.
 - `dense` (any implementation, the always-available fallback): a 4-D additive mask `[1, 1, T, T]`,
   block-diagonal causal, through the model's own attention. It costs T^2 attention work and T^2 mask
@@ -27,10 +27,10 @@ from contextlib import contextmanager
 
 import torch
 
-from autobucket.engine.attention import dispatches, engine_attention, hf_sdpa
-from autobucket.engine.grad_mode import without_autograd
-from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
-from autobucket.engine.prefill import PrefillOutput
+from autobucket.engine.batching.prefill import PrefillOutput
+from autobucket.engine.model_access.attention import dispatches, engine_attention, hf_sdpa
+from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.planning.forms import DENSE, SEGMENTS
 
 

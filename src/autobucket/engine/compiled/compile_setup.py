@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from autobucket.engine.compiled_decode import (
+from autobucket.engine.compiled.compiled_decode import (
     CompiledDecode,
     decode_graphs,
     predicted_graph_keys,

@@ -1,4 +1,4 @@
-"""The device side of continuous batching: prefill a bucket, insert its rows into the static cache,
+"""The device side of continuous batching: prefill a group, insert its rows into the static cache,
 run one decode forward. It never sees the queue, requests or finish rules (that is `batcher.py`), so
 calibration, a compiled decode path and tests can drive exactly the engine's device work.
 
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from autobucket.engine.chunked_prefill import prefill_chunked
-from autobucket.engine.compiled_decode import CompiledDecode, StepInputs
-from autobucket.engine.decode_rows import DecodeRows
-from autobucket.engine.hf_compat import ForwardSpec
-from autobucket.engine.packed_prefill import packing_attention, prefill_packed
-from autobucket.engine.prefill import PrefillOutput, prefill_bucket
+from autobucket.engine.batching.chunked_prefill import prefill_chunked
+from autobucket.engine.batching.decode_rows import DecodeRows
+from autobucket.engine.batching.packed_prefill import packing_attention, prefill_packed
+from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
+from autobucket.engine.batching.static_cache import StaticKVCache
+from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
+from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
-from autobucket.engine.static_cache import StaticKVCache
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
 
 
@@ -89,7 +89,7 @@ class ModelRunner:
             assert len(prompts) == 1 and chunk_tokens is not None, "a chunked prefill holds one prompt"
             output = prefill_chunked(self.model, self.spec, prompts[0], chunk_tokens)
         else:
-            output = prefill_bucket(self.model, self.spec, prompts, self.pad_token_id)
+            output = prefill_padded(self.model, self.spec, prompts, self.pad_token_id)
         seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
         return output, seen
 

@@ -1,4 +1,4 @@
-"""Prefill of one bucket of prompts: left-padded to its longest prompt, one forward.
+"""Prefill of one padded group of prompts (the planner's "bucket"): left-padded to its longest prompt, one forward.
 
 The forward goes through the model's own cache path (a fresh DynamicCache), exactly as HF
 `generate` prefills a left-padded batch: 2-D attention mask, position ids counted over real tokens
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autobucket.engine.grad_mode import without_autograd
-from autobucket.engine.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.planning.forms import PADDED
 
 # The forms (planning/forms.py): PADDED = prompts left-padded to the longest, one row each, one
@@ -30,9 +30,9 @@ class PrefillGroup:
     chunk_tokens: int | None = None  # chunked: most tokens per forward
 
 
-def as_group(bucket: Sequence[int] | PrefillGroup) -> PrefillGroup:
-    """An admission policy's bucket: a plain sequence of prompt indices is a padded group."""
-    return bucket if isinstance(bucket, PrefillGroup) else PrefillGroup(tuple(bucket))
+def as_group(group: Sequence[int] | PrefillGroup) -> PrefillGroup:
+    """An admission policy's group: a plain sequence of prompt indices is a padded group."""
+    return group if isinstance(group, PrefillGroup) else PrefillGroup(tuple(group))
 
 
 @dataclass
@@ -67,7 +67,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @without_autograd
-def prefill_bucket(
+def prefill_padded(
     model: torch.nn.Module, spec: ForwardSpec, prompts: Sequence[Sequence[int]], pad_token_id: int
 ) -> PrefillOutput:
     device = next(model.parameters()).device

@@ -21,7 +21,7 @@ Attention: under dynamo, transformers expands grouped K/V heads with `repeat_kv`
 cache every step, measured 2.6x slower than eager); here one decode token's query heads are grouped
 onto their K/V head instead (`[rows, kv_heads, group, head_dim]`), so SDPA reads the cache in place.
 The step passes that function as a forward keyword which transformers hands down to the attention
-call (`engine/attention.py`); the model's config is never written, so other threads are unaffected.
+call (`engine/model_access/attention.py`); the model's config is never written, so other threads are unaffected.
 
 Errors propagate; only compiling falls back. A compiled graph that raises at run time (the model's
 error, `torch.OutOfMemoryError`) raises the same exception object out of `step`. Dynamo reports an
@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from autobucket.engine.attention import ATTENTION_KEYWORD, install_dispatcher
-from autobucket.engine.dynamo_compat import (
+from autobucket.engine.batching.static_cache import StaticKVCache
+from autobucket.engine.compiled.dynamo_compat import (
     is_observed_not_implemented,
     lifted_graph_limit,
     observed_model_error,
 )
-from autobucket.engine.static_cache import StaticKVCache
+from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
