@@ -10,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from test_sampling import AUTO_COSTS, ROUTES, random_prompts
 from transformers import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -25,10 +26,7 @@ from transformers import (
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.selection import warp_logits
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
-ROUTES = ("ordinary", "equal_width", "aligned", "auto")
-AUTO_COSTS = CostCoefficients(fixed_ms=50.0, token_ms=0.01, attention_ms=0.0, kv_ms=0.0, decode_ms=1.0)
 HF_ORDER = [TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
             EpsilonLogitsWarper, EtaLogitsWarper]  # fmt: skip
 # One strong setting of each new warper for the tiny model (min_p 0.1 keeps ~30-120 of 1024 tokens).
@@ -38,11 +36,6 @@ WARPERS = [{"min_p": 0.1}, {"typical_p": 0.5}, {"epsilon_cutoff": 2e-3}, {"eta_c
 @pytest.fixture(scope="module")
 def model():
     return build_tiny_model("tiny-llama", seed=3)
-
-
-def random_prompts(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (length,), generator=generator).tolist() for length in lengths]
 
 
 def hf_warpers(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0):
