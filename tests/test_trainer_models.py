@@ -193,3 +193,16 @@ def test_control_fsdp2_under_inference_mode_fails(monkeypatch):
         wrapped = wrap("fsdp2", model)
         with pytest.raises(RuntimeError, match="version counter"):
             Rollout(wrapped, config=RolloutConfig(route="aligned")).generate(random_prompts([4], seed=1), sampling())
+
+
+def test_the_compiled_decode_step_on_a_model_in_train_mode_has_eval_semantics():
+    """The compiled graph is traced under the no-dropout mode: its steps match the eval-mode oracle."""
+    model = dropout_model()
+    prompts = random_prompts(LENGTHS[:4], seed=12)
+    tokens, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
+    model.train()
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, eos_token_id=[])
+    result = Rollout(model, config=RolloutConfig(route="aligned", compile=True)).generate(prompts, sampling)
+    assert result.profile.compiled_steps > 0, result.profile.compile_fallback
+    assert result.tokens == tokens
+    assert all(module.training for module in model.modules())
