@@ -1,11 +1,13 @@
-"""One continuous-batching decode step, eager vs compiled (`RolloutConfig(compile=True)`'s step).
+"""One continuous-batching decode step: eager, compiled (`compile=True`) and the invariant kernels.
 
     taskset -c 0 python benchmarks/decode_step.py --rows 32 --context 512 --out results/decode_step.json
 
 The 20.3M-param Qwen2 (`bench-qwen2`), fp32, one thread. The static cache holds `rows` prompts of
 `context` tokens; every timed step decodes at that context (the write front is reset), eager and
 compiled steps interleaved. Also timed: the output head's GEMM alone (`F.linear`, rows x hidden x
-vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler)."""
+vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler).
+`invariant` is the eager step with every linear on oneDNN-prepacked weights (`kernels="invariant"`);
+`repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.compiled.compiled_decode import CompiledDecode
+from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
@@ -57,15 +60,28 @@ def measure(args) -> dict:
     difference = (step_at_context(eager) - step_at_context(compiled)).abs().max().item()
     hidden = torch.randn(args.rows, model.config.hidden_size)
     head = model.lm_head.weight
-    samples = {"eager": [], "compiled": [], "head_gemm": []}
+    packs = PackedLinears()
+
+    def invariant_step():
+        with packed_linears(packs):
+            return step_at_context(eager)
+
+    invariant_difference = (step_at_context(eager) - invariant_step()).abs().max().item()
+    samples = {"eager": [], "compiled": [], "invariant": [], "head_gemm": [], "repack": []}
     for _ in range(args.warmup):
-        step_at_context(eager), step_at_context(compiled)
+        step_at_context(eager), step_at_context(compiled), invariant_step()
     for _ in range(args.repeats):
         samples["eager"].append(timed(lambda: step_at_context(eager)))
         samples["compiled"].append(timed(lambda: step_at_context(compiled)))
+        samples["invariant"].append(timed(invariant_step))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
+        packs.refresh()
+        before = packs.pack_ms
+        invariant_step()
+        samples["repack"].append(packs.pack_ms - before)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
+            "invariant_max_logit_difference": invariant_difference,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager)}  # fmt: skip
 
@@ -96,6 +112,9 @@ def main() -> None:
           f"(ratio {m['compiled'] / m['eager']:.3f}); head GEMM alone {m['head_gemm']:.2f} ms "
           f"({flops / m['head_gemm'] / 1e6:.1f} GFLOPS); compile {result['compile_ms'] / 1e3:.1f} s; "
           f"max |logit difference| {result['max_logit_difference']:.2e}")  # fmt: skip
+    print(f"invariant kernels {m['invariant']:.2f} ms (ratio to eager {m['invariant'] / m['eager']:.3f}); "
+          f"repacking every linear {m['repack']:.2f} ms; max |logit difference| vs eager "
+          f"{result['invariant_max_logit_difference']:.2e}")  # fmt: skip
     for name, ms in result["top_ops"]:
         print(f"  eager step, self time per step: {name:60s} {ms:7.2f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ ROUTE_CONFIGS = {
     "chunked": dict(route="aligned", prefill_max_tokens=8),
     "ordinary": dict(route="ordinary"),
     "auto": dict(route="auto", costs=CostCoefficients()),
+    "invariant_kernels": dict(route="bucketed", costs=PACK_EVERYTHING, kernels="invariant"),
 }
 
 
@@ -139,7 +140,7 @@ def test_other_threads_forwards_and_the_model_state_are_untouched(model, name):
     assert_matches_oracle(result, tokens, reasons)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert model_state(model) == state_before
-    if name == "packed":
+    if name in ("packed", "invariant_kernels"):
         assert any(len(bucket) > 1 for admission in result.profile.prefill_groups for bucket in admission)
     if name == "chunked":
         assert "chunked" in {form for forms in result.profile.prefill_forms for form in forms}

@@ -28,7 +28,7 @@ from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import Workload, reference_workloads, time_interleaved
 
-ENGINES = ("hf_generate", "auto", "auto_compiled", "bucketed_compiled", "vllm")
+ENGINES = ("hf_generate", "auto", "auto_invariant", "auto_compiled", "bucketed_compiled", "vllm")
 
 
 def workloads() -> list[Workload]:
@@ -82,9 +82,10 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
 
 def contenders(model, max_new_tokens: int) -> dict:
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, continuous_batch_size=32, eos_token_id=[])
-    settings = (("auto", "auto", False), ("auto_compiled", "auto", True), ("bucketed_compiled", "bucketed", True))
-    rollouts = {name: Rollout(model, config=RolloutConfig(route=route, compile=flag))
-                for name, route, flag in settings}  # fmt: skip
+    settings = (("auto", "auto", False, "hf"), ("auto_invariant", "auto", False, "invariant"),
+                ("auto_compiled", "auto", True, "hf"), ("bucketed_compiled", "bucketed", True, "hf"))
+    rollouts = {name: Rollout(model, config=RolloutConfig(route=route, compile=flag, kernels=kernels))
+                for name, route, flag, kernels in settings}  # fmt: skip
 
     def rollout_run(name):
         def run(prompts):

@@ -16,11 +16,13 @@ if TYPE_CHECKING:
 # The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
 CompileChoice: TypeAlias = bool | Literal["auto"]
+Kernels: TypeAlias = Literal["hf", "invariant"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
 CostsSpec: TypeAlias = "CostCoefficients | str | os.PathLike[str] | None"
 
 ROUTES: tuple[Route, ...] = get_args(Route)
 COMPILE_CHOICES: tuple[CompileChoice, ...] = ("auto", True, False)
+KERNELS: tuple[Kernels, ...] = get_args(Kernels)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class RolloutConfig:
       (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
       cache folder that cannot be written gets one warning and the call goes on. False: the cache
       folder is neither read nor written; learning stays in this process.
+    kernels: "hf" (default): the model's own forward, op by op; "invariant": the same forward with every
+      linear layer on oneDNN-prepacked weights (`engine/kernels/packed_linear.py`): a row's linear outputs
+      are bitwise the same whatever else is in the batch, the packed copies follow in-place weight updates
+      (`Rollout.refresh_weights()` for writes through `.data`), fp32 stays strict fp32, and they hold one
+      more copy of the linear weights. Attention is still the model's; the compiled step is not used.
     """
 
     route: Route = "auto"
@@ -69,9 +76,11 @@ class RolloutConfig:
     profile: bool = False
     compile: CompileChoice = False
     persist_costs: bool = True
+    kernels: Kernels = "hf"
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
+        require_choice("kernels", self.kernels, KERNELS)
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
         if self.prefill_max_tokens is not None:

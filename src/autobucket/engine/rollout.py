@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +21,12 @@ from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
+from autobucket.engine.kernels.packed_linear import (
+    PackedLinears,
+    check_fp32_precision,
+    onednn_available,
+    packed_linears,
+)
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.grad_mode import autograd_off_for
 from autobucket.engine.model_access.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
@@ -49,12 +57,19 @@ class Rollout:
         self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
+        self.packed_linears = _packed_linears_for(self.model, self.config)
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
 
     @property
     def costs(self) -> CostCoefficients:
         """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
         return self.cost_source.current(self._probe_runner())
+
+    def refresh_weights(self) -> None:
+        """Repack before the next forward: for weight writes that bypass version counters (`param.data`
+        copies); optimizer steps, `copy_` under `no_grad` and `load_state_dict` are seen without it."""
+        if self.packed_linears is not None:
+            self.packed_linears.refresh()
 
     @property
     def device(self) -> torch.device:
@@ -105,9 +120,26 @@ class Rollout:
             autograd_off_for(self.model),
             eval_semantics(self.model),
             checkpointing_layers_kept_cached(self.model),
+            self._kernels(profile),
         ):
             finished = ROUTES[config.route](call)
         return _result(call, finished, memory, started)
+
+    @contextmanager
+    def _kernels(self, profile: Profile) -> Iterator[None]:
+        """The engine's own kernels for this call's forwards (`kernels="invariant"`), with what packing cost."""
+        packs = self.packed_linears
+        if packs is None:
+            yield
+            return
+        made, pack_ms = packs.packs_made, packs.pack_ms
+        try:
+            with packed_linears(packs):
+                yield
+        finally:
+            profile.packs_made += packs.packs_made - made
+            profile.pack_ms += packs.pack_ms - pack_ms
+            profile.packed_weight_bytes = packs.nbytes
 
     def _probe_runner(self) -> RunRoute:
         """The online probe's calls: the engine's routes under this Rollout's own config (token budget,
@@ -133,6 +165,20 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
+
+
+def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> PackedLinears | None:
+    if config.kernels != "invariant":
+        return None
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        check_fp32_precision()
+    if not onednn_available(dtype):
+        warnings.warn(
+            f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
+            "linears run (not batch-invariant)", RuntimeWarning, stacklevel=3,
+        )  # fmt: skip
+    return PackedLinears()
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:

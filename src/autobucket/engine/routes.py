@@ -175,6 +175,11 @@ def with_compile_decision(call: RouteCall) -> RouteCall:
 def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
     longest = max(len(p) for p in call.prompts)
     items = len(call.prompts) * call.sampling.n
+    if call.config.kernels == "invariant" and call.config.compile is not False:
+        # The engine's own kernels run eagerly: a graph of the model's own linears would not be invariant.
+        decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
+                                    call.sampling.max_new_tokens, shape.cache_capacity)  # fmt: skip
+        return dataclasses.replace(decision, reason="kernels='invariant' decodes eagerly (compile not used)")
     return compile_decision(
         call.model, call.config.compile, shape.continuous_batch_size, items, longest,
         call.sampling.max_new_tokens, shape.cache_capacity, round_capacity=call.config.cache_capacity is None,

@@ -1,0 +1,138 @@
+"""Linear layers on prepacked weights that follow the live weights.
+
+`F.linear` on an unpacked weight lets MKL reorder the weight on every call and pick its blocking by the
+batch size, so a row's output can depend on how many other rows ride along (measured: 4.8e-7 between
+M = 1 and M = 2 on a 256 -> 1,024 linear, AMD EPYC). oneDNN on a weight reordered once
+(`mkldnn._reorder_linear_weight`) is faster on the decode shapes that dominate (the 8 x 256 x 32,000 head:
+1.44 vs 3.3 ms, Intel Xeon) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
+probed; M = 1 took another path on one shape (1,536 -> 576), so a single row runs as a batch of two.
+
+Every linear the engine's forwards run is routed here by `packed_linears` — a `TorchFunctionMode`, so
+only this thread's forwards inside the block see it and the model's modules are never touched (LoRA
+layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike). A packed copy is
+keyed on the weight's identity, `data_ptr()` and `_version`: an `optimizer.step()`, a `copy_` under
+`no_grad` or `load_state_dict` between calls bumps the version and the next forward repacks; a write
+through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs `refresh()`
+(`Rollout.refresh_weights()`)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packed linears run for `dtype` on this CPU (bf16 needs AVX512-BF16 or AMX)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass
+class _Pack:
+    owner: weakref.ref  # the weight this copy was made from
+    version: tuple[int, int | None]  # (data_ptr, _version) when packed
+    packed: torch.Tensor  # oneDNN-blocked copy of the weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+def _version_of(weight: torch.Tensor) -> tuple[int, int | None]:
+    # Inference tensors keep no version counter (they cannot be changed outside inference mode).
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
+
+
+class PackedLinears:
+    """The packed copies of one model's weights (kept across calls) and what packing cost."""
+
+    def __init__(self) -> None:
+        self._packs: dict[int, _Pack] = {}
+        self.packs_made = 0  # packs made, first ones and repacks after weight updates
+        self.pack_ms = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pack.nbytes for pack in self._packs.values())
+
+    def refresh(self) -> None:
+        """Drop every packed copy: the next forward repacks (after writes that bypass version counters)."""
+        self._packs.clear()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`."""
+        pack = self._pack_for(weight, x)
+        if pack is None:
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]: oneDNN's 2-D path was 10-15% faster than 3-D
+        if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
+            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), pack.packed, bias, "none", [], "")[:1]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, pack.packed, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _pack_for(self, weight: torch.Tensor, x: torch.Tensor) -> _Pack | None:
+        if not _eligible(weight, x):
+            return None
+        pack, version = self._packs.get(id(weight)), _version_of(weight)
+        if pack is not None and pack.owner() is weight and pack.version == version:
+            return pack
+        started = time.perf_counter()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # batch hint: a decode batch
+        pack = _Pack(weakref.ref(weight), version, packed)
+        self._packs[id(weight)] = pack
+        self.packs_made += 1
+        self.pack_ms += (time.perf_counter() - started) * 1e3
+        return pack
+
+
+def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu" and weight.dim() == 2 and x.dtype == weight.dtype and x.shape[-1] > 0
+        and x.numel() > 0 and onednn_available(weight.dtype) and not torch.is_grad_enabled()
+    )  # fmt: skip
+
+
+class _PackedLinearMode(TorchFunctionMode):
+    def __init__(self, packs: PackedLinears) -> None:
+        super().__init__()
+        self.packs = packs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            kwargs = kwargs or {}
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return self.packs.linear(x, weight, bias)
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def packed_linears(packs: PackedLinears) -> Iterator[None]:
+    """This thread's `F.linear` calls inside the block run on `packs` (mode stacks are thread-local)."""
+    with _PackedLinearMode(packs):
+        yield
+
+
+def check_fp32_precision() -> None:
+    """Refuse to run fp32 models where oneDNN was told to compute fp32 matmuls in a lower precision."""
+    import os
+
+    setting = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").strip().upper()
+    if setting not in ("none", "ieee") or fpmath not in ("", "STRICT"):
+        raise ValueError(
+            f"kernels='invariant' computes fp32 models in strict fp32, but torch.backends.mkldnn.matmul."
+            f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
+            "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
+        )

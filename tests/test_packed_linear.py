@@ -1,0 +1,161 @@
+"""`kernels="invariant"`: linear layers on oneDNN-prepacked weights.
+
+Oracles: `F.linear` on the same inputs (the values), a row computed alone (batch invariance, bitwise),
+single-request HF `generate` (tokens on every route and architecture), and a fresh HF `generate` after
+each kind of weight update (the packed copies follow live weights). Negative controls: a deliberately
+batch-dependent kernel fails the invariance check, and a `.data` write without `refresh_weights()`
+serves the old weights (documented behaviour, so the live-weights test can fail)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ARCHS, assert_matches_oracle, forget_oracle, mismatches, oracle_batch, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.kernels.packed_linear import PackedLinears, onednn_available, packed_linears
+from autobucket.models import build_tiny_model
+from autobucket.planning.costs import CostCoefficients
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(not onednn_available(torch.float32), reason="no oneDNN on this torch build"),
+]
+
+# (K, N) of the linears that matter: bench-qwen2's projections and head, SmolLM2's MLP and head.
+SHAPES = [(256, 1024), (1024, 256), (256, 32000), (576, 1536), (1536, 576), (256, 768)]
+BUDGET = 6
+
+
+def invariance_failures(kernel, k: int, n: int, batch: int = 32) -> list[str]:
+    """Rows whose output inside a batch of `batch` rows differs from the row computed alone, bitwise."""
+    generator = torch.Generator().manual_seed(k * 7 + n)
+    x = torch.randn(batch, k, generator=generator)
+    weight, bias = torch.randn(n, k, generator=generator) / k**0.5, torch.randn(n, generator=generator)
+    together = kernel(x, weight, bias)
+    failures = []
+    for row in (0, 1, batch // 2, batch - 1):
+        alone = kernel(x[row : row + 1], weight, bias)
+        prefix = kernel(x[: row + 1], weight, bias)[row : row + 1]
+        if not torch.equal(alone, together[row : row + 1]) or not torch.equal(prefix, alone):
+            failures.append(f"row {row} of {k}x{n}")
+    return failures
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_a_packed_linear_is_batch_invariant_and_equals_f_linear(k, n):
+    packs = PackedLinears()
+    with torch.inference_mode():
+        assert invariance_failures(packs.linear, k, n) == []
+        x, weight = torch.randn(5, 3, k), torch.randn(n, k) / k**0.5
+        torch.testing.assert_close(packs.linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_control_a_batch_dependent_kernel_fails_the_invariance_check():
+    def split_k_when_batched(x, weight, bias):  # sums K in two halves once more than one row runs
+        if x.shape[0] == 1:
+            return F.linear(x, weight, bias)
+        half = x.shape[1] // 2
+        return F.linear(x[:, :half], weight[:, :half], bias) + F.linear(x[:, half:], weight[:, half:])
+
+    with torch.inference_mode():
+        assert invariance_failures(split_k_when_batched, 1536, 576)
+
+
+def test_the_mode_routes_only_this_threads_linears_and_repacks_after_an_update():
+    packs, layer = PackedLinears(), torch.nn.Linear(64, 32)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        plain = layer(x)
+        with packed_linears(packs):
+            packed = layer(x)
+        assert packs.packs_made == 1 and packs.nbytes > 0
+        torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # bumps the version counter
+    with torch.inference_mode(), packed_linears(packs):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
+    assert packs.packs_made == 2
+
+
+# ---- end to end -----------------------------------------------------------------------------------------
+
+ROUTE_CONFIGS = {
+    "ordinary": dict(route="ordinary"),
+    "aligned": dict(route="aligned", prefill_max_tokens=16),  # chunked
+    "bucketed": dict(route="bucketed", costs=CostCoefficients(fixed_ms=1e4)),  # packed
+}
+
+
+def sampling(**fields) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, **fields)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("route", sorted(ROUTE_CONFIGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_invariant_kernels_match_generate_on_every_route_and_architecture(tiny_models, arch, route):
+    model = tiny_models(arch)
+    prompts = random_prompts((5, 17, 30, 3, 9, 40), seed=ARCHS.index(arch) + 60)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    config = RolloutConfig(kernels="invariant", **ROUTE_CONFIGS[route])
+    result = Rollout(model, config=config).generate(prompts, sampling())
+    assert_matches_oracle(result, tokens, reasons)
+    assert result.profile.packed_weight_bytes > 0
+
+
+def _step_model():
+    return build_tiny_model("tiny-llama", seed=51)
+
+
+def _generate(rollout, prompts):
+    return rollout.generate(prompts, sampling(eos_token_id=[])).tokens
+
+
+@pytest.mark.engine
+def test_packed_weights_follow_an_optimizer_step_and_load_state_dict():
+    model = _step_model()
+    prompts = random_prompts((7, 12, 20), seed=3)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
+    first = _generate(rollout, prompts)
+    assert first == oracle_batch(model, prompts, BUDGET, eos_token_id=[])[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(input_ids=torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss
+    loss.backward()
+    optimizer.step()
+    forget_oracle(model)
+    stepped = _generate(rollout, prompts)
+    assert stepped == oracle_batch(model, prompts, BUDGET, eos_token_id=[])[0] and stepped != first
+    model.load_state_dict(_step_model().state_dict())  # back to the first weights, in place
+    forget_oracle(model)
+    assert _generate(rollout, prompts) == first
+
+
+@pytest.mark.engine
+def test_a_data_write_needs_refresh_weights():
+    model = _step_model()
+    prompts = random_prompts((7, 12, 20), seed=4)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
+    first = _generate(rollout, prompts)
+    other = build_tiny_model("tiny-llama", seed=52)
+    for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+        mine.data.copy_(theirs.data)  # bypasses the version counter
+    forget_oracle(model)
+    fresh = oracle_batch(model, prompts, BUDGET, eos_token_id=[])[0]
+    assert mismatches(fresh, first)
+    # The documented stale case: embeddings and norms are read live, the linears' old packs still serve.
+    assert mismatches(_generate(rollout, prompts), fresh)
+    rollout.refresh_weights()
+    assert _generate(rollout, prompts) == fresh
+
+
+def test_invariant_kernels_refuse_a_lowered_fp32_precision(monkeypatch):
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    with pytest.raises(ValueError, match="ONEDNN_DEFAULT_FPMATH_MODE.*kernels='hf'"):
+        Rollout(build_tiny_model("tiny-llama"), config=RolloutConfig(kernels="invariant"))
+
+
+def test_a_bad_kernels_value_names_the_choices():
+    with pytest.raises(ValueError, match="kernels='fast' is invalid.*'hf', 'invariant'"):
+        RolloutConfig(kernels="fast")
