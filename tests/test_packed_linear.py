@@ -113,12 +113,16 @@ def _generate(rollout, prompts):
     return rollout.generate(prompts, sampling(eos_token_id=[])).tokens
 
 
+def _first_call(seed: int):
+    """(model, prompts, an invariant-kernels Rollout on it, the tokens of its first call)."""
+    model, prompts = _step_model(), random_prompts((7, 12, 20), seed=seed)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
+    return model, prompts, rollout, _generate(rollout, prompts)
+
+
 @pytest.mark.engine
 def test_packed_weights_follow_an_optimizer_step_and_load_state_dict():
-    model = _step_model()
-    prompts = random_prompts((7, 12, 20), seed=3)
-    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
-    first = _generate(rollout, prompts)
+    model, prompts, rollout, first = _first_call(seed=3)
     assert first == oracle_batch(model, prompts, BUDGET, eos_token_id=[])[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loss = model(input_ids=torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss
@@ -134,10 +138,7 @@ def test_packed_weights_follow_an_optimizer_step_and_load_state_dict():
 
 @pytest.mark.engine
 def test_a_data_write_needs_refresh_weights():
-    model = _step_model()
-    prompts = random_prompts((7, 12, 20), seed=4)
-    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
-    first = _generate(rollout, prompts)
+    model, prompts, rollout, first = _first_call(seed=4)
     other = build_tiny_model("tiny-llama", seed=52)
     for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
         mine.data.copy_(theirs.data)  # bypasses the version counter
