@@ -260,3 +260,16 @@ def test_seed_list_must_match_prompts(model):
     with pytest.raises(ValueError, match="seed has 2 values for 3 prompts"):
         rollout.generate(random_prompts([3, 4, 5]), sampling(seed=[1, 2]))
     assert len(rollout.generate(random_prompts([3]), sampling()).tokens) == 1  # still usable
+
+
+def test_greedy_selection_breaks_ties_like_argmax():
+    """Greedy takes the first maximal id, as HF's argmax does; ties are planted at both ends and inside."""
+    from autobucket.engine.selection import SamplerSettings, select_tokens
+
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(0))
+    for row, ids in enumerate([(0, 4095), (17, 3), (2048, 2049), (5, 5), (4095, 1), (100, 99, 98)]):
+        logits[row, list(ids)] = logits[row].max() + 1.0
+    settings = SamplerSettings(0.0, 0, 1.0, (0,) * 6)
+    tokens, _ = select_tokens(logits, settings, list(range(6)), [0] * 6, [0] * 6, False)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens.tolist()[:3] == [0, 3, 2048]
