@@ -17,6 +17,8 @@ through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
+@functools.cache  # read on every linear call of a forward: the answer is fixed for the process
 def onednn_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN packed linears run for `dtype` on this CPU (bf16 needs AVX512-BF16 or AMX)."""
     if not torch.backends.mkldnn.is_available():
@@ -126,8 +129,6 @@ def packed_linears(packs: PackedLinears) -> Iterator[None]:
 
 def check_fp32_precision() -> None:
     """Refuse to run fp32 models where oneDNN was told to compute fp32 matmuls in a lower precision."""
-    import os
-
     setting = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
     fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").strip().upper()
     if setting not in ("none", "ieee") or fpmath not in ("", "STRICT"):

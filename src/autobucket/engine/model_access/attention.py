@@ -94,11 +94,11 @@ class _NoDropout(TorchFunctionMode):
     """Dropout as in eval mode for the torch calls of this thread (mode stacks are thread-local)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:
-            kwargs["dropout_p"] = 0.0
+            kwargs = {**kwargs, "dropout_p": 0.0}
             if len(args) > 4:  # positional dropout_p
                 args = (*args[:4], 0.0, *args[5:])
         return func(*args, **kwargs)

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from autobucket.engine.model_access.hf_compat import class_names
+
 _PLAIN_NO_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_plain_no_grad", default=False)
 # Class names (not imports: torch.distributed may be absent) of wrappers that need version counters.
 _VERSIONED_WRAPPERS = frozenset({"FSDPModule", "FullyShardedDataParallel"})
@@ -39,7 +41,7 @@ def without_autograd(function: F) -> F:
 
 
 def needs_version_counters(model: torch.nn.Module) -> bool:
-    return any(cls.__name__ in _VERSIONED_WRAPPERS for module in model.modules() for cls in type(module).__mro__)
+    return any(class_names(module) & _VERSIONED_WRAPPERS for module in model.modules())
 
 
 @contextmanager

@@ -64,13 +64,18 @@ _WRAPPER_CLASSES = frozenset({
 def _looks_wrapped(model: Any) -> bool:
     """A wrapper accelerate would remove. Checked first by class name because accelerate's unwrapping
     imports DeepSpeed when installed, which prints to stdout (a CLI writing JSON there must not see it)."""
-    names = {cls.__name__ for cls in type(model).__mro__}
-    return isinstance(model, torch.nn.Module) and (bool(names & _WRAPPER_CLASSES) or "_orig_mod" in vars(model))
+    wrapper = bool(class_names(model) & _WRAPPER_CLASSES) or "_orig_mod" in vars(model)
+    return isinstance(model, torch.nn.Module) and wrapper
 
 
 def _is_peft_model(model: Any) -> bool:
-    # By class name up the MRO, so peft is never imported for models that are not peft's.
-    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__) and hasattr(model, "get_base_model")
+    return "PeftModel" in class_names(model) and hasattr(model, "get_base_model")
+
+
+def class_names(obj: Any) -> set[str]:
+    """The names of `obj`'s classes up its MRO: wrappers are recognised by name, so peft, DeepSpeed or
+    torch.distributed are never imported for a model that is not theirs."""
+    return {cls.__name__ for cls in type(obj).__mro__}
 
 
 def forward_spec(model: torch.nn.Module) -> ForwardSpec:
