@@ -21,12 +21,8 @@ from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
-from autobucket.engine.kernels.packed_linear import (
-    PackedLinears,
-    check_fp32_precision,
-    onednn_available,
-    packed_linears,
-)
+from autobucket.engine.kernels.packed_linear import PackedLinears, check_fp32_precision, onednn_available
+from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.grad_mode import autograd_off_for
 from autobucket.engine.model_access.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
@@ -134,7 +130,7 @@ class Rollout:
             return
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
-            with packed_linears(packs):
+            with invariant_kernels(packs):
                 yield
         finally:
             profile.packs_made += packs.packs_made - made
@@ -170,6 +166,7 @@ class Rollout:
 def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> PackedLinears | None:
     if config.kernels != "invariant":
         return None
+    check_invariant_model(model)
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32:
         check_fp32_precision()

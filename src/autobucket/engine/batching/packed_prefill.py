@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from autobucket.engine.batching.prefill import PrefillOutput
-from autobucket.engine.model_access.attention import dispatches, engine_attention, hf_sdpa
+from autobucket.engine.model_access.attention import base_attention, dispatches, engine_attention
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
 from autobucket.planning.forms import DENSE, SEGMENTS
@@ -50,7 +50,7 @@ _PACKING: contextvars.ContextVar[_Packing | None] = contextvars.ContextVar("pack
 
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
-    sdpa = hf_sdpa()
+    sdpa = base_attention()  # transformers' SDPA, or the invariant kernel (kernels='invariant')
     packing = _PACKING.get()
     assert packing is not None, "segment attention runs only inside a packed prefill"
     packing.calls += 1

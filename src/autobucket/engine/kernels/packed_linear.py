@@ -9,7 +9,8 @@ probed; M = 1 took another path on one shape (1,536 -> 576), so a single row run
 
 Every linear the engine's forwards run is routed here by `packed_linears` — a `TorchFunctionMode`, so
 only this thread's forwards inside the block see it and the model's modules are never touched (LoRA
-layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike). A packed copy is
+layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike; GPT-2's `Conv1D`
+is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
 keyed on the weight's identity, `data_ptr()` and `_version`: an `optimizer.step()`, a `copy_` under
 `no_grad` or `load_state_dict` between calls bumps the version and the next forward repacks; a write
 through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs `refresh()`
@@ -74,29 +75,41 @@ class PackedLinears:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`."""
-        pack = self._pack_for(weight, x)
+        pack = self._pack_for(weight, x, transposed=False)
         if pack is None:
             return F.linear(x, weight, bias)
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]: oneDNN's 2-D path was 10-15% faster than 3-D
-        if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
-            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), pack.packed, bias, "none", [], "")[:1]
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, pack.packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return _packed_matmul(x, pack, bias)
 
-    def _pack_for(self, weight: torch.Tensor, x: torch.Tensor) -> _Pack | None:
+    def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """bias [N] + x [M, K] @ weight [K, N]: GPT-2's `Conv1D` layers (weights stored transposed)."""
+        pack = self._pack_for(weight, x, transposed=True)
+        if pack is None:
+            return torch.addmm(bias, x, weight)
+        return _packed_matmul(x, pack, bias)
+
+    def _pack_for(self, weight: torch.Tensor, x: torch.Tensor, transposed: bool) -> _Pack | None:
         if not _eligible(weight, x):
             return None
         pack, version = self._packs.get(id(weight)), _version_of(weight)
         if pack is not None and pack.owner() is weight and pack.version == version:
             return pack
         started = time.perf_counter()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # batch hint: a decode batch
+        dense = weight.detach().t().contiguous() if transposed else weight.detach()  # [N, K]
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64)  # batch hint: a decode batch
         pack = _Pack(weakref.ref(weight), version, packed)
         self._packs[id(weight)] = pack
         self.packs_made += 1
         self.pack_ms += (time.perf_counter() - started) * 1e3
         return pack
+
+
+def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]: oneDNN's 2-D path was 10-15% faster than 3-D
+    if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
+        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), pack.packed, bias, "none", [], "")[:1]
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows, pack.packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -117,7 +130,18 @@ class _PackedLinearMode(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             return self.packs.linear(x, weight, bias)
+        if func is torch.addmm and _is_conv1d_call(args, kwargs):
+            return self.packs.addmm(*args)
         return func(*args, **(kwargs or {}))
+
+
+def _is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
+    """`torch.addmm(bias, x, weight)` as transformers' `Conv1D` calls it: a parameter as the weight,
+    beta = alpha = 1 (other addmm calls are left alone)."""
+    return (
+        not kwargs and len(args) == 3 and isinstance(args[2], torch.nn.Parameter) and args[1].dim() == 2
+        and args[0].dim() == 1
+    )  # fmt: skip
 
 
 @contextmanager

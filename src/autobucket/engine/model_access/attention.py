@@ -37,6 +37,11 @@ ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine'
 _ENGINE_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvars.ContextVar(
     "autobucket_engine_attention", default=None
 )
+# The attention kernel of this thread's forwards: transformers' own SDPA (None) or the engine's
+# batch-invariant kernel (`kernels="invariant"`); engine-specific attention (packed segments) runs on it.
+_KERNEL_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvars.ContextVar(
+    "autobucket_kernel_attention", default=None
+)
 _HF_SDPA: AttentionFunction | None = None  # the function the dispatcher replaced
 
 
@@ -47,10 +52,16 @@ def hf_sdpa() -> AttentionFunction:
     return _HF_SDPA
 
 
+def base_attention() -> AttentionFunction:
+    """The attention kernel this thread's forward runs on: the invariant kernel inside `kernel_attention`,
+    else transformers' own SDPA."""
+    return _KERNEL_ATTENTION.get() or hf_sdpa()
+
+
 def _dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():
-        chosen = _ENGINE_ATTENTION.get()
+        chosen = _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
     if chosen is None:
         return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
     return chosen(module, query, key, value, attention_mask, *args, **kwargs)
@@ -84,6 +95,18 @@ def engine_attention(function: AttentionFunction) -> Iterator[None]:
         yield
     finally:
         _ENGINE_ATTENTION.reset(token)
+
+
+@contextmanager
+def kernel_attention(function: AttentionFunction) -> Iterator[None]:
+    """This thread's forwards inside the block run their attention on `function` (the invariant kernel),
+    including the engine's own attention (packed segments) built on `base_attention()`."""
+    install_dispatcher()
+    token = _KERNEL_ATTENTION.set(function)
+    try:
+        yield
+    finally:
+        _KERNEL_ATTENTION.reset(token)
 
 
 # ------------------------------------------------------------------ eval semantics on a training model

@@ -1,0 +1,217 @@
+// Batch-invariant attention over any key layout (static cache, padded batch, packed row, chunk + prefix).
+//
+// The guarantee: the output for one (row, query head, query) depends only on that query vector and on
+// the ordered list of keys/values it may see, never on the batch, the other rows, the row's column
+// offset, padding, gaps in the cache, or how many queries run at once. So a token gets bitwise the same
+// attention output in decode (one query over the static cache), chunked prefill (a chunk over its
+// cached prefix), packed or padded prefill, and a trainer's teacher-forced forward.
+//
+// How: each query walks its own allowed keys in column order (masked columns are skipped and never
+// read) in blocks of kBlockKeys counted by rank from its first allowed key. Per block: scores
+// q.k (fixed-order dot product: kLanes partial sums over head_dim, then a fixed tree), block max,
+// exponentials, the block's sum and its P.V in key order, merged into the running (max, sum, output)
+// in block order (online softmax). Nothing in that order depends on anything but the sequence.
+// Grouped-query attention reads each K/V head once for all query heads that share it (no repeat_kv).
+//
+// Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
+// compiler never reassociates a sum.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockKeys = 64;  // keys per softmax block, counted from the query's first allowed key
+constexpr int kLanes = 16;          // partial sums of a dot product (one AVX-512 or two AVX2 registers)
+constexpr int kMaxGroup = 16;       // most query heads sharing one K/V head handled together
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (scores minus their running max), branch-free so a loop of them vectorizes:
+// 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 in two parts, p Cephes' degree-6 polynomial
+// (about 1 ulp on [-ln2/2, ln2/2]). Deterministic: the same x gives the same bits on every call.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below, 2^n would leave the normal range: exp is ~1e-38 there anyway
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// q (fp32, head_dim) . k (head_dim): kLanes partial sums in index order, then a fixed pairwise tree.
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t head_dim) {
+  float lanes[kLanes] = {0.0f};
+  int64_t d = 0;
+  for (; d + kLanes <= head_dim; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * as_float(k[d + l]);
+  }
+  for (int l = 0; d < head_dim; ++d, ++l) lanes[l] += q[d] * as_float(k[d]);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0];
+}
+
+struct Strides {
+  int64_t row, head, token;  // elements; the last (head_dim) dimension is contiguous
+};
+
+inline Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// One (row, K/V head, query): its group of query heads over the allowed keys `columns`.
+template <typename T>
+void attend_one(const T* q_base, Strides qs, const T* k_base, Strides ks, const T* v_base, Strides vs,
+                T* out_base, Strides os, int64_t row, int64_t kv_head, int64_t group, int64_t query,
+                const int32_t* columns, int64_t count, int64_t head_dim, float scale,
+                std::vector<float>& work) {
+  // work: [group][head_dim] query in fp32 | [group][head_dim] output | [group][kBlockKeys] scores
+  work.resize(static_cast<size_t>(group) * (2 * head_dim + kBlockKeys));
+  float* q = work.data();
+  float* acc = q + group * head_dim;
+  float* scores = acc + group * head_dim;
+  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = q_base + row * qs.row + (kv_head * group + g) * qs.head + query * qs.token;
+    for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = as_float(src[d]);
+    std::fill(acc + g * head_dim, acc + (g + 1) * head_dim, 0.0f);
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.0f;
+  }
+  const T* k_row = k_base + row * ks.row + kv_head * ks.head;
+  const T* v_row = v_base + row * vs.row + kv_head * vs.head;
+  for (int64_t first = 0; first < count; first += kBlockKeys) {
+    const int64_t n = std::min(kBlockKeys, count - first);
+    for (int64_t j = 0; j < n; ++j) {  // scores of the block: each key read once for the whole group
+      const T* k = k_row + static_cast<int64_t>(columns[first + j]) * ks.token;
+      for (int64_t g = 0; g < group; ++g) scores[g * kBlockKeys + j] = dot(q + g * head_dim, k, head_dim) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * kBlockKeys;
+      float block_max = s[0];
+      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
+      const float new_max = std::max(running_max[g], block_max);
+      const float rescale = first == 0 ? 0.0f : exp_nonpositive(running_max[g] - new_max);
+      float block_sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - new_max);
+      for (int64_t j = 0; j < n; ++j) block_sum += s[j];  // in key order
+      running_sum[g] = running_sum[g] * rescale + block_sum;
+      running_max[g] = new_max;
+      float* a = acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
+    }
+    for (int64_t j = 0; j < n; ++j) {  // P.V of the block, in key order, each value row read once
+      const T* v = v_row + static_cast<int64_t>(columns[first + j]) * vs.token;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * kBlockKeys + j];
+        float* a = acc + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * as_float(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* dst = out_base + row * os.row + query * os.token + (kv_head * group + g) * os.head;
+    const float sum = running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(count == 0 ? 0.0f : acc[g * head_dim + d] / sum);
+  }
+}
+
+// allowed: [rows, mask_queries, columns] bool (mask_queries 1 = the same keys for every query), or an
+// empty tensor: every column for one query, or causal (query i sees columns < columns - queries + i + 1).
+template <typename T>
+void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                const at::Tensor& allowed, bool causal, double scale, at::Tensor& out) {
+  const int64_t rows = query.size(0), heads = query.size(1), queries = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = key.size(1), columns = key.size(2), group = heads / kv_heads;
+  const bool has_mask = allowed.numel() > 0;
+  const int64_t mask_queries = has_mask ? allowed.size(1) : 0;
+  const bool* mask = has_mask ? allowed.data_ptr<bool>() : nullptr;
+  const Strides qs = strides_of(query), ks = strides_of(key), vs = strides_of(value);
+  const Strides os{out.stride(0), out.stride(2), out.stride(1)};  // out is [rows, queries, heads, head_dim]
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows * kv_heads * queries, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> keys(static_cast<size_t>(columns));
+    std::vector<float> work;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / (kv_heads * queries);
+      const int64_t kv_head = (item / queries) % kv_heads;
+      const int64_t qi = item % queries;
+      int64_t count = 0;
+      if (has_mask) {
+        const bool* m = mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns;
+        for (int64_t c = 0; c < columns; ++c) {
+          if (m[c]) keys[count++] = static_cast<int32_t>(c);
+        }
+      } else {
+        const int64_t visible = causal ? columns - queries + qi + 1 : columns;
+        for (int64_t c = 0; c < visible; ++c) keys[count++] = static_cast<int32_t>(c);
+      }
+      attend_one<T>(q, qs, k, ks, v, vs, o, os, row, kv_head, group, qi, keys.data(), count, head_dim,
+                    static_cast<float>(scale), work);
+    }
+  });
+}
+
+// query [rows, heads, queries, head_dim]; key, value [rows, kv_heads, columns, head_dim] (any strides,
+// head_dim contiguous) -> [rows, queries, heads, head_dim], transformers' attention-output layout.
+at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& allowed, bool causal, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "query, key, value must be 4-D");
+  TORCH_CHECK(query.device().is_cpu(), "invariant_attention runs on CPU tensors");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key.sizes() == value.sizes(), "key and value shapes differ");
+  TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3), "query and key shapes disagree");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0 && query.size(1) / key.size(1) <= kMaxGroup,
+              "query heads must be a multiple (at most 16x) of key/value heads");
+  TORCH_CHECK(key.size(2) < std::numeric_limits<int32_t>::max(), "too many key columns");
+  if (allowed.numel() > 0) {
+    TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.dim() == 3 && allowed.is_contiguous(),
+                "allowed must be a contiguous [rows, 1 or queries, columns] bool tensor");
+    TORCH_CHECK(allowed.size(0) == query.size(0) && allowed.size(2) == key.size(2) &&
+                    (allowed.size(1) == 1 || allowed.size(1) == query.size(2)),
+                "allowed's shape disagrees with query and key");
+  }
+  auto out = at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+  if (query.scalar_type() == at::kFloat) {
+    attend_all<float>(query, key, value, allowed, causal, scale, out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    attend_all<c10::BFloat16>(query, key, value, allowed, causal, scale, out);
+  } else {
+    TORCH_CHECK(false, "invariant_attention supports float32 and bfloat16, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(autobucket, m) {
+  m.def("invariant_attention(Tensor query, Tensor key, Tensor value, Tensor allowed, bool causal, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(autobucket, CPU, m) { m.impl("invariant_attention", &invariant_attention); }

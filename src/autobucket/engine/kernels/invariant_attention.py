@@ -1,0 +1,147 @@
+"""Batch-invariant attention: the engine's own kernel for every attention call of `kernels="invariant"`.
+
+transformers' SDPA picks its reduction order by shape: the flash kernel splits keys into blocks counted
+from column 0 of whatever tensor it is given, the math path runs a GEMM whose blocking depends on how
+many queries and columns there are. So a token's attention output differs by the last bits between
+decode (one query over the static cache, right-aligned, with gaps), chunked prefill, a padded batch and
+a trainer's teacher-forced forward. The kernel here (`csrc/invariant_attention.cpp`) walks each query's
+own allowed keys in blocks counted from its first allowed key, so its result depends on the sequence
+alone: bitwise the same on every route, batch, padding and refill order. It reads only the keys a row
+may see (masked columns are skipped, not read), and grouped-query heads share one read of their K/V.
+
+It is compiled with the machine's own instruction set at first use (`torch.utils.cpp_extension`, about
+a minute on two cores, cached by source, torch version and CPU flags in torch's extension folder).
+
+`invariant_sdpa` has transformers' attention-function signature; the engine selects it per thread
+(`engine/model_access/attention.py`), so no model config is written."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def load_invariant_kernels() -> None:
+    """Build (once per machine kind, cached on disk) and load the kernel library into `torch.ops.autobucket`.
+
+    Raises ValueError naming the fix when no C++ toolchain can build it."""
+    source = _SOURCE.read_text()
+    digest = hashlib.sha256(f"{source}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=f"autobucket_kernels_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fno-fast-math"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, FileNotFoundError) as error:
+        raise ValueError(
+            "kernels='invariant' builds its attention kernel with a C++ compiler at first use, and the build "
+            f"failed ({type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}); "
+            "install g++ and ninja, or use RolloutConfig(kernels='hf')"
+        ) from error
+
+
+class _AllowedMemo(threading.local):
+    """One forward builds its attention mask once and hands the same tensor to every layer, so the
+    bool form of the last mask seen on this thread is kept (keyed on the object and its version)."""
+
+    mask: weakref.ref | None = None
+    version: int = -1
+    columns: int = -1
+    allowed: torch.Tensor | None = None
+
+
+_MEMO = _AllowedMemo()
+_EMPTY = torch.empty(0, dtype=torch.bool)
+
+
+def allowed_keys(mask: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A 4-D attention mask `[rows | 1, 1, queries | 1, >= columns]` (bool: True = attend; additive:
+    0 = attend, dtype-min = masked) -> contiguous bool `[rows, queries | 1, columns]`."""
+    memo, given = _MEMO, mask
+    if memo.mask is not None and memo.mask() is given and memo.version == _version(given) and memo.columns == columns:
+        assert memo.allowed is not None
+        return memo.allowed
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(
+            f"invariant attention takes a [rows, 1, queries, columns] mask shared by all heads, got shape "
+            f"{tuple(mask.shape)}; use RolloutConfig(kernels='hf') for per-head masks"
+        )
+    mask = mask[:, 0, :, :columns]
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+        masked_floor = torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | (mask <= masked_floor)).all()):
+            raise ValueError(
+                "invariant attention takes a boolean or 0 / -inf additive mask, got an additive bias (ALiBi-"
+                "style); use RolloutConfig(kernels='hf') for this model"
+            )
+    allowed = allowed.expand(rows, -1, -1).contiguous()
+    memo.mask, memo.version, memo.columns, memo.allowed = weakref.ref(given), _version(given), columns, allowed
+    return allowed
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # Inference tensors keep no version counter; every caller builds a new mask object per forward
+    # (the static cache hands out a new view per step), so identity alone is the key there.
+    return -1 if tensor.is_inference() else tensor._version
+
+
+def invariant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """query [rows, heads, queries, D], key/value [rows, kv_heads, columns, D] -> [rows, queries, heads, D].
+
+    attention_mask: 4-D (bool or 0/-inf additive) or None (causal: query i sees the first
+    columns - queries + i + 1 keys; not causal: all)."""
+    load_invariant_kernels()
+    rows, columns = query.shape[0], key.shape[2]
+    allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
+    return torch.ops.autobucket.invariant_attention(query, key, value, allowed, causal, float(scale))
+
+
+def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                   is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface over `invariant_attention` (the engine's forwards run
+    with eval semantics, so `dropout` is not applied)."""
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"invariant attention has no {unsupported!r} (this architecture's attention, "
+                f"{type(module).__name__}, uses it); use RolloutConfig(kernels='hf') for this model"
+            )
+    if is_causal is None:
+        is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return invariant_attention(query, key, value, attention_mask, scale, bool(is_causal) and attention_mask is None), None

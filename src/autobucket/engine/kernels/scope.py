@@ -1,0 +1,33 @@
+"""The scope under which a forward runs the engine's own batch-invariant kernels: every linear on
+prepacked weights (`packed_linear.py`) and every attention call on the invariant kernel
+(`invariant_attention.py`), for this thread only; the model is not changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from autobucket.engine.kernels.invariant_attention import invariant_sdpa, load_invariant_kernels
+from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
+from autobucket.engine.model_access.attention import dispatches, kernel_attention
+
+
+def check_invariant_model(model: torch.nn.Module) -> None:
+    """Refuse models whose attention cannot be reached (loaded with eager attention), then build the kernel."""
+    if not dispatches(model):
+        implementation = getattr(model.config, "_attn_implementation", None)
+        raise ValueError(
+            f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
+            f"{type(model).__name__} was loaded with attn_implementation={implementation!r}: load it with "
+            "attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
+        )
+    load_invariant_kernels()
+
+
+@contextmanager
+def invariant_kernels(packs: PackedLinears) -> Iterator[None]:
+    """This thread's forwards in the block run the invariant linears (packed in `packs`) and attention."""
+    with packed_linears(packs), kernel_attention(invariant_sdpa):
+        yield
