@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autobucket.config import CompileChoice, RolloutConfig, Route, SamplingConfig
     from autobucket.distributed import RayRollout
+    from autobucket.engine.kernels.trainer_scope import invariant
     from autobucket.engine.rollout import Rollout
+    from autobucket.engine.trainer_logprobs import trainer_logprobs
     from autobucket.models import load_model
     from autobucket.planning.costs import CostCoefficients, ModelGeometry
     from autobucket.planning.planner import PrefillPlan, plan_prefill
@@ -39,6 +41,8 @@ _LAZY_NAMES = {
     "Profile": "autobucket.profile",
     "load_model": "autobucket.models",
     "RayRollout": "autobucket.distributed",
+    "invariant": "autobucket.engine.kernels.trainer_scope",
+    "trainer_logprobs": "autobucket.engine.trainer_logprobs",
 }
 
 # A literal list, so that type checkers see what is exported (the same names as `_LAZY_NAMES`).
@@ -59,6 +63,8 @@ __all__ = [
     "Profile",
     "load_model",
     "RayRollout",
+    "invariant",
+    "trainer_logprobs",
 ]
 
 if not TYPE_CHECKING:  # hidden from checkers: a misspelt name must be an error there, not `Any`

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
 CompileChoice: TypeAlias = bool | Literal["auto"]
 Kernels: TypeAlias = Literal["hf", "invariant"]
+LogprobsMode: TypeAlias = Literal["trainer", "processed"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
 CostsSpec: TypeAlias = "CostCoefficients | str | os.PathLike[str] | None"
 
 ROUTES: tuple[Route, ...] = get_args(Route)
 COMPILE_CHOICES: tuple[CompileChoice, ...] = ("auto", True, False)
 KERNELS: tuple[Kernels, ...] = get_args(Kernels)
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = get_args(LogprobsMode)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,12 @@ class SamplingConfig:
       per prompt (streams then do not depend on the prompt's position in the batch).
     n: samples per prompt; each unique prompt is prefilled once and its KV shared by its n rows.
     logprobs: also return each generated token's log-probability.
+    logprobs_mode: which log-probability. "trainer" (default): what an RL trainer computes for the token,
+      `log_softmax(logits / temperature)` over the full vocabulary from the model's raw logits in the
+      model's dtype (TRL's `selective_log_softmax`; `autobucket.trainer_logprobs`), temperature 1 when
+      greedy, no penalty or top-k / top-p; with `RolloutConfig(kernels="invariant")` and the trainer's
+      forward under `autobucket.invariant(model)` they are bitwise the trainer's. "processed": under the
+      distribution actually sampled from (after the penalty and every warper), in fp32.
     """
 
     max_new_tokens: int = 16
@@ -151,6 +159,7 @@ class SamplingConfig:
     seed: int | list[int] = 0
     n: int = 1
     logprobs: bool = False
+    logprobs_mode: LogprobsMode = "trainer"
 
     def __post_init__(self) -> None:
         require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
@@ -168,6 +177,7 @@ class SamplingConfig:
         require_int("n", self.n, 1, "ask for at least one sample per prompt")
         self._check_seed()
         require_bool("logprobs", self.logprobs)
+        require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         self._check_eos()
 
     def _check_warpers(self) -> None:

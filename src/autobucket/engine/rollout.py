@@ -103,8 +103,9 @@ class Rollout:
         # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
         timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
         selection = Selection(
-            _sampler_settings(sampling, len(prompts)), generation.repetition_penalty, sampling.logprobs
-        )
+            _sampler_settings(sampling, len(prompts)), generation.repetition_penalty, sampling.logprobs,
+            sampling.logprobs_mode, next(self.model.parameters()).dtype,
+        )  # fmt: skip
         call = RouteCall(
             self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,

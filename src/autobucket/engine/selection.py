@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from autobucket.engine.trainer_logprobs import trainer_logprobs
+
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_2 = np.uint64(0x94D049BB133111EB)
@@ -249,6 +251,8 @@ class Selection:
     sampler: SamplerSettings
     repetition_penalty: float
     want_logprobs: bool
+    logprobs_mode: str = "trainer"  # SamplingConfig.logprobs_mode
+    logits_dtype: torch.dtype = torch.float32  # the model's dtype: trainer logprobs are computed in it
 
     @property
     def uses_penalty(self) -> bool:
@@ -263,6 +267,13 @@ class Selection:
         steps: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [rows, vocab] fp32, seen [rows, vocab] bool | None -> (tokens [rows], logprobs [rows] | None)."""
+        raw = logits
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
-        return select_tokens(logits, self.sampler, prompts, samples, steps, self.want_logprobs)
+        processed = self.want_logprobs and self.logprobs_mode == "processed"
+        tokens, logprobs = select_tokens(logits, self.sampler, prompts, samples, steps, processed)
+        if self.want_logprobs and not processed:
+            # The model's own logits (fp32 copies of its dtype's values, so the cast back is exact).
+            temperature = 1.0 if self.sampler.greedy else self.sampler.temperature
+            logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature).float()
+        return tokens, logprobs

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.model_access.attention import dropout_suppressed
+
 _SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 
 
@@ -128,13 +130,61 @@ def invariant_attention(
     load_invariant_kernels()
     rows, columns = query.shape[0], key.shape[2]
     allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _InvariantAttention.apply(query, key, value, allowed, causal, float(scale))
     return torch.ops.autobucket.invariant_attention(query, key, value, allowed, causal, float(scale))
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """Forward values from the invariant kernel; gradients from SDPA recomputed on the saved inputs
+    (the backward needs no invariance, only the right gradient)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, allowed, causal, scale):  # type: ignore[override]
+        ctx.save_for_backward(query, key, value, allowed)
+        ctx.causal, ctx.scale = causal, scale
+        return torch.ops.autobucket.invariant_attention(query, key, value, allowed, causal, scale)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        query, key, value, allowed = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            output = reference_attention(*inputs, allowed, ctx.causal, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(output, wanted, grad_output))
+        return *(next(grads) if t.requires_grad else None for t in inputs), None, None, None
+
+
+def reference_attention(query, key, value, allowed: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """The same attention by SDPA (differentiable; not invariant): [rows, queries, heads, D]. Queries with
+    no allowed key give zeros, as the kernel does."""
+    rows, queries, columns = query.shape[0], query.shape[2], key.shape[2]
+    if allowed.numel() == 0:
+        allowed = torch.ones((queries, columns), dtype=torch.bool, device=query.device)
+        if causal:
+            allowed = allowed.tril(columns - queries)
+        allowed = allowed.expand(rows, queries, columns)
+    mask = allowed.expand(rows, queries, columns)
+    has_keys = mask.any(-1)  # [rows, queries]
+    mask = mask | ~has_keys[..., None]  # SDPA gives NaN on a fully masked query: unmask it, zero it below
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [rows, heads, queries, D]
+    return (output * has_keys[:, None, :, None].to(output.dtype)).transpose(1, 2)
 
 
 def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                    is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface over `invariant_attention` (the engine's forwards run
-    with eval semantics, so `dropout` is not applied)."""
+    """transformers' attention-function interface over `invariant_attention`. Dropout is never applied:
+    the engine's forwards run with eval semantics; a trainer's forward in train mode with attention
+    dropout is refused (dropout would make its logits random, never the rollout's)."""
+    if dropout and not dropout_suppressed():
+        raise ValueError(
+            f"invariant attention got attention dropout {dropout} ({type(module).__name__} in train mode): "
+            "the trainer's logits cannot equal the rollout's under dropout; set the model's attention_dropout "
+            "to 0 (TRL: disable_dropout=True) or call model.eval()"
+        )
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(

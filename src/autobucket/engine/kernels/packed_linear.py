@@ -78,6 +78,8 @@ class PackedLinears:
         pack = self._pack_for(weight, x, transposed=False)
         if pack is None:
             return F.linear(x, weight, bias)
+        if _needs_grad(x, weight, bias):
+            return _PackedLinearFunction.apply(x, weight, bias, pack, False)
         return _packed_matmul(x, pack, bias)
 
     def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,6 +87,8 @@ class PackedLinears:
         pack = self._pack_for(weight, x, transposed=True)
         if pack is None:
             return torch.addmm(bias, x, weight)
+        if _needs_grad(x, weight, bias):
+            return _PackedLinearFunction.apply(x, weight, bias, pack, True)
         return _packed_matmul(x, pack, bias)
 
     def _pack_for(self, weight: torch.Tensor, x: torch.Tensor, transposed: bool) -> _Pack | None:
@@ -103,6 +107,34 @@ class PackedLinears:
         return pack
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _PackedLinearFunction(torch.autograd.Function):
+    """A trainer's forward under `autobucket.invariant`: values from the packed kernel, gradients from
+    ordinary GEMMs on the live weight (`weight` [N, K], or [K, N] for `Conv1D` when `transposed`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pack, transposed):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.has_bias = transposed, bias is not None
+        return _packed_matmul(x, pack, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dense = weight.t() if ctx.transposed else weight  # [N, K]
+        grad_rows = grad_output.reshape(-1, grad_output.shape[-1])  # [M, N]
+        grad_x = (grad_rows @ dense).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1])  # [N, K]
+            grad_weight = grad_weight.t() if ctx.transposed else grad_weight
+        grad_bias = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
 def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, K]: oneDNN's 2-D path was 10-15% faster than 3-D
     if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
@@ -115,7 +147,7 @@ def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> t
 def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu" and weight.dim() == 2 and x.dtype == weight.dtype and x.shape[-1] > 0
-        and x.numel() > 0 and onednn_available(weight.dtype) and not torch.is_grad_enabled()
+        and x.numel() > 0 and onednn_available(weight.dtype)
     )  # fmt: skip
 
 

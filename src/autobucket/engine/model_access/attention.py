@@ -127,6 +127,14 @@ class _NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_DROPOUT_SUPPRESSED: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
+
+
+def dropout_suppressed() -> bool:
+    """Whether this thread's forwards run under `eval_semantics` (attention kernels then skip dropout)."""
+    return _DROPOUT_SUPPRESSED.get()
+
+
 @contextmanager
 def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
     """Forwards inside the block behave as in `model.eval()` (no dropout), without writing `model.training`.
@@ -134,8 +142,12 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
     if not any(module.training for module in model.modules()):
         yield
         return
-    with _NoDropout():
-        yield
+    token = _DROPOUT_SUPPRESSED.set(True)
+    try:
+        with _NoDropout():
+            yield
+    finally:
+        _DROPOUT_SUPPRESSED.reset(token)
 
 
 # ------------------------------------------------------------------ gradient checkpointing in train mode

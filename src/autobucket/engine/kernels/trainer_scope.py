@@ -1,0 +1,53 @@
+"""`autobucket.invariant(model)`: the trainer's own forward on the engine's batch-invariant kernels.
+
+Inside the block, this thread's forwards of `model` run every linear on the same prepacked weights and
+every attention call on the same kernel as `Rollout(kernels="invariant")`, so a teacher-forced forward
+of left-padded prompts + right-padded completions gives each completion token bitwise the logits the
+rollout sampled it from, whatever the batch, padding, route, packing, chunking, refill order or n.
+
+Autograd stays intact: the forward values come from the invariant kernels, the backward from ordinary
+ones (a linear's gradients are its GEMMs on the live weight; attention's are those of SDPA recomputed
+on the saved query, key and value), so gradients equal the unscoped backward to floating-point
+tolerance. Only forward values carry the guarantee. Packed copies follow the weights' versions, so an
+optimizer step repacks at the next forward (its cost is `PackedLinears.pack_ms`). Nothing on the model
+changes; other threads' forwards are untouched."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from autobucket.engine.kernels.packed_linear import PackedLinears, check_fp32_precision
+from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
+from autobucket.engine.model_access.hf_compat import unwrap_model
+
+_PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
+
+
+def packs_for(model: torch.nn.Module) -> PackedLinears:
+    """The one set of packed copies of `model`'s weights, shared by its `Rollout`s and trainer scopes
+    (one extra copy of the weights in memory, not one per user)."""
+    packs = _PACKS.get(model)
+    if packs is None:
+        packs = _PACKS[model] = PackedLinears()
+    return packs
+
+
+@contextmanager
+def invariant(model: Any) -> Iterator[PackedLinears]:
+    """Run this thread's forwards (and backwards) of `model` inside the block on the batch-invariant
+    kernels of `RolloutConfig(kernels="invariant")`; yields the packed weights (their `packs_made` and
+    `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
+    DeepSpeed / compiled wrapper, as `Rollout` takes. Raises ValueError for models the kernels cannot
+    reach (eager attention) or for fp32 set to compute in a lower precision."""
+    inner = unwrap_model(model)
+    check_invariant_model(inner)
+    if next(inner.parameters()).dtype == torch.float32:
+        check_fp32_precision()
+    packs = packs_for(inner)
+    with invariant_kernels(packs):
+        yield packs
