@@ -72,6 +72,7 @@ class Run:
     weights: dict
     outputs: list  # per generation call: TRL's output dict
     routes: list  # the routes autobucket ran for the last batch (None: TRL generated)
+    log_history: list  # TRL's logged metrics, one dict per logging step
 
 
 def grpo_config(tmp_path, greedy: bool, **overrides) -> GRPOConfig:
@@ -99,8 +100,10 @@ def recording(trainer_cls):
     return Recording
 
 
-def run_grpo(trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, **trainer_kwargs) -> Run:
-    model, tokenizer = build_tiny_model("tiny-qwen2"), word_tokenizer(eos_id)
+def run_grpo(
+    trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, dtype=torch.float32, **trainer_kwargs
+) -> Run:
+    model, tokenizer = build_tiny_model("tiny-qwen2").to(dtype), word_tokenizer(eos_id)
     completions: list = []
 
     def toy_reward(completion_ids, **kwargs):  # also records what TRL scored
@@ -118,7 +121,10 @@ def run_grpo(trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_over
         for h in trainer.state.log_history if "completions/mean_length" in h
     ]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return Run(completions, logged, weights, trainer.recorded_outputs, getattr(trainer, "autobucket_routes", None))
+    return Run(
+        completions, logged, weights, trainer.recorded_outputs, getattr(trainer, "autobucket_routes", None),
+        trainer.state.log_history,
+    )
 
 
 def assert_same_training(got: Run, want: Run) -> None:
@@ -195,6 +201,29 @@ def test_logprobs_match_trl_recomputed(tmp_path, eos_id):
         # different forward shapes (bucketed prefill vs TRL's padded batch) leave fp32 rounding only
         torch.testing.assert_close(ours, trl, rtol=1e-5, atol=1e-5)
         assert (ours - trl).abs().median() < 2e-6
+
+
+# ------------------------------------------------------------------ zero sampler-trainer mismatch
+def logged_mismatch(run: Run) -> list[tuple[float, float]]:
+    return [(h["mismatch/k3"], h["mismatch/max_abs_logp_diff"]) for h in run.log_history if "mismatch/k3" in h]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_kernels_give_zero_mismatch_every_step(tmp_path, eos_id, dtype):
+    """TRL's own per-token logprobs (its loss path, under autobucket.invariant) equal the sampling
+    logprobs bitwise at every step; the oracle is TRL's recomputation itself (logged k3 and max |diff|),
+    and also the recorded tensors. Control: the default kernels log a non-zero mismatch on the same run."""
+    config = {"num_generations": 4, "per_device_train_batch_size": len(PROMPT_WORDS) * 4}
+    run = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_config=RolloutConfig(route="auto", kernels="invariant"),
+    )
+    assert logged_mismatch(run) == [(0.0, 0.0)] * 3
+    control = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_config=RolloutConfig(route="auto"),
+    )
+    assert len(logged_mismatch(control)) == 3 and max(diff for _, diff in logged_mismatch(control)) > 0.0
 
 
 # ------------------------------------------------------------------ sampling options

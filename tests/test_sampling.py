@@ -3,6 +3,8 @@ with one shared prefill, and logprobs against single-request HF generate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 
@@ -214,16 +216,23 @@ def test_greedy_logprobs_equal_hf_log_softmax(model):
             assert all(value <= 0 for value in logprobs) and math.isfinite(sum(logprobs))
 
 
-def test_sampled_logprobs_are_under_the_warped_distribution(model):
+@pytest.mark.parametrize("mode", ["processed", "trainer"])
+def test_sampled_logprobs_are_under_the_warped_or_the_trainers_distribution(model, mode):
+    """processed: under the top-5 distribution sampled from; trainer: the full-vocabulary log-softmax of
+    logits / temperature a trainer computes (oracle: a teacher-forced forward); each differs from the other."""
     prompt = random_prompts([10])[0]
-    result = generate(model, "aligned", [prompt], sampling(top_k=5, top_p=1.0, max_new_tokens=4))
+    settings = dataclasses.replace(sampling(top_k=5, top_p=1.0, max_new_tokens=4, temperature=0.7), logprobs_mode=mode)
+    result = generate(model, "aligned", [prompt], settings)
     with torch.inference_mode():
         ids = torch.tensor([prompt + result.tokens[0]])
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    warped = torch.log_softmax(warp_logits(logits, 1.0, 5, 1.0), -1)
-    expected = warped.gather(-1, torch.tensor(result.tokens[0])[:, None]).squeeze(-1)
-    np.testing.assert_allclose(result.logprobs[0], expected.numpy(), atol=1e-4)
-    assert all(value > math.log(1e-9) for value in result.logprobs[0])  # top-5 mass, never a filtered token
+    warped = torch.log_softmax(warp_logits(logits, 0.7, 5, 1.0), -1)
+    full = torch.log_softmax(logits / 0.7, -1)
+    expected, other = (warped, full) if mode == "processed" else (full, warped)
+    index = torch.tensor(result.tokens[0])[:, None]
+    np.testing.assert_allclose(result.logprobs[0], expected.gather(-1, index).squeeze(-1).numpy(), atol=1e-4)
+    assert not np.allclose(result.logprobs[0], other.gather(-1, index).squeeze(-1).numpy(), atol=1e-3)
+    assert all(value > math.log(1e-9) for value in result.logprobs[0])  # never a filtered token
 
 
 # ---------------------------------------------------------------- validation

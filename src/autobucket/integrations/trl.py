@@ -14,9 +14,17 @@ depend on the route or the batch plan.
 
 Settings come from the trainer's `generation_config` (what TRL itself passes to `generate`).
 Anything autobucket cannot honour raises a ValueError naming the option; nothing falls back silently.
-Log-probabilities are returned when sampling (under the distribution sampled from, after temperature,
-top-k, top-p, min-p, typical, epsilon/eta cutoffs and penalty, like vLLM's processed logprobs); greedy
-decoding returns None, as TRL's own path does."""
+Log-probabilities are returned when sampling: the trainer's (`log_softmax(logits / temperature)` over
+the full vocabulary, `SamplingConfig.logprobs_mode="trainer"`, what TRL's loss computes); greedy
+decoding returns None, as TRL's own path does.
+
+Zero sampler-trainer mismatch (`rollout_config=RolloutConfig(kernels="invariant")`): the trainer's own
+per-token logprob computation (`_get_per_token_logps_and_entropies`, for the loss, the old policy and
+the reference model) runs its forward under `autobucket.invariant(model)`, with position ids counted
+over real tokens as generation counts them (TRL's fused LM head counts them from column 0 of the
+left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise); every
+training step logs `mismatch/k3` and `mismatch/max_abs_logp_diff` from TRL's per-token logprobs against
+the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl_mismatch.py)."""
 
 from __future__ import annotations
 
@@ -63,6 +71,49 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         check_trainer_supported(self)
 
+    @property
+    def invariant_kernels(self) -> bool:
+        return self.rollout_config.kernels == "invariant"
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):  # fmt: skip
+        """TRL's per-token logprobs (and entropies); with invariant kernels the forward runs under
+        `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights."""
+        if not self.invariant_kernels or compute_aux_loss or any(v is not None for v in multimodal.values()):
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
+            )  # fmt: skip
+        else:
+            logps, entropies = invariant_per_token_logps(
+                model, input_ids, attention_mask, logits_to_keep, self.temperature, batch_size, compute_entropy
+            )
+            aux_loss = None
+        if torch.is_grad_enabled():
+            self._autobucket_last_logps = logps.detach()  # the loss's logprobs, compared in _compute_loss
+        return logps, entropies, aux_loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """With invariant kernels the whole step runs in the scope: gradient checkpointing recomputes the
+        forward during backward, and that recomputation must see the kernels the forward saw."""
+        if not self.invariant_kernels:
+            return super().training_step(model, inputs, num_items_in_batch)
+        from autobucket import invariant
+
+        with invariant(self.model):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _compute_loss(self, model, inputs):
+        self._autobucket_last_logps = None
+        loss = super()._compute_loss(model, inputs)
+        trainer_logps, sampling_logps = self._autobucket_last_logps, inputs.get("sampling_per_token_logps")
+        if trainer_logps is not None and sampling_logps is not None:
+            mode = "train" if self.model.training else "eval"
+            for name, value in mismatch_metrics(trainer_logps, sampling_logps, inputs["completion_mask"]).items():
+                self._metrics[mode][name].append(value)
+        return loss
+
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
@@ -70,6 +121,44 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         per-token logprobs or None). `num_generations` is implied by the runs of identical prompts."""
         reject_multimodal(images, multimodal_fields)
         return generate_completions(self, prompt_ids, self.rollout_config, self.continuous_batch_size)
+
+
+def invariant_per_token_logps(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, temperature: float,
+    batch_size: int | None, compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] prompt+completion ids and mask -> per-token logprobs [B, logits_to_keep] (and entropies) of
+    the last `logits_to_keep` tokens, from the model's own forward on the invariant kernels."""
+    from trl.trainer.utils import entropy_from_logits
+
+    from autobucket import invariant, trainer_logprobs
+
+    batch_size = batch_size or input_ids.shape[0]
+    logps, entropies = [], []
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generation counts them: real tokens only
+        with invariant(model):
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=logits_to_keep + 1,
+                use_cache=False,
+            ).logits[:, :-1]  # [b, logits_to_keep, vocab]: the logits each completion token was sampled from
+        logps.append(trainer_logprobs(logits, ids[:, -logits_to_keep:], temperature))
+        if compute_entropy:
+            with torch.no_grad():
+                entropies.append(entropy_from_logits(logits / temperature))
+    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
+
+
+def mismatch_metrics(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sampler-trainer mismatch over completion tokens: k3 (mean of r - 1 - log r, r = p_trainer / p_sampler)
+    and the largest |logp difference|."""
+    valid = mask.bool()
+    if not bool(valid.any()):
+        return {"mismatch/k3": 0.0, "mismatch/max_abs_logp_diff": 0.0}
+    log_ratio = (trainer_logps.float() - sampling_logps.float())[valid]
+    k3 = (torch.exp(log_ratio) - 1 - log_ratio).mean()
+    return {"mismatch/k3": float(k3), "mismatch/max_abs_logp_diff": float(log_ratio.abs().max())}
 
 
 def make_rollout_func(

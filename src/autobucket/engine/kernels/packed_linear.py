@@ -73,21 +73,30 @@ class PackedLinears:
         """Drop every packed copy: the next forward repacks (after writes that bypass version counters)."""
         self._packs.clear()
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`."""
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recompute_safe: bool = False
+    ) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`. Under autograd the
+        gradients are ordinary GEMMs'; `recompute_safe` (gradient checkpointing on): see `_with_values`."""
         pack = self._pack_for(weight, x, transposed=False)
         if pack is None:
             return F.linear(x, weight, bias)
         if _needs_grad(x, weight, bias):
+            if recompute_safe:
+                return _with_values(F.linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
         return _packed_matmul(x, pack, bias)
 
-    def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def addmm(
+        self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recompute_safe: bool = False
+    ) -> torch.Tensor:
         """bias [N] + x [M, K] @ weight [K, N]: GPT-2's `Conv1D` layers (weights stored transposed)."""
         pack = self._pack_for(weight, x, transposed=True)
         if pack is None:
             return torch.addmm(bias, x, weight)
         if _needs_grad(x, weight, bias):
+            if recompute_safe:
+                return _with_values(torch.addmm(bias, x, weight), _packed_matmul(x.detach(), pack, bias.detach()))
             return _PackedLinearFunction.apply(x, weight, bias, pack, True)
         return _packed_matmul(x, pack, bias)
 
@@ -105,6 +114,30 @@ class PackedLinears:
         self.packs_made += 1
         self.pack_ms += (time.perf_counter() - started) * 1e3
         return pack
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+class _WithValues(torch.autograd.Function):
+    """`native`'s autograd graph carrying `values` (same shape) as its forward result."""
+
+    @staticmethod
+    def forward(ctx, native, values):  # type: ignore[override]
+        return values
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return grad_output, None
+
+
+def _with_values(native: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The packed kernel's values on the ordinary linear's graph. Gradient checkpointing recomputes a
+    layer's forward during backward, where no `TorchFunctionMode` is active, and requires the same saved
+    tensors as the first forward: so the first forward saves what the ordinary linear saves (it runs,
+    once more than otherwise) and only the values it passes on are the invariant ones."""
+    return _WithValues.apply(native, values)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -152,18 +185,18 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 class _PackedLinearMode(TorchFunctionMode):
-    def __init__(self, packs: PackedLinears) -> None:
+    def __init__(self, packs: PackedLinears, recompute_safe: bool) -> None:
         super().__init__()
-        self.packs = packs
+        self.packs, self.recompute_safe = packs, recompute_safe
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear:
             kwargs = kwargs or {}
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return self.packs.linear(x, weight, bias)
+            return self.packs.linear(x, weight, bias, self.recompute_safe)
         if func is torch.addmm and _is_conv1d_call(args, kwargs):
-            return self.packs.addmm(*args)
+            return self.packs.addmm(*args, recompute_safe=self.recompute_safe)
         return func(*args, **(kwargs or {}))
 
 
@@ -177,9 +210,10 @@ def _is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
 
 
 @contextmanager
-def packed_linears(packs: PackedLinears) -> Iterator[None]:
-    """This thread's `F.linear` calls inside the block run on `packs` (mode stacks are thread-local)."""
-    with _PackedLinearMode(packs):
+def packed_linears(packs: PackedLinears, recompute_safe: bool = False) -> Iterator[None]:
+    """This thread's `F.linear` calls inside the block run on `packs` (mode stacks are thread-local);
+    `recompute_safe`: the model recomputes forwards in backward (gradient checkpointing), see `_with_values`."""
+    with _PackedLinearMode(packs, recompute_safe):
         yield
 
 

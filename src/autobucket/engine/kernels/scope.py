@@ -27,7 +27,8 @@ def check_invariant_model(model: torch.nn.Module) -> None:
 
 
 @contextmanager
-def invariant_kernels(packs: PackedLinears) -> Iterator[None]:
-    """This thread's forwards in the block run the invariant linears (packed in `packs`) and attention."""
-    with packed_linears(packs), kernel_attention(invariant_sdpa):
+def invariant_kernels(packs: PackedLinears, recompute_safe: bool = False) -> Iterator[None]:
+    """This thread's forwards in the block run the invariant linears (packed in `packs`) and attention;
+    `recompute_safe` for models that recompute forwards in backward (gradient checkpointing)."""
+    with packed_linears(packs, recompute_safe), kernel_attention(invariant_sdpa):
         yield

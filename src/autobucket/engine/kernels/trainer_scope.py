@@ -49,5 +49,6 @@ def invariant(model: Any) -> Iterator[PackedLinears]:
     if next(inner.parameters()).dtype == torch.float32:
         check_fp32_precision()
     packs = packs_for(inner)
-    with invariant_kernels(packs):
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
+    with invariant_kernels(packs, recompute_safe=checkpointing):
         yield packs

@@ -1,0 +1,336 @@
+"""`kernels="invariant"`: the batch-invariant attention kernel and end-to-end batch invariance.
+
+Oracles: `F.scaled_dot_product_attention` on the same inputs, K/V heads repeated for grouped-query
+attention (the kernel's values: fp32 within 1e-5, bf16 within bf16 rounding of an fp32 reference); the
+same token's output in a whole-sequence causal prefill (the kernel's invariance, bitwise: decode over its
+prefix, chunks over a cached prefix, a padded static-cache batch with a gap, a packed row); and a prompt
+generated alone (end to end, bitwise tokens and logprobs: the same prompt inside a batch of 32 with
+refill, on every route, and every route against every other).
+Negative controls: SDPA on the same layouts, `kernels="hf"` end to end, and the invariant linears over
+transformers' SDPA end to end fail the same bitwise checks somewhere (so those checks can fail).
+Errors: masks the kernel cannot take (per head, an additive bias), softcapped attention and a model loaded
+with eager attention are refused, naming the way out."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ARCHS, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.kernels.invariant_attention import invariant_attention, invariant_sdpa
+from autobucket.engine.kernels.packed_linear import onednn_available
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+needs_onednn = pytest.mark.skipif(not onednn_available(torch.float32), reason="no oneDNN on this torch build")
+BF16_TOLERANCE = dict(rtol=1.6e-2, atol=1e-2)
+
+
+# ---- the kernel's values ----------------------------------------------------------------------------------
+
+
+def sdpa(query, key, value, mask, causal):
+    """[rows, heads, queries, D] x [rows, kv_heads, columns, D] -> [rows, queries, heads, D] by torch's SDPA,
+    with the kernel's conventions: causal aligned bottom-right (query i sees the first columns - queries + i
+    + 1 keys), a 4-D mask sliced to the columns, K/V heads repeated for grouped queries."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    queries, columns = query.shape[2], key.shape[2]
+    is_causal = False
+    if mask is not None:
+        mask = mask[..., :columns]
+    elif causal and queries == columns:
+        is_causal = True
+    elif causal and queries > 1:
+        mask = torch.ones(queries, columns, dtype=torch.bool).tril(columns - queries)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal)
+    return out.transpose(1, 2)
+
+
+def kernel(query, key, value, mask, causal):
+    return invariant_attention(query, key, value, mask, query.shape[-1] ** -0.5, causal)
+
+
+def random_mask(generator, shape) -> torch.Tensor:
+    """A bool mask (True: attend) with about a third masked and at least one allowed key per query."""
+    mask = torch.rand(shape, generator=generator) < 0.65
+    first = torch.randint(0, shape[-1], shape[:-1], generator=generator)
+    return mask.scatter(-1, first.unsqueeze(-1), True)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' additive form of a bool mask: 0 where allowed, the dtype's min where masked."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+# name -> (rows, queries, columns, mask shape or None, mask form, causal)
+VALUE_CASES = {
+    "causal chunk over a prefix": (2, 9, 40, None, None, True),
+    "causal whole sequence": (2, 70, 70, None, None, True),
+    "one query, no mask": (3, 1, 77, None, None, False),
+    "bool mask": (3, 6, 80, (3, 1, 6, 80), "bool", False),
+    "additive mask": (3, 6, 80, (3, 1, 6, 80), "additive", False),
+    "one mask for all rows": (3, 5, 33, (1, 1, 5, 33), "bool", False),
+    "one mask row for all queries": (2, 4, 130, (2, 1, 1, 130), "additive", False),
+    "mask wider than the keys": (2, 3, 20, (2, 1, 3, 25), "bool", False),
+}
+
+
+@pytest.mark.parametrize("head_dim", (8, 32, 48))
+@pytest.mark.parametrize("kv_heads", (2, 4), ids=("gqa group 2", "group 1"))
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_the_kernel_equals_sdpa(case, kv_heads, head_dim):
+    rows, queries, columns, mask_shape, form, causal = VALUE_CASES[case]
+    generator = torch.Generator().manual_seed(len(case) * 100 + kv_heads * 10 + head_dim)
+    # transformers hands the query over as a transposed view: the kernel must read any strides
+    query = torch.randn(rows, queries, 4, head_dim, generator=generator).transpose(1, 2)
+    key, value = (torch.randn(rows, kv_heads, columns, head_dim, generator=generator) for _ in range(2))
+    mask = None if mask_shape is None else random_mask(generator, mask_shape)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+        given = mask if form != "additive" else additive(mask, dtype)
+        with torch.inference_mode():
+            out = kernel(q, k, v, given, causal)
+            want = sdpa(q.float(), k.float(), v.float(), mask, causal)
+        assert out.dtype == dtype and out.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(out.float(), want, **BF16_TOLERANCE)
+
+
+# ---- the kernel's invariance ------------------------------------------------------------------------------
+
+ROWS, ROW, PAD, GAP, SPLIT, OTHER = 5, 2, 12, 9, 70, 40  # the batch layouts: see token_outputs
+CHUNK = 7
+
+
+def static_cache_columns(length: int) -> list[int]:
+    """Where a static cache holds a sequence of `length` tokens: after PAD left-padding columns, with a gap of
+    GAP dead columns after its first SPLIT tokens, ending at the last column (right-aligned)."""
+    return [PAD + t if t < SPLIT else PAD + GAP + t for t in range(length)]
+
+
+def over_prefix(attend, query, key, value, start: int, stop: int) -> torch.Tensor:
+    """Queries start..stop-1 over keys 0..stop-1, causal, no mask: a decode step or a chunk after its prefix."""
+    return attend(query[None, :, start:stop], key[None, :, :stop], value[None, :, :stop], None, True)[0]
+
+
+def token_outputs(attend, query, key, value, generator) -> dict[str, torch.Tensor]:
+    """One sequence (query [heads, L, D], key / value [kv_heads, L, D]) in each layout the engine runs:
+    name -> that sequence's attention output per token, [L, heads, D]."""
+    heads, length, dim = query.shape
+    kv_heads, dtype = key.shape[0], query.dtype
+    out = {"prefill": attend(query[None], key[None], value[None], None, True)[0]}
+    out["decode"] = torch.cat([over_prefix(attend, query, key, value, i, i + 1) for i in range(length)])
+    chunks = [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)]
+    out["chunks over a cached prefix"] = torch.cat(
+        [over_prefix(attend, query, key, value, *c) for c in chunks]
+    )
+
+    # a static-cache batch: ROWS rows of other sequences (random keys and masks), ours in row ROW
+    columns = static_cache_columns(length)
+    width = columns[-1] + 1
+    cache_k = torch.randn(ROWS, kv_heads, width, dim, generator=generator).to(dtype)
+    cache_v = torch.randn(ROWS, kv_heads, width, dim, generator=generator).to(dtype)
+    cache_k[ROW][:, columns], cache_v[ROW][:, columns] = key, value
+    queries = torch.randn(ROWS, length, heads, dim, generator=generator).to(dtype)
+    queries[ROW] = query.transpose(0, 1)
+    allowed = random_mask(generator, (ROWS, 1, length, width))
+    allowed[ROW] = False
+    for i in range(length):
+        allowed[ROW, 0, i, columns[: i + 1]] = True
+    out["padded batch with a gap"] = attend(queries.transpose(1, 2), cache_k, cache_v, allowed, False)[ROW]
+    steps = []
+    for i in range(length):  # one query per row, an additive mask as transformers builds for decode
+        step_mask = additive(allowed[:, :, i : i + 1], dtype)
+        steps.append(attend(queries[:, i : i + 1].transpose(1, 2), cache_k, cache_v, step_mask, False)[ROW])
+    out["decode over the padded cache"] = torch.cat(steps)
+
+    # a packed row: another sequence of OTHER tokens, then ours; block-diagonal causal mask
+    before = [torch.randn(t.shape[0], OTHER, dim, generator=generator).to(dtype) for t in (query, key, value)]
+    packed = [torch.cat([b, t], dim=1)[None] for b, t in zip(before, (query, key, value), strict=True)]
+    block = torch.ones(OTHER + length, OTHER + length, dtype=torch.bool).tril()
+    block[OTHER:, :OTHER] = False
+    out["packed after another sequence"] = attend(*packed, block[None, None], False)[0, OTHER:]
+    return out
+
+
+def sequence(generator, length, dtype, heads=4, kv_heads=2, dim=48):
+    return [torch.randn(n, length, dim, generator=generator).to(dtype) for n in (heads, kv_heads, kv_heads)]
+
+
+def differing_layouts(outputs: dict[str, torch.Tensor]) -> list[str]:
+    """Layouts whose output for some token differs from the whole prefill's, bitwise (with the tokens)."""
+    whole = outputs["prefill"]
+    failures = []
+    for name, got in outputs.items():
+        if not torch.equal(got, whole):
+            tokens = (got != whole).flatten(1).any(1).nonzero().flatten().tolist()
+            failures.append(f"{name} (tokens {tokens[:8]}{'...' if len(tokens) > 8 else ''})")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("length", (64, 150))
+def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype):
+    generator = torch.Generator().manual_seed(length)
+    query, key, value = sequence(generator, length, dtype)
+    with torch.inference_mode():
+        outputs = token_outputs(kernel, query, key, value, generator)
+        want = sdpa(query[None].float(), key[None].float(), value[None].float(), None, True)[0]
+    assert differing_layouts(outputs) == []
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
+    torch.testing.assert_close(outputs["prefill"].float(), want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_control_sdpa_on_the_same_layouts_differs_somewhere(dtype):
+    generator = torch.Generator().manual_seed(150)
+    query, key, value = sequence(generator, 150, dtype)
+    with torch.inference_mode():
+        assert differing_layouts(token_outputs(sdpa, query, key, value, generator))
+
+
+# ---- what the kernel refuses --------------------------------------------------------------------------
+
+
+def test_a_per_head_mask_is_refused():
+    query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    mask = torch.ones(2, 4, 3, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match="shared by all heads.*kernels='hf'"):
+        kernel(query, key, value, mask, False)
+
+
+def test_an_additive_bias_is_refused():
+    query, key, value = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    distance = torch.arange(6)[None, :] - torch.arange(6)[:, None]  # ALiBi: -slope * distance, causal
+    bias = (0.5 * distance.clamp(max=0).float()).masked_fill(distance > 0, torch.finfo(torch.float32).min)
+    with pytest.raises(ValueError, match="ALiBi.*kernels='hf'"):
+        kernel(query, key, value, bias[None, None], False)
+
+
+def test_softcapped_attention_is_refused():
+    query, key = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="'softcap'.*kernels='hf'"):
+        invariant_sdpa(torch.nn.Module(), query, key, key, None, softcap=30.0)
+
+
+def test_a_model_loaded_with_eager_attention_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*attn_implementation='sdpa'"):
+        Rollout(
+            tiny_models("tiny-llama", attn_implementation="eager"), config=RolloutConfig(kernels="invariant")
+        )
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+
+ROUTE_CONFIGS = {
+    "ordinary": dict(route="ordinary"),
+    "equal_width": dict(route="equal_width"),
+    "aligned": dict(route="aligned"),
+    "bucketed": dict(route="bucketed"),  # packed prefill (the planner's choice here)
+    "bucketed padded": dict(route="bucketed", packing=False),
+    "bucketed chunked": dict(route="bucketed", prefill_max_tokens=16),
+    "auto": dict(route="auto"),
+}
+PROMPTS, BUDGET, ROWS_AT_ONCE = 32, 8, 8  # 8 rows at once: most prompts are admitted by refills
+ALONE = (0, 13, PROMPTS - 1)  # the prompts also generated alone
+
+
+def workload(arch: str) -> list[list[int]]:
+    rng = random.Random(ARCHS.index(arch) + 90)
+    return random_prompts([rng.randint(3, 90) for _ in range(PROMPTS)], seed=ARCHS.index(arch) + 90)
+
+
+def sampled(seeds: list[int], n: int = 1) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=BUDGET,
+        temperature=1.0,
+        seed=seeds,
+        logprobs=True,
+        continuous_batch_size=ROWS_AT_ONCE,
+        n=n,
+    )
+
+
+def alone_vs_batch(model, route: str, kernels: str, prompts, n: int = 1, alone=ALONE):
+    """(the batch's (tokens, logprobs), [(prompt, whether its alone result equals its batch entry)])."""
+    config = RolloutConfig(kernels=kernels, persist_costs=False, **ROUTE_CONFIGS[route])
+    rollout = Rollout(model, config=config)
+    batch = rollout.generate(prompts, sampled(list(range(len(prompts))), n))
+    comparisons = []
+    for k in alone:
+        single = rollout.generate([prompts[k]], sampled([k], n))
+        same = single.tokens[0] == batch.tokens[k] and single.logprobs[0] == batch.logprobs[k]
+        comparisons.append((k, same))
+    return (batch.tokens, batch.logprobs), comparisons
+
+
+def invariance_failures(model, routes, prompts, n: int = 1, alone=ALONE) -> list[str]:
+    """Every way the invariant kernels' results depend on the batch: a prompt alone vs in the batch, on
+    each route, and each route's batch vs the first route's (bitwise tokens and logprobs)."""
+    failures, first = [], None
+    for route in routes:
+        batch, comparisons = alone_vs_batch(model, route, "invariant", prompts, n, alone)
+        failures += [
+            f"{route}: prompt {k} alone differs from the batch" for k, same in comparisons if not same
+        ]
+        if first is None:
+            first = (route, batch)
+        elif batch != first[1]:
+            failures.append(f"{route}'s batch differs from {first[0]}'s")
+    return failures
+
+
+@needs_onednn
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_prompt_gets_its_alone_result_on_every_route(tiny_models, arch):
+    assert invariance_failures(tiny_models(arch), ROUTE_CONFIGS, workload(arch)) == []
+
+
+@needs_onednn
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ("tiny-qwen2", "tiny-opt"))
+def test_n_samples_per_prompt_get_their_alone_results(tiny_models, arch):
+    prompts = workload(arch)[:12]
+    assert (
+        invariance_failures(tiny_models(arch), ("bucketed", "aligned"), prompts, n=4, alone=(0, 5, 11)) == []
+    )
+
+
+@needs_onednn
+def test_control_hf_kernels_depend_on_the_batch_somewhere(tiny_models):
+    comparisons = [
+        same
+        for arch in ARCHS
+        for route in ("aligned", "bucketed", "bucketed chunked")
+        for _, same in alone_vs_batch(tiny_models(arch), route, "hf", workload(arch))[1]
+    ]
+    assert not all(comparisons), (
+        f"all {len(comparisons)} hf comparisons were bitwise equal: the check is blind"
+    )
+
+
+@needs_onednn
+def test_control_packed_linears_with_hf_attention_depend_on_the_batch(tiny_models, monkeypatch):
+    """The attention kernel carries its share: the invariant linears over transformers' SDPA fail the check."""
+    from autobucket.engine.kernels import scope
+    from autobucket.engine.model_access.attention import hf_sdpa
+
+    monkeypatch.setattr(scope, "invariant_sdpa", lambda *args, **kwargs: hf_sdpa()(*args, **kwargs))
+    assert invariance_failures(tiny_models("tiny-llama"), ("aligned", "bucketed"), workload("tiny-llama"))
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="no oneDNN bf16 linear on this CPU")
+@pytest.mark.parametrize("arch", ("tiny-llama", "tiny-gpt2"))
+def test_bf16_models_get_their_alone_results(tiny_models, arch):
+    model = copy.deepcopy(tiny_models(arch)).to(torch.bfloat16)  # the session's fp32 model stays fp32
+    assert invariance_failures(model, ("auto", "bucketed"), workload(arch)) == []
