@@ -1,0 +1,165 @@
+"""Zero sampler-trainer mismatch: rollout logprobs bitwise equal to the trainer's own forward.
+
+Oracle: the trainer's teacher-forced forward of left-padded prompts + right-padded completions (one
+padded batch, as TRL scores them, position ids over real tokens), under `autobucket.invariant(model)`,
+then `trainer_logprobs` (TRL's formula). Every sampled token's rollout logprob must equal it exactly
+(max |diff| == 0.0) on six architectures, fp32 and bf16, every continuous-batching form and n in {1, 4},
+and again after an optimizer step. Negative controls: the same forward without the scope differs
+somewhere; so does a rollout with `kernels="hf"`. The backward under the scope gives the unscoped
+gradients to fp tolerance."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from conftest import ARCHS, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
+from autobucket.engine.kernels.packed_linear import onednn_available
+from autobucket.models import build_tiny_model
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]
+
+LENGTHS = [5, 37, 12, 80, 3, 66, 21, 9]
+# (route, prefill_max_tokens): bucketed packs here; 16 tokens a forward forces chunked prefill
+FORMS = [("auto", 65536), ("aligned", 65536), ("bucketed", 65536), ("bucketed", 16)]
+
+
+def sample(model, kernels: str, route: str, prefill_max_tokens: int, n: int, temperature: float = 1.0):
+    """A rollout of LENGTHS prompts -> (flat prompts, flat completions, flat logprobs)."""
+    prompts = random_prompts(LENGTHS, seed=5)
+    config = RolloutConfig(route=route, kernels=kernels, persist_costs=False, prefill_max_tokens=prefill_max_tokens)
+    sampling = SamplingConfig(
+        max_new_tokens=10, temperature=temperature, seed=list(range(len(prompts))), n=n, logprobs=True,
+        continuous_batch_size=5, eos_token_id=[],
+    )  # fmt: skip
+    result = Rollout(model, config=config).generate(prompts, sampling)
+    if n == 1:
+        return prompts, result.tokens, result.logprobs
+    flat = [p for p in prompts for _ in range(n)]
+    return flat, [t for group in result.tokens for t in group], [lp for group in result.logprobs for lp in group]
+
+
+def padded_batch(prompts, completions) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts + right-padded completions: ids, mask [rows, P + C], and P."""
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        ids[row, width_p - len(prompt) : width_p + len(completion)] = torch.tensor(prompt + completion)
+        mask[row, width_p - len(prompt) : width_p + len(completion)] = 1
+    return ids, mask, width_p
+
+
+def trainer_side(model, prompts, completions, scoped: bool, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's per-token logprobs [rows, C] from one teacher-forced forward (grad enabled)."""
+    ids, mask, width_p = padded_batch(prompts, completions)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with invariant(model) if scoped else contextlib.nullcontext():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    return trainer_logprobs(logits[:, width_p - 1 : -1], ids[:, width_p:], temperature).detach().float()
+
+
+def max_abs_diff(trainer: torch.Tensor, completions, logprobs) -> float:
+    return max(
+        (trainer[row, : len(tokens)] - torch.tensor(lp)).abs().max().item()
+        for row, (tokens, lp) in enumerate(zip(completions, logprobs, strict=True))
+    )
+
+
+def model_in(arch: str, dtype: torch.dtype, tiny_models) -> torch.nn.Module:
+    model = copy.deepcopy(tiny_models(arch)).to(dtype)
+    for module in model.modules():  # a trainer disables dropout (TRL: disable_dropout=True)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("dropout", "activation_dropout", "attention_dropout"):  # OPT's functional dropout rates
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    return model.train()
+
+
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not onednn_available(torch.bfloat16), reason="no oneDNN bf16 linear on this CPU"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollout_logprobs_equal_the_scoped_trainer_forward_bitwise(arch, dtype, tiny_models):
+    model = model_in(arch, dtype, tiny_models)
+    unscoped_diffs = []
+    for route, budget in FORMS:
+        for n in (1, 4) if route == "bucketed" and budget == 16 else (1,):
+            prompts, completions, logprobs = sample(model, "invariant", route, budget, n)
+            assert max_abs_diff(trainer_side(model, prompts, completions, True), completions, logprobs) == 0.0, (
+                f"{route} budget {budget} n={n}"
+            )
+            unscoped_diffs.append(max_abs_diff(trainer_side(model, prompts, completions, False), completions, logprobs))
+    assert max(unscoped_diffs) > 0.0  # control: the trainer's forward without the scope is not the rollout's
+
+
+def test_temperature_and_an_optimizer_step_keep_the_equality(tiny_models):
+    """T = 0.7 on both sides; then an optimizer step (in-place update, version bump): the next rollout
+    repacks and equals the updated trainer bitwise, and differs from the first rollout."""
+    model = model_in("tiny-qwen2", torch.float32, tiny_models)
+    before = sample(model, "invariant", "auto", 65536, 1, temperature=0.7)
+    assert max_abs_diff(trainer_side(model, before[0], before[1], True, 0.7), before[1], before[2]) == 0.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with invariant(model):
+        ids, mask, _ = padded_batch(before[0], before[1])
+        model(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    after = sample(model, "invariant", "auto", 65536, 1, temperature=0.7)
+    assert max_abs_diff(trainer_side(model, after[0], after[1], True, 0.7), after[1], after[2]) == 0.0
+    assert after[2] != before[2]
+
+
+def test_control_hf_kernels_leave_a_mismatch(tiny_models):
+    model = model_in("tiny-llama", torch.float32, tiny_models)
+    prompts, completions, logprobs = sample(model, "hf", "bucketed", 16, 1)
+    assert max_abs_diff(trainer_side(model, prompts, completions, True), completions, logprobs) > 0.0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+def test_backward_under_the_scope_gives_the_unscoped_gradients(arch, checkpointing, tiny_models):
+    model = model_in(arch, torch.float32, tiny_models)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.tensor([random_prompts([30], seed=1)[0], random_prompts([30], seed=2)[0]])
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding in one row
+
+    def gradients(scoped: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        with invariant(model) if scoped else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            (logits[mask.bool()].float().log_softmax(-1)[:, 5].sum()).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    scoped, plain = gradients(True), gradients(False)
+    assert scoped.keys() == plain.keys() and len(scoped) > 0
+    for name in plain:
+        # fp32 rounding of a different forward order, relative to the gradient's scale (measured ~2e-6)
+        scale = plain[name].abs().max().item()
+        torch.testing.assert_close(scoped[name], plain[name], rtol=0, atol=2e-5 * scale, msg=name)
+
+
+def test_scope_refuses_eager_attention_models(tiny_models):
+    with pytest.raises(ValueError, match="attn_implementation"), invariant(tiny_models("tiny-llama", "eager")):
+        pass
+
+
+def test_trainer_logprobs_is_trls_formula():
+    """Oracle: TRL's own selective_log_softmax (CPU path) on the same logits, fp32 and bf16, T != 1."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0))
+    index = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = trainer_logprobs(logits.to(dtype), index, 0.7)
+        theirs = trl_utils.selective_log_softmax(logits.to(dtype), index, temperature=0.7)
+        assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="temperature"):
+        trainer_logprobs(logits, index, 0.0)
