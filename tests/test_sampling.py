@@ -4,7 +4,6 @@ with one shared prefill, and logprobs against single-request HF generate."""
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import re
 

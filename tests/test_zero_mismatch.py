@@ -19,7 +19,6 @@ from conftest import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
 from autobucket.engine.kernels.packed_linear import onednn_available
-from autobucket.models import build_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]
 

@@ -48,14 +48,15 @@ def load_invariant_kernels() -> None:
 
     Raises ValueError naming the fix when no C++ toolchain can build it."""
     source = _SOURCE.read_text()
-    digest = hashlib.sha256(f"{source}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math"]  # never reassociate a sum
+    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
     from torch.utils import cpp_extension
 
     try:
         cpp_extension.load(
             name=f"autobucket_kernels_{digest}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fno-fast-math"],
+            extra_cflags=flags,
             is_python_module=False,
             verbose=False,
         )
@@ -148,7 +149,8 @@ class _InvariantAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         query, key, value, allowed = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad[:3])]
+        wants = ctx.needs_input_grad[:3]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), wants, strict=True)]
         with torch.enable_grad():
             output = reference_attention(*inputs, allowed, ctx.causal, ctx.scale)
             wanted = [t for t in inputs if t.requires_grad]

@@ -42,7 +42,8 @@ inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
 // (about 1 ulp on [-ln2/2, ln2/2]). Deterministic: the same x gives the same bits on every call.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below, 2^n would leave the normal range: exp is ~1e-38 there anyway
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // round to nearest by the 1.5 * 2^23 trick (exact for |x / ln 2| < 2^22; vectorizes, unlike nearbyint)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;

