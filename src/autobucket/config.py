@@ -61,11 +61,13 @@ class RolloutConfig:
       (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
       cache folder that cannot be written gets one warning and the call goes on. False: the cache
       folder is neither read nor written; learning stays in this process.
-    kernels: "hf" (default): the model's own forward, op by op; "invariant": the same forward with every
-      linear layer on oneDNN-prepacked weights (`engine/kernels/packed_linear.py`): a row's linear outputs
-      are bitwise the same whatever else is in the batch, the packed copies follow in-place weight updates
-      (`Rollout.refresh_weights()` for writes through `.data`), fp32 stays strict fp32, and they hold one
-      more copy of the linear weights. Attention is still the model's; the compiled step is not used.
+    kernels: "hf" (default): the model's own forward, op by op; "invariant": the engine's own kernels
+      (`engine/kernels/`): every linear on oneDNN-prepacked weights that follow in-place weight updates
+      (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
+      reduction order depends only on the sequence, so a token's logits are bitwise the same on every
+      route, batch, padding, refill order and n, and equal a trainer's forward under
+      `autobucket.invariant(model)`. fp32 stays strict fp32; one more copy of the linear weights is held;
+      the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
     """
 
     route: Route = "auto"
