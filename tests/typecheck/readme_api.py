@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+import autobucket
 from autobucket import Rollout, RolloutConfig, SamplingConfig, load_model
 
 model, tokenizer = load_model("smollm2")  # or a path / HF id / "tiny-qwen2"; keywords: the CLI's --model flags
@@ -41,3 +42,11 @@ sample_logprobs: list[float] = result.logprobs[p][s]
 # Compiled decode step.
 rollout = Rollout(model, tokenizer, RolloutConfig(route="auto", compile=True))  # or "auto"; default False
 rollout = Rollout(model, tokenizer, RolloutConfig(route="auto", compile="auto", persist_costs=False))
+
+# Zero sampler-trainer mismatch: the rollout's kernels in the trainer's forward.
+rollout = Rollout(model, config=RolloutConfig(kernels="invariant"))
+result = rollout.generate(prompts, SamplingConfig(temperature=1.0, logprobs=True, max_new_tokens=256))
+ids, mask, prompt_width = input_ids, attention_mask, 2
+with autobucket.invariant(model):
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+logps = autobucket.trainer_logprobs(logits[:, prompt_width - 1 : -1], ids[:, prompt_width:], 1.0)
