@@ -23,18 +23,15 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, load_model, trainer_logprobs
+from autobucket.engine.batching.prefill import positions_from_mask
+from autobucket.engine.trainer_logprobs import mismatch_metrics, teacher_forced_batch
 from autobucket.prompts import random_prompts
 
 
 def trainer_logps(model, prompts, completions, scoped: bool) -> list[torch.Tensor]:
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        ids[row, width_p - len(prompt) : width_p + len(completion)] = torch.tensor(prompt + completion)
-        mask[row, width_p - len(prompt) : width_p + len(completion)] = 1
+    ids, mask, width_p = teacher_forced_batch(prompts, completions)
     with torch.no_grad(), invariant(model) if scoped else contextlib.nullcontext():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
     logps = trainer_logprobs(logits[:, width_p - 1 : -1], ids[:, width_p:]).float()
     return [logps[row, : len(c)] for row, c in enumerate(completions)]
 
@@ -56,10 +53,12 @@ def hf_generate(model, prompts, new_tokens: int, seed: int):
 
 
 def stats(sampler: list, trainer: list[torch.Tensor]) -> dict:
-    diff = torch.cat([torch.tensor(s) - t for s, t in zip(sampler, trainer, strict=True)]).double()  # k3 cancels in fp32
+    sampled, trained = torch.cat([torch.tensor(s) for s in sampler]), torch.cat(trainer)
+    metrics = mismatch_metrics(trained, sampled, torch.ones_like(sampled, dtype=torch.bool))
+    diff = sampled.double() - trained.double()
     return {
-        "max_abs": diff.abs().max().item(), "mean_abs": diff.abs().mean().item(),
-        "k3": (torch.exp(-diff) - 1 + diff).mean().item(), "bitwise_equal_share": (diff == 0).float().mean().item(),
+        "max_abs": metrics["mismatch/max_abs_logp_diff"], "mean_abs": diff.abs().mean().item(),
+        "k3": metrics["mismatch/k3"], "bitwise_equal_share": (diff == 0).float().mean().item(),
         "tokens": diff.numel(),
     }  # fmt: skip
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from autobucket import invariant, load_model, trainer_logprobs
+from autobucket.engine.batching.prefill import positions_from_mask
 
 
 def step(model, optimizer, ids, mask, scoped: bool) -> float:
     started = time.perf_counter()
     with invariant(model) if scoped else contextlib.nullcontext():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
         loss = -trainer_logprobs(logits[:, :-1], ids[:, 1:]).float()[mask[:, 1:].bool()].mean()
         loss.backward()
     optimizer.step()

@@ -18,7 +18,9 @@ import torch
 from conftest import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
+from autobucket.engine.batching.prefill import positions_from_mask
 from autobucket.engine.kernels.packed_linear import onednn_available
+from autobucket.engine.trainer_logprobs import teacher_forced_batch
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]
 
@@ -42,23 +44,11 @@ def sample(model, kernels: str, route: str, prefill_max_tokens: int, n: int, tem
     return flat, [t for group in result.tokens for t in group], [lp for group in result.logprobs for lp in group]
 
 
-def padded_batch(prompts, completions) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Left-padded prompts + right-padded completions: ids, mask [rows, P + C], and P."""
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        ids[row, width_p - len(prompt) : width_p + len(completion)] = torch.tensor(prompt + completion)
-        mask[row, width_p - len(prompt) : width_p + len(completion)] = 1
-    return ids, mask, width_p
-
-
 def trainer_side(model, prompts, completions, scoped: bool, temperature: float = 1.0) -> torch.Tensor:
     """The trainer's per-token logprobs [rows, C] from one teacher-forced forward (grad enabled)."""
-    ids, mask, width_p = padded_batch(prompts, completions)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, width_p = teacher_forced_batch(prompts, completions)
     with invariant(model) if scoped else contextlib.nullcontext():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
     return trainer_logprobs(logits[:, width_p - 1 : -1], ids[:, width_p:], temperature).detach().float()
 
 
@@ -107,7 +97,7 @@ def test_temperature_and_an_optimizer_step_keep_the_equality(tiny_models):
     assert max_abs_diff(trainer_side(model, before[0], before[1], True, 0.7), before[1], before[2]) == 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with invariant(model):
-        ids, mask, _ = padded_batch(before[0], before[1])
+        ids, mask, _ = teacher_forced_batch(before[0], before[1])
         model(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).mean().backward()
     optimizer.step()
     after = sample(model, "invariant", "auto", 65536, 1, temperature=0.7)
@@ -134,7 +124,7 @@ def test_backward_under_the_scope_gives_the_unscoped_gradients(arch, checkpointi
     def gradients(scoped: bool) -> dict[str, torch.Tensor]:
         model.zero_grad()
         with invariant(model) if scoped else contextlib.nullcontext():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
             (logits[mask.bool()].float().log_softmax(-1)[:, 5].sum()).backward()
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

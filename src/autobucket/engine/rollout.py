@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +20,7 @@ from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
-from autobucket.engine.kernels.packed_linear import PackedLinears, check_fp32_precision, onednn_available
+from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.grad_mode import autograd_off_for
@@ -168,14 +167,6 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     if config.kernels != "invariant":
         return None
     check_invariant_model(model)
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        check_fp32_precision()
-    if not onednn_available(dtype):
-        warnings.warn(
-            f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
-            "linears run (not batch-invariant)", RuntimeWarning, stacklevel=3,
-        )  # fmt: skip
     return PackedLinears()
 
 

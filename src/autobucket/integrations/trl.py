@@ -24,7 +24,7 @@ the reference model) runs its forward under `autobucket.invariant(model)`, with 
 over real tokens as generation counts them (TRL's fused LM head counts them from column 0 of the
 left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise); every
 training step logs `mismatch/k3` and `mismatch/max_abs_logp_diff` from TRL's per-token logprobs against
-the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl_mismatch.py)."""
+the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import optional_int
+from autobucket.engine.trainer_logprobs import mismatch_metrics
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
@@ -132,15 +133,16 @@ def invariant_per_token_logps(
     from trl.trainer.utils import entropy_from_logits
 
     from autobucket import invariant, trainer_logprobs
+    from autobucket.engine.batching.prefill import positions_from_mask
 
     batch_size = batch_size or input_ids.shape[0]
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], batch_size):
         ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generation counts them: real tokens only
         with invariant(model):
             logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=logits_to_keep + 1,
+                input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),  # over real tokens
+                logits_to_keep=logits_to_keep + 1,
                 use_cache=False,
             ).logits[:, :-1]  # [b, logits_to_keep, vocab]: the logits each completion token was sampled from
         logps.append(trainer_logprobs(logits, ids[:, -logits_to_keep:], temperature))
@@ -148,17 +150,6 @@ def invariant_per_token_logps(
             with torch.no_grad():
                 entropies.append(entropy_from_logits(logits / temperature))
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
-
-
-def mismatch_metrics(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Sampler-trainer mismatch over completion tokens: k3 (mean of r - 1 - log r, r = p_trainer / p_sampler)
-    and the largest |logp difference|."""
-    valid = mask.bool()
-    if not bool(valid.any()):
-        return {"mismatch/k3": 0.0, "mismatch/max_abs_logp_diff": 0.0}
-    log_ratio = (trainer_logps.float() - sampling_logps.float())[valid]
-    k3 = (torch.exp(log_ratio) - 1 - log_ratio).mean()
-    return {"mismatch/k3": float(k3), "mismatch/max_abs_logp_diff": float(log_ratio.abs().max())}
 
 
 def make_rollout_func(

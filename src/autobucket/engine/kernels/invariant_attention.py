@@ -60,11 +60,11 @@ def load_invariant_kernels() -> None:
             is_python_module=False,
             verbose=False,
         )
-    except (OSError, RuntimeError, FileNotFoundError) as error:
+    except (OSError, RuntimeError) as error:  # no compiler / ninja (OSError), a failed build (RuntimeError)
+        last_line = (str(error).strip().splitlines() or [""])[-1]
         raise ValueError(
             "kernels='invariant' builds its attention kernel with a C++ compiler at first use, and the build "
-            f"failed ({type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}); "
-            "install g++ and ninja, or use RolloutConfig(kernels='hf')"
+            f"failed ({type(error).__name__}: {last_line}); install g++ and ninja, or use RolloutConfig(kernels='hf')"
         ) from error
 
 

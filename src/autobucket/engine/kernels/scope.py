@@ -4,18 +4,26 @@ prepacked weights (`packed_linear.py`) and every attention call on the invariant
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from autobucket.engine.kernels.invariant_attention import invariant_sdpa, load_invariant_kernels
-from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
+from autobucket.engine.kernels.packed_linear import (
+    PackedLinears,
+    check_fp32_precision,
+    onednn_available,
+    packed_linears,
+)
 from autobucket.engine.model_access.attention import dispatches, kernel_attention
 
 
 def check_invariant_model(model: torch.nn.Module) -> None:
-    """Refuse models whose attention cannot be reached (loaded with eager attention), then build the kernel."""
+    """What `Rollout(kernels="invariant")` and `autobucket.invariant` both check first: refuse models whose
+    attention cannot be reached (eager attention) and fp32 set to compute in a lower precision, warn
+    where this CPU has no oneDNN linear for the model's dtype, then build the kernel."""
     if not dispatches(model):
         implementation = getattr(model.config, "_attn_implementation", None)
         raise ValueError(
@@ -23,6 +31,14 @@ def check_invariant_model(model: torch.nn.Module) -> None:
             f"{type(model).__name__} was loaded with attn_implementation={implementation!r}: load it with "
             "attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
         )
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        check_fp32_precision()
+    if not onednn_available(dtype):
+        warnings.warn(
+            f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
+            "linears run (not batch-invariant)", RuntimeWarning, stacklevel=4,
+        )  # fmt: skip
     load_invariant_kernels()
 
 

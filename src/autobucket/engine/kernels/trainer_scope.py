@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.packed_linear import PackedLinears, check_fp32_precision
+from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.hf_compat import unwrap_model
 
@@ -29,8 +29,8 @@ _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.Weak
 
 
 def packs_for(model: torch.nn.Module) -> PackedLinears:
-    """The one set of packed copies of `model`'s weights, shared by its `Rollout`s and trainer scopes
-    (one extra copy of the weights in memory, not one per user)."""
+    """The one set of packed copies of `model`'s weights shared by every trainer scope on it (each
+    `Rollout` keeps its own, which `Rollout.refresh_weights()` drops)."""
     packs = _PACKS.get(model)
     if packs is None:
         packs = _PACKS[model] = PackedLinears()
@@ -46,8 +46,6 @@ def invariant(model: Any) -> Iterator[PackedLinears]:
     reach (eager attention) or for fp32 set to compute in a lower precision."""
     inner = unwrap_model(model)
     check_invariant_model(inner)
-    if next(inner.parameters()).dtype == torch.float32:
-        check_fp32_precision()
     packs = packs_for(inner)
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
     with invariant_kernels(packs, recompute_safe=checkpointing):
