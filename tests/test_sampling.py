@@ -238,7 +238,7 @@ def test_sampled_logprobs_are_under_the_warped_or_the_trainers_distribution(mode
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("n", 0), ("seed", 1.5), ("seed", "7"),
-     ("seed", [1, -2]), ("logprobs", "yes"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")),
+     ("seed", [1, -2]), ("logprobs", "yes"), ("logprobs_mode", "raw"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")),
      ("typical_p", 0.0), ("typical_p", 1.01), ("typical_p", "0.9"), ("epsilon_cutoff", 1.0),
      ("epsilon_cutoff", -1e-4), ("eta_cutoff", 1.0), ("eta_cutoff", float("inf")), ("eta_cutoff", True)],
 )
