@@ -68,6 +68,14 @@ class RolloutConfig:
       route, batch, padding, refill order and n, and equal a trainer's forward under
       `autobucket.invariant(model)`. fp32 stays strict fp32; one more copy of the linear weights is held;
       the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
+    prefix_cache_mb: memory for a prefix KV cache across calls (0, the default: off). Every finished
+      sequence (prompt + generated tokens) is kept, least recently used evicted first, so a next call
+      whose prompt extends one (the next turn of a conversation, a shared system prompt) prefills only
+      its new tokens, attending to the cached K/V (`Profile.cached_prompt_tokens`). Keyed by the
+      tokens and the weights' version: an optimizer step, `load_state_dict` or
+      `Rollout.refresh_weights()` empties it, so K/V of old weights is never served. Continuous-batching
+      routes only (auto chooses them when a prompt hits). Off by default because it holds memory in the
+      trainer's process between calls, and most RL calls follow a weight update that empties it.
     """
 
     route: Route = "auto"
@@ -81,6 +89,7 @@ class RolloutConfig:
     compile: CompileChoice = False
     persist_costs: bool = True
     kernels: Kernels = "hf"
+    prefix_cache_mb: float = 0.0
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
@@ -91,6 +100,7 @@ class RolloutConfig:
             require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
         if self.cache_capacity is not None:
             require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
+        require_finite("prefix_cache_mb", self.prefix_cache_mb, "pass megabytes >= 0 (0 turns the prefix cache off)", minimum=0.0)
         for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):

@@ -40,6 +40,11 @@ class Profile:
     prefill_forms: list[list[str]] = field(default_factory=list)  # per admission, each bucket's form
     prefill_forwards: int = 0
     prefill_tokens: int = 0  # padded token positions run through prefill
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
+    prefix_cache_hits: int = 0  # prompts served a cached prefix
+    prefix_cache_evictions: int = 0  # cache blocks evicted by this call (least recently used first)
+    prefix_cache_bytes: int = 0  # K/V the prefix cache holds after the call
+    prefix_cache_invalidations: int = 0  # 1 when this call found the weights changed and cleared the cache
     decode_forwards: int = 0
     plan_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -21,6 +21,7 @@ from autobucket.engine.batching.packed_prefill import packing_attention
 from autobucket.engine.batching.prefill import PrefillGroup
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
+from autobucket.planning.planner import plan_prefill
 from autobucket.planning.route_choice import FormOptions, RouteDecision
 
 
@@ -73,7 +74,8 @@ class PlannedGroups:
     def __call__(self, admitted: Sequence[int]) -> list[PrefillGroup]:
         if self.first_plan is not None:
             plan, self.first_plan = self.first_plan, None
-            return list(plan)
+            if sorted(i for g in plan for i in g.prompts) == sorted(admitted):
+                return list(plan)
         call = self.call
         started = time.perf_counter()
         lengths = [len(call.prompts[index]) for index in admitted]
@@ -93,3 +95,13 @@ def decision_groups(decision: RouteDecision, limit: int | None) -> list[PrefillG
         PrefillGroup(tuple(g), form, limit if form == CHUNKED else None)
         for g, form in zip(decision.buckets, forms, strict=True)
     ]
+
+
+def continued_groups(call: RouteCall, indices: Sequence[int], suffix_lengths: Sequence[int]) -> list[list[int]]:
+    """Prompts continued from the prefix cache, grouped by the padded-bucket DP over their suffix
+    lengths (the tokens still to prefill); a suffix over the token budget is continued alone, in chunks."""
+    limit = call.config.prefill_max_tokens
+    over = [i for i, length in enumerate(suffix_lengths) if limit is not None and length > limit]
+    rest = [i for i in range(len(indices)) if i not in set(over)]
+    plan = plan_prefill([suffix_lengths[i] for i in rest], call.geometry, call.costs, limit, call.sampling.n)
+    return [[indices[i]] for i in over] + [[indices[rest[i]] for i in bucket] for bucket in plan.buckets]

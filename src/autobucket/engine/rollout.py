@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
+from autobucket.engine.batching.prefix_cache import PrefixCache, weights_version
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
@@ -24,7 +25,13 @@ from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.grad_mode import autograd_off_for
-from autobucket.engine.model_access.hf_compat import ForwardSpec, forward_spec, unwrap_model, vocab_size
+from autobucket.engine.model_access.hf_compat import (
+    ForwardSpec,
+    attention_implementation,
+    forward_spec,
+    unwrap_model,
+    vocab_size,
+)
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
@@ -53,6 +60,7 @@ class Rollout:
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
         self.packed_linears = _packed_linears_for(self.model, self.config)
+        self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
 
     @property
@@ -65,6 +73,8 @@ class Rollout:
         copies); optimizer steps, `copy_` under `no_grad` and `load_state_dict` are seen without it."""
         if self.packed_linears is not None:
             self.packed_linears.refresh()
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate()
 
     @property
     def device(self) -> torch.device:
@@ -84,7 +94,9 @@ class Rollout:
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
         # Only the planning routes need coefficients: the others never trigger the online probe.
         costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
-        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started)
+        prefix_cache, cleared = self._prefix_cache()
+        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache)
+        result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
 
@@ -96,8 +108,10 @@ class Rollout:
         generation: ResolvedGeneration,
         costs: CostCoefficients | None,
         started: float,
+        prefix_cache: PrefixCache | None = None,
     ) -> RolloutResult:
-        """One route on validated prompts: the engine-level runner both `generate` and the cost probe use."""
+        """One route on validated prompts: the engine-level runner both `generate` and the cost probe use
+        (the probe without the prefix cache: its prompts are not the user's)."""
         profile = Profile(route=config.route)
         # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
         timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
@@ -108,6 +122,7 @@ class Rollout:
         call = RouteCall(
             self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
+            prefix_cache=prefix_cache,
         )  # fmt: skip
         call = with_compile_decision(call)
         # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
@@ -136,6 +151,14 @@ class Rollout:
             profile.packs_made += packs.packs_made - made
             profile.pack_ms += packs.pack_ms - pack_ms
             profile.packed_weight_bytes = packs.nbytes
+
+    def _prefix_cache(self) -> tuple[PrefixCache | None, bool]:
+        """The prefix cache at the weights' current version, and whether entries of other weights were cleared."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None, False
+        version = weights_version(self.model, attention_implementation(self.model), self.config.kernels)
+        return cache, cache.use_version(version)
 
     def _probe_runner(self) -> RunRoute:
         """The online probe's calls: the engine's routes under this Rollout's own config (token budget,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import Selection
@@ -34,3 +35,4 @@ class RouteCall:
     vocab_size: int
     max_positions: int | None
     compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
+    prefix_cache: PrefixCache | None = None  # the Rollout's prefix cache, at this call's weights version

@@ -24,11 +24,12 @@ from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
     aligned_groups,
+    continued_groups,
     decision_groups,
     equal_width_groups,
     form_options,
 )
-from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher
+from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher, PrefixReuse
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner
 from autobucket.engine.compiled.compile_setup import (
     compile_credit_ms,
@@ -77,6 +78,14 @@ def bucketed_route(call: RouteCall) -> FinishedItems:
 
 def auto_route(call: RouteCall) -> FinishedItems:
     started = time.perf_counter()
+    cached = _prompts_with_cached_prefix(call)
+    if cached:
+        # Ordinary `generate` would prefill them whole; continuous batching continues them.
+        call.profile.route = ROUTE_BUCKETED
+        call.profile.decision_reason = (
+            f"{cached} of {len(call.prompts)} prompts have a cached prefix: continuous batching prefills only their new tokens"
+        )
+        return run_continuous(call, PlannedGroups(call, first_plan=None))
     decision = choose_route(
         [len(p) for p in call.prompts],
         call.sampling.max_new_tokens,
@@ -114,6 +123,11 @@ ROUTES: dict[str, Route] = {
 
 
 PLANNING_ROUTES = ("bucketed", "auto")  # the routes that read the cost coefficients
+
+
+def _prompts_with_cached_prefix(call: RouteCall) -> int:
+    cache = call.prefix_cache
+    return 0 if cache is None else sum(cache.cached_length(p) > 0 for p in call.prompts)
 
 
 def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecision:
@@ -156,12 +170,25 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
-        call.profile, call.timer,
+        call.profile, call.timer, _prefix_reuse(call),
     )  # fmt: skip
+    evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
     finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
     _record_cache(call.profile, runner)
+    if call.prefix_cache is not None:
+        call.profile.prefix_cache_evictions = call.prefix_cache.stats.evicted_blocks - evicted
+        call.profile.prefix_cache_bytes = call.prefix_cache.used_bytes
     record_compile(call.profile, compiled)
     return finished
+
+
+def _prefix_reuse(call: RouteCall) -> PrefixReuse | None:
+    if call.prefix_cache is None:
+        return None
+    return PrefixReuse(
+        call.prefix_cache, lambda indices, suffixes: continued_groups(call, indices, suffixes),
+        call.config.prefill_max_tokens,
+    )  # fmt: skip
 
 
 def with_compile_decision(call: RouteCall) -> RouteCall:

@@ -24,6 +24,7 @@ import torch
 
 from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
 from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
+from autobucket.engine.batching.prefix_cache import PrefixCache, PrefixHit
 from autobucket.engine.finished import Finished
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
@@ -34,6 +35,18 @@ from autobucket.profile import PhaseTimer, Profile
 # A route's admission policy: the admission's prompt indices -> prefill groups (a plain list of prompt
 # indices is a padded group).
 AdmissionPolicy = Callable[[Sequence[int]], list[list[int]] | list[PrefillGroup]]
+
+CONTINUED = "continued"  # the form of a group whose prompts' prefixes came from the prefix cache
+
+
+@dataclass
+class PrefixReuse:
+    """The call's prefix cache and how its hits are grouped: (prompt indices, their suffix lengths) ->
+    groups of those indices, each one continued forward (or chunks of at most `chunk_tokens`)."""
+
+    cache: PrefixCache
+    group_suffixes: Callable[[Sequence[int], Sequence[int]], list[list[int]]]
+    chunk_tokens: int | None
 
 
 @dataclass
@@ -66,8 +79,11 @@ class ContinuousBatcher:
         max_new_tokens: int,
         profile: Profile,
         timer: PhaseTimer,
+        prefix: PrefixReuse | None = None,
     ) -> None:
         self.runner, self.selection, self.profile, self.timer = runner, selection, profile, timer
+        self.prefix = prefix  # None: every prompt prefilled whole, nothing remembered
+        self.prompts: Sequence[Sequence[int]] = ()
         self.eos, self.max_new_tokens = frozenset(eos_token_ids), max_new_tokens
         self.rows: list[_Row] = []
         self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
@@ -78,6 +94,7 @@ class ContinuousBatcher:
         self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, admission_policy: AdmissionPolicy
     ) -> dict[tuple[int, int], Finished]:
         """Finished results keyed by (prompt index, sample index)."""
+        self.prompts = prompts
         queue = deque((p, s) for p in range(len(prompts)) for s in range(samples_per_prompt))
         rows_limit = self.runner.cache_shape.continuous_batch_size
         while queue or self.rows:
@@ -96,12 +113,17 @@ class ContinuousBatcher:
         if self.retained is not None:
             sources[self.retained[0]] = self.retained[1]
         new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
-        groups = [as_group(b) for b in policy(new_prompts)] if new_prompts else []
-        self.profile.prefill_groups.append([list(g.prompts) for g in groups])
-        self.profile.prefill_forms.append([g.form for g in groups])
+        hits = self._cached_prefixes(prompts, new_prompts)
+        whole = [p for p in new_prompts if p not in hits]
+        groups = [as_group(b) for b in policy(whole)] if whole else []
+        continued = self._continued_groups(prompts, hits)
+        self.profile.prefill_groups.append([list(g.prompts) for g in groups] + continued)
+        self.profile.prefill_forms.append([g.form for g in groups] + [CONTINUED] * len(continued))
         # Widest group first: it sets the front, narrower groups then fit without a gap.
-        for group in sorted(groups, key=lambda g: -max(len(prompts[i]) for i in g.prompts)):
-            sources.update(self._prefill(group, [prompts[i] for i in group.prompts]))
+        work = [(g.prompts, lambda g=g: self._prefill(g, [prompts[i] for i in g.prompts])) for g in groups]
+        work += [(tuple(c), lambda c=c: self._prefill_continued(c, hits)) for c in continued]
+        for _, run in sorted(work, key=lambda item: -max(len(prompts[i]) for i in item[0])):
+            sources.update(run())
         by_output: dict[int, list[tuple[int, int]]] = {}
         for item in admitted:
             by_output.setdefault(id(sources[item[0]].output), []).append(item)
@@ -120,6 +142,29 @@ class ContinuousBatcher:
         self.profile.prefill_tokens += output.tokens
         return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group.prompts)}
 
+    def _cached_prefixes(self, prompts, new_prompts: list[int]) -> dict[int, PrefixHit]:
+        if self.prefix is None:
+            return {}
+        hits = {p: self.prefix.cache.lookup(prompts[p]) for p in new_prompts}
+        return {p: hit for p, hit in hits.items() if hit is not None}
+
+    def _continued_groups(self, prompts, hits: dict[int, PrefixHit]) -> list[list[int]]:
+        if not hits:
+            return []
+        indices = list(hits)
+        return self.prefix.group_suffixes(indices, [len(prompts[p]) - hits[p].tokens for p in indices])
+
+    def _prefill_continued(self, group: list[int], hits: dict[int, PrefixHit]) -> dict[int, _Source]:
+        group_hits = [hits[p] for p in group]
+        with self.timer.phase("prefill_ms"):
+            output, seen = self.runner.prefill_continued(group_hits, [self.prompts[p] for p in group], self.prefix.chunk_tokens)
+            self.timer.sync()
+        self.profile.prefill_forwards += output.forwards
+        self.profile.prefill_tokens += output.tokens
+        self.profile.cached_prompt_tokens += sum(hit.tokens for hit in group_hits)
+        self.profile.prefix_cache_hits += len(group)
+        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group)}
+
     def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
         """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
         output = sources[items[0][0]].output
@@ -137,6 +182,9 @@ class ContinuousBatcher:
             row = _Row(p, s, [token], None if logprob is None else [logprob])
             if not self._finish_if_done(row):
                 keep.append((b, row))
+            elif self.prefix is not None:  # its K/V is the prompt's own
+                length = len(prompts[p])
+                self.prefix.cache.insert(prompts[p], lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
         if keep:
             with self.timer.phase("cache_ms"):
                 self._insert(prompts, output, source_rows, tokens, seen, keep)
@@ -172,10 +220,22 @@ class ContinuousBatcher:
         keep = [r for r, token in enumerate(tokens_host) if not self._append(r, token, logprobs_host)]
         if len(keep) < len(self.rows):
             with self.timer.phase("cache_ms"):
+                self._remember_finished(keep)
                 self.runner.retire(keep)
                 self.rows = [self.rows[r] for r in keep]
         if not self.runner.last_step_compiled:  # a compiling step would teach the cost model compile time
             self.profile.record(CB_STEP, rows, attended, started)
+
+    def _remember_finished(self, keep: list[int]) -> None:
+        """Finished rows' sequences into the prefix cache, before their cache rows are reused: the prompt
+        and every generated token but the last (it was never fed, so it has no K/V)."""
+        if self.prefix is None:
+            return
+        kept = set(keep)
+        for r, row in enumerate(self.rows):
+            if r not in kept:
+                sequence = [*self.prompts[row.prompt], *row.tokens[:-1]]
+                self.prefix.cache.insert(sequence, lambda start, r=r: self.runner.row_key_values(r, start))
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
         """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.batching.chunked_prefill import prefill_chunked
+from autobucket.engine.batching.continued_prefill import prefill_continued
 from autobucket.engine.batching.decode_rows import DecodeRows
 from autobucket.engine.batching.packed_prefill import packing_attention, prefill_packed
 from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
+from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
 from autobucket.engine.model_access.hf_compat import ForwardSpec
@@ -93,6 +95,14 @@ class ModelRunner:
         seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
         return output, seen
 
+    def prefill_continued(
+        self, hits: Sequence[PrefixHit], prompts: Sequence[Sequence[int]], chunk_tokens: int | None
+    ) -> tuple[PrefillOutput, torch.Tensor | None]:
+        """Prefill `prompts` whose first `hits[b].tokens` tokens' K/V are cached: only the rest runs."""
+        output = prefill_continued(self.model, self.spec, hits, prompts, self.pad_token_id, chunk_tokens)
+        seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
+        return output, seen
+
     def insert(self, output: PrefillOutput, rows: RowInsert) -> None:
         """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first tokens."""
         keys, values = output.keys, output.values
@@ -150,6 +160,13 @@ class ModelRunner:
     def advance(self, tokens: torch.Tensor) -> None:
         """Feed `tokens` [rows] at the next step; they join each row's seen tokens."""
         self.rows.advance(tokens)
+
+    def row_key_values(self, row: int, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Cache row `row`'s K/V from its token `start` on, in token order (its owned columns; a gap
+        skipped), per layer `[kv_heads, tokens - start, head_dim]` copies."""
+        store = self.store
+        columns = (store.attend[row, : store.front] == 0).nonzero().squeeze(1)[start:]
+        return [k[row, :, columns] for k in store.keys], [v[row, :, columns] for v in store.values]
 
     def retire(self, keep: list[int]) -> None:
         """Keep only cache rows `keep` (in order), compacted to the front rows."""
