@@ -97,11 +97,42 @@ def decision_groups(decision: RouteDecision, limit: int | None) -> list[PrefillG
     ]
 
 
-def continued_groups(call: RouteCall, indices: Sequence[int], suffix_lengths: Sequence[int]) -> list[list[int]]:
-    """Prompts continued from the prefix cache, grouped by the padded-bucket DP over their suffix
-    lengths (the tokens still to prefill); a suffix over the token budget is continued alone, in chunks."""
+# ------------------------------------------------------------------ continued prompts (prefix cache hits)
+# A continuation policy groups the prompts whose prefixes came from the prefix cache: (their indices,
+# their suffix lengths = tokens still to prefill) -> groups of those indices, each one continued
+# forward; a suffix over the token budget is always continued alone, in chunks.
+
+
+def continued_aligned(call: RouteCall, indices: Sequence[int], suffix_lengths: Sequence[int]) -> list[list[int]]:
+    """One continued forward per prompt (the aligned route)."""
+    return [[index] for index in indices]
+
+
+def continued_equal_width(call: RouteCall, indices: Sequence[int], suffix_lengths: Sequence[int]) -> list[list[int]]:
+    """One continued forward for all (the equal-width route), split in input order only at the token budget."""
+    limit, over = call.config.prefill_max_tokens, _over_budget(call, suffix_lengths)
+    groups: list[list[int]] = [[]]
+    widest = 0
+    for position, index in enumerate(indices):
+        if position in over:
+            continue
+        widest = max(widest, suffix_lengths[position])
+        if groups[-1] and limit is not None and widest * (len(groups[-1]) + 1) > limit:
+            groups.append([])
+            widest = suffix_lengths[position]
+        groups[-1].append(index)
+    return [[indices[i]] for i in over] + [g for g in groups if g]
+
+
+def continued_planned(call: RouteCall, indices: Sequence[int], suffix_lengths: Sequence[int]) -> list[list[int]]:
+    """The padded-bucket DP over the suffix lengths (the bucketed and auto routes)."""
+    over = _over_budget(call, suffix_lengths)
+    rest = [i for i in range(len(indices)) if i not in over]
     limit = call.config.prefill_max_tokens
-    over = [i for i, length in enumerate(suffix_lengths) if limit is not None and length > limit]
-    rest = [i for i in range(len(indices)) if i not in set(over)]
     plan = plan_prefill([suffix_lengths[i] for i in rest], call.geometry, call.costs, limit, call.sampling.n)
     return [[indices[i]] for i in over] + [[indices[rest[i]] for i in bucket] for bucket in plan.buckets]
+
+
+def _over_budget(call: RouteCall, suffix_lengths: Sequence[int]) -> set[int]:
+    limit = call.config.prefill_max_tokens
+    return {i for i, length in enumerate(suffix_lengths) if limit is not None and length > limit}

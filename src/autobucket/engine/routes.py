@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
     aligned_groups,
-    continued_groups,
+    continued_aligned,
+    continued_equal_width,
+    continued_planned,
     decision_groups,
     equal_width_groups,
     form_options,
@@ -54,6 +56,8 @@ FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) 
 
 
 Route = Callable[[RouteCall], FinishedItems]
+# How a route groups its prefix-cache hits: (call, prompt indices, suffix lengths) -> groups of indices.
+ContinuationPolicy = Callable[[RouteCall, Sequence[int], Sequence[int]], list[list[int]]]
 
 
 # ------------------------------------------------------------------ the routes
@@ -65,11 +69,11 @@ def ordinary_route(call: RouteCall) -> FinishedItems:
 
 
 def equal_width_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, lambda admitted: equal_width_groups(call, admitted))
+    return run_continuous(call, lambda admitted: equal_width_groups(call, admitted), continued_equal_width)
 
 
 def aligned_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, lambda admitted: aligned_groups(call, admitted))
+    return run_continuous(call, lambda admitted: aligned_groups(call, admitted), continued_aligned)
 
 
 def bucketed_route(call: RouteCall) -> FinishedItems:
@@ -78,12 +82,13 @@ def bucketed_route(call: RouteCall) -> FinishedItems:
 
 def auto_route(call: RouteCall) -> FinishedItems:
     started = time.perf_counter()
-    cached = _prompts_with_cached_prefix(call)
-    if cached:
-        # Ordinary `generate` would prefill them whole; continuous batching continues them.
+    if call.prefix_cache is not None:
+        # Ordinary `generate` neither reads nor fills the prefix cache; continuous batching does both.
+        cached = sum(call.prefix_cache.cached_length(p) > 0 for p in call.prompts)
         call.profile.route = ROUTE_BUCKETED
         call.profile.decision_reason = (
-            f"{cached} of {len(call.prompts)} prompts have a cached prefix: continuous batching prefills only their new tokens"
+            f"the prefix cache is on ({cached} of {len(call.prompts)} prompts have a cached prefix): continuous "
+            "batching prefills only what is not cached and caches the finished sequences"
         )
         return run_continuous(call, PlannedGroups(call, first_plan=None))
     decision = choose_route(
@@ -125,11 +130,6 @@ ROUTES: dict[str, Route] = {
 PLANNING_ROUTES = ("bucketed", "auto")  # the routes that read the cost coefficients
 
 
-def _prompts_with_cached_prefix(call: RouteCall) -> int:
-    cache = call.prefix_cache
-    return 0 if cache is None else sum(cache.cached_length(p) > 0 for p in call.prompts)
-
-
 def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecision:
     """One decision: a compiled decode step makes bucketed CB cheaper, never ordinary `generate`.
     Applies when the DP ran (a skipped DP means ordinary won by a margin the lower bound proved)."""
@@ -154,7 +154,9 @@ def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
 
 
 # ------------------------------------------------------------------ the CB schedule
-def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> FinishedItems:
+def run_continuous(
+    call: RouteCall, admission_policy: AdmissionPolicy, continuation: ContinuationPolicy = continued_planned
+) -> FinishedItems:
     attention_implementation(call.model)
     _check_sliding_window(call)
     shape = cache_shape(call)
@@ -170,7 +172,7 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
-        call.profile, call.timer, _prefix_reuse(call),
+        call.profile, call.timer, _prefix_reuse(call, continuation),
     )  # fmt: skip
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
     finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
@@ -182,11 +184,11 @@ def run_continuous(call: RouteCall, admission_policy: AdmissionPolicy) -> Finish
     return finished
 
 
-def _prefix_reuse(call: RouteCall) -> PrefixReuse | None:
+def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy) -> PrefixReuse | None:
     if call.prefix_cache is None:
         return None
     return PrefixReuse(
-        call.prefix_cache, lambda indices, suffixes: continued_groups(call, indices, suffixes),
+        call.prefix_cache, lambda indices, suffixes: continuation(call, indices, suffixes),
         call.config.prefill_max_tokens,
     )  # fmt: skip
 
