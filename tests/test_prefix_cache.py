@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import ARCHS, forget_oracle, oracle_generate, random_prompts
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket import CostCoefficients, Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.batching import prefix_cache as prefix_cache_module
 from autobucket.engine.batching.prefix_cache import BLOCK_TOKENS, MIN_HIT_TOKENS, PrefixCache
 from autobucket.models import build_tiny_model
@@ -325,3 +325,68 @@ def test_negative_control_hf_kernels_continue_close_but_not_bitwise():
     assert continued.profile.prefix_cache_hits == len(prompts)
     fresh = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
     assert continued.logprobs != fresh.logprobs
+
+
+# ------------------------------------------------------------------ shared prefixes inside one call
+# Costs under which sharing a 100-token prefix pays (the defaults are a GPU's, where a forward's fixed
+# cost dominates); the decision itself is tested in test_shared_prefix.py.
+SHARING_COSTS = CostCoefficients(fixed_ms=1.0, token_ms=0.05, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
+
+
+def _system_prompt_workload(seed: int):
+    """10 prompts: 8 share a 100-token system prompt (+ 2..30 own tokens), 2 share nothing."""
+    system = random_prompts([100], seed=seed)[0]
+    users = random_prompts([random.Random(seed).randint(2, 30) for _ in range(8)], seed=seed + 1)
+    return [system + u for u in users] + random_prompts([45, 20], seed=seed + 2), len(system)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_shared_system_prompt_is_prefilled_once_and_equals_generate(tiny_models, arch):
+    """With 3 cache rows the 8 members arrive over several admissions (refills): the prefix is still
+    prefilled once per call, cache or not."""
+    model = tiny_models(arch)
+    prompts, system = _system_prompt_workload(ARCHS.index(arch) + 30)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], continuous_batch_size=3)
+    for megabytes in (0, 16):
+        config = RolloutConfig(route="bucketed", prefix_cache_mb=megabytes, costs=SHARING_COSTS)
+        result = Rollout(model, config=config).generate(prompts, sampling)
+        _assert_oracle(model, prompts, result)
+        reused = result.profile.shared_prompt_tokens + result.profile.cached_prompt_tokens
+        # The cache may serve a refill a little more than the system prompt (a chance common first token).
+        assert reused == 8 * system if megabytes == 0 else reused >= 8 * system
+        assert result.profile.shared_prefixes == 1
+
+
+def test_share_prefixes_off_prefills_every_prompt_whole(tiny_models):
+    model = tiny_models("tiny-qwen2")
+    prompts, _ = _system_prompt_workload(40)
+    config = RolloutConfig(route="bucketed", share_prefixes=False, costs=SHARING_COSTS)
+    result = Rollout(model, config=config).generate(prompts, GREEDY)
+    assert result.profile.shared_prefixes == 0 and result.profile.prefill_tokens >= sum(map(len, prompts))
+    _assert_oracle(model, prompts, result)
+
+
+def test_auto_shares_a_long_system_prompt_when_the_cost_model_says_it_pays(tiny_models):
+    model = tiny_models("tiny-qwen2")
+    system = random_prompts([512], seed=41)[0]
+    prompts = [system + u for u in random_prompts([random.Random(41).randint(16, 64) for _ in range(16)], seed=42)]
+    costs = CostCoefficients(fixed_ms=5.0, token_ms=0.01, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
+    result = Rollout(model, config=RolloutConfig(route="auto", costs=costs)).generate(prompts, GREEDY)
+    assert result.profile.route == "bucketed" and result.profile.shared_prefixes == 1
+    assert result.profile.prefill_tokens < sum(map(len, prompts)) - 8 * 512
+    _assert_oracle(model, prompts, result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_sharing_equals_whole_prefills_bitwise(dtype):
+    model = build_tiny_model("tiny-qwen2", seed=3, dtype=dtype)
+    prompts, _ = _system_prompt_workload(43)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], temperature=1.0, n=2, seed=9,
+                              logprobs=True, continuous_batch_size=5)  # fmt: skip
+    results = [
+        Rollout(model, config=RolloutConfig(route="bucketed", kernels="invariant", share_prefixes=share,
+                                            costs=SHARING_COSTS)).generate(prompts, sampling)  # fmt: skip
+        for share in (True, False)
+    ]
+    assert results[0].profile.shared_prefixes == 1 and results[1].profile.shared_prefixes == 0
+    assert results[0].tokens == results[1].tokens and results[0].logprobs == results[1].logprobs

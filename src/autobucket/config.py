@@ -76,6 +76,9 @@ class RolloutConfig:
       `Rollout.refresh_weights()` empties it, so K/V of old weights is never served. Continuous-batching
       routes only (auto chooses them when a prompt hits). Off by default because it holds memory in the
       trainer's process between calls, and most RL calls follow a weight update that empties it.
+    share_prefixes: let "bucketed" and "auto" prefill a prefix that several prompts of one admission
+      share (a system prompt, a few-shot header; at least 32 tokens) once and continue each prompt from
+      it, when the cost model says it pays (`planning/shared_prefix.py`; `Profile.shared_prefixes`).
     """
 
     route: Route = "auto"
@@ -90,6 +93,7 @@ class RolloutConfig:
     persist_costs: bool = True
     kernels: Kernels = "hf"
     prefix_cache_mb: float = 0.0
+    share_prefixes: bool = True
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
@@ -101,7 +105,7 @@ class RolloutConfig:
         if self.cache_capacity is not None:
             require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
         require_finite("prefix_cache_mb", self.prefix_cache_mb, "pass megabytes >= 0 (0 turns the prefix cache off)", minimum=0.0)
-        for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs"):
+        for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs", "share_prefixes"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
             from autobucket.planning.costs import CostCoefficients

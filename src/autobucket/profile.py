@@ -45,6 +45,8 @@ class Profile:
     prefix_cache_evictions: int = 0  # cache blocks evicted by this call (least recently used first)
     prefix_cache_bytes: int = 0  # K/V the prefix cache holds after the call
     prefix_cache_invalidations: int = 0  # 1 when this call found the weights changed and cleared the cache
+    shared_prefixes: int = 0  # prefixes shared by several prompts of an admission, each prefilled once
+    shared_prompt_tokens: int = 0  # prompt tokens whose K/V came from such a shared prefill (not their own)
     decode_forwards: int = 0
     plan_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -50,6 +50,7 @@ from autobucket.planning.route_choice import (
     RouteDecision,
     choose_route,
 )
+from autobucket.planning.shared_prefix import plan_shared_prefixes
 from autobucket.profile import Profile
 
 FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
@@ -77,7 +78,7 @@ def aligned_route(call: RouteCall) -> FinishedItems:
 
 
 def bucketed_route(call: RouteCall) -> FinishedItems:
-    return run_continuous(call, PlannedGroups(call, first_plan=None))
+    return run_continuous(call, PlannedGroups(call, first_plan=None), share_prefixes=True)
 
 
 def auto_route(call: RouteCall) -> FinishedItems:
@@ -90,7 +91,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
             f"the prefix cache is on ({cached} of {len(call.prompts)} prompts have a cached prefix): continuous "
             "batching prefills only what is not cached and caches the finished sequences"
         )
-        return run_continuous(call, PlannedGroups(call, first_plan=None))
+        return run_continuous(call, PlannedGroups(call, first_plan=None), share_prefixes=True)
     decision = choose_route(
         [len(p) for p in call.prompts],
         call.sampling.max_new_tokens,
@@ -102,6 +103,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         ordinary_blocked_reason=_ordinary_blocked_reason(call.config),
         samples_per_prompt=call.sampling.n,
         forms=form_options(call),
+        shared_saving_ms=_shared_saving_ms(call),
     )
     decision = _with_compile_credit(call, decision)
     profile = call.profile
@@ -115,7 +117,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         return ordinary_route(call)
     fits_first_admission = len(call.prompts) * call.sampling.n <= call.sampling.continuous_batch_size
     first = decision_groups(decision, call.config.prefill_max_tokens) if fits_first_admission else None
-    return run_continuous(call, PlannedGroups(call, first))
+    return run_continuous(call, PlannedGroups(call, first), share_prefixes=True)
 
 
 ROUTES: dict[str, Route] = {
@@ -128,6 +130,14 @@ ROUTES: dict[str, Route] = {
 
 
 PLANNING_ROUTES = ("bucketed", "auto")  # the routes that read the cost coefficients
+
+
+def _shared_saving_ms(call: RouteCall) -> float:
+    """What sharing prefixes saves if the whole call were one admission (0 when sharing is off)."""
+    if not call.config.share_prefixes:
+        return 0.0
+    shared = plan_shared_prefixes(call.prompts, call.geometry, call.costs, call.sampling.n)
+    return sum(prefix.saving_ms for prefix in shared)
 
 
 def _with_compile_credit(call: RouteCall, decision: RouteDecision) -> RouteDecision:
@@ -155,8 +165,13 @@ def _ordinary_blocked_reason(config: RolloutConfig) -> str | None:
 
 # ------------------------------------------------------------------ the CB schedule
 def run_continuous(
-    call: RouteCall, admission_policy: AdmissionPolicy, continuation: ContinuationPolicy = continued_planned
+    call: RouteCall,
+    admission_policy: AdmissionPolicy,
+    continuation: ContinuationPolicy = continued_planned,
+    share_prefixes: bool = False,
 ) -> FinishedItems:
+    """One call's CB schedule; `share_prefixes`: the planning routes may prefill a prefix shared inside
+    an admission once (when `RolloutConfig.share_prefixes` and the cost model agree)."""
     attention_implementation(call.model)
     _check_sliding_window(call)
     shape = cache_shape(call)
@@ -172,7 +187,7 @@ def run_continuous(
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
-        call.profile, call.timer, _prefix_reuse(call, continuation),
+        call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
     )  # fmt: skip
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
     finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
@@ -184,12 +199,13 @@ def run_continuous(
     return finished
 
 
-def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy) -> PrefixReuse | None:
-    if call.prefix_cache is None:
+def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy, share: bool) -> PrefixReuse | None:
+    if call.prefix_cache is None and not share:
         return None
     return PrefixReuse(
         call.prefix_cache, lambda indices, suffixes: continuation(call, indices, suffixes),
         call.config.prefill_max_tokens,
+        share=(lambda prompts: plan_shared_prefixes(prompts, call.geometry, call.costs, call.sampling.n)) if share else None,
     )  # fmt: skip
 
 

@@ -68,6 +68,7 @@ def choose_route(
     ordinary_blocked_reason: str | None = None,
     samples_per_prompt: int = 1,
     forms: FormOptions | None = None,
+    shared_saving_ms: float = 0.0,
 ) -> RouteDecision:
     """Choose ordinary padded ``generate`` or bucketed continuous batching for one batch of prompts.
 
@@ -81,6 +82,9 @@ def choose_route(
 
     With ``forms``, the bucketed estimate is `plan_forms`' plan (padded, packed and chunked groups), and
     prompts longer than ``prefill_max_tokens`` are allowed (they are chunked; ordinary is then blocked).
+
+    ``shared_saving_ms``: what prefilling the prompts' shared prefixes once saves the bucketed route
+    (`plan_shared_prefixes`); ordinary `generate` cannot share.
     """
     _check_counts(samples_per_prompt, max_new_tokens, continuous_batch_size, max_positions)
     checked = checked_lengths(lengths, prefill_max_tokens if forms is None else None)
@@ -92,7 +96,7 @@ def choose_route(
         return _empty_decision(blocked)
     shared_costs = shared_prefill_costs(costs, samples_per_prompt)
     decode_ms = continuous_decode_cost_ms(max_new_tokens, shared_costs)
-    lower_bound_ms = _bucketed_lower_bound_ms(checked, geometry, shared_costs) + decode_ms
+    lower_bound_ms = max(0.0, _bucketed_lower_bound_ms(checked, geometry, shared_costs) + decode_ms - shared_saving_ms)
     ordinary_ms = None
     if not blocked:
         rows = len(checked) * samples_per_prompt
@@ -104,7 +108,8 @@ def choose_route(
             )
             return RouteDecision(ROUTE_ORDINARY, (), (), ordinary_ms, None, lower_bound_ms, reason)
     plan = _bucketed_plan(checked, geometry, costs, prefill_max_tokens, samples_per_prompt, forms)
-    decision = _compare_routes(plan, ordinary_ms, plan.cost_ms + decode_ms, lower_bound_ms, blocked)
+    bucketed_ms = max(0.0, plan.cost_ms + decode_ms - shared_saving_ms)
+    decision = _compare_routes(plan, ordinary_ms, bucketed_ms, lower_bound_ms, blocked)
     return decision if forms is None else replace(decision, forms=plan.forms)
 
 

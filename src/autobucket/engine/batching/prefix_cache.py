@@ -57,6 +57,7 @@ class PrefixHit:
     tokens: int
     keys: list[torch.Tensor]  # per layer [kv_heads, tokens, head_dim]
     values: list[torch.Tensor]
+    shared: bool = False  # True: a prefix prefilled once in this call for several prompts, not from the cache
 
 
 @dataclass
