@@ -47,6 +47,7 @@ class Profile:
     prefix_cache_invalidations: int = 0  # 1 when this call found the weights changed and cleared the cache
     shared_prefixes: int = 0  # prefixes shared by several prompts of an admission, each prefilled once
     shared_prompt_tokens: int = 0  # prompt tokens whose K/V came from such a shared prefill (not their own)
+    shared_kv_rows: int = 0  # cache rows that read their prompt's one shared K/V copy (n samples, cascade decode)
     decode_forwards: int = 0
     plan_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -241,7 +241,7 @@ class ContinuousBatcher:
         lengths = [len(prompts[row.prompt]) for _, row in keep]
         # The first insert also allocates the cache (a per-call cost): only later copies are KV-copy timings.
         allocates, started = self.runner.store is None, time.perf_counter()
-        self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
+        self.profile.shared_kv_rows += self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
         if not allocates and output.segments is None:  # a padded copy: rows x width, as the model has it
             self.timer.sync()
             self.profile.record(KV_COPY, len(keep), max(lengths), started)

@@ -7,6 +7,7 @@ Per-row device state is one `DecodeRows` record in cache-row order, aligned with
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
+from autobucket.engine.kernels.cascade_attention import cascade_attention
+from autobucket.engine.model_access.attention import engine_attention
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
@@ -54,9 +57,13 @@ class ModelRunner:
         track_seen: bool,
         trim_cache: bool = False,
         compiled: CompiledDecode | None = None,
+        share_prompt_kv: bool = False,
     ) -> None:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
         self.compiled = compiled  # the compiled decode step, or None: every step eager
+        # A prompt's samples admitted together share one copy of its K/V (cascade decode attention)
+        self.share_prompt_kv = share_prompt_kv and compiled is None
+        self.num_layers = 0
         self.pad_token_id, self.vocab_size, self.trim_cache = pad_token_id, vocab_size, trim_cache
         self.device = next(model.parameters()).device
         self.store: StaticKVCache | None = None  # sized from the first prefill's K/V shapes
@@ -103,23 +110,54 @@ class ModelRunner:
         seen = seen_tokens(prompts, self.vocab_size, self.device) if self.seen is not None else None
         return output, seen
 
-    def insert(self, output: PrefillOutput, rows: RowInsert) -> None:
-        """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first tokens."""
-        keys, values = output.keys, output.values
+    def insert(self, output: PrefillOutput, rows: RowInsert) -> int:
+        """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first
+        tokens; samples of one prompt admitted together share one copy of its K/V when that is on.
+        Returns how many rows read a shared copy."""
+        keys = output.keys
         if self.store is None:
             self.store = self._create_store(keys)
             self.cache = self.store.hf_cache()
-        if output.segments is not None:
-            segments = [output.segments[b] for b in rows.source_rows]
-            self.store.admit_segments(keys, values, segments, always_trim=self.trim_cache)
-        else:
-            if rows.source_rows != list(range(keys[0].shape[0])):
-                # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
-                index = torch.tensor(rows.source_rows, dtype=torch.long, device=self.device)
-                keys, values = [k[index] for k in keys], [v[index] for v in values]
-            self.store.admit(keys, values, rows.prompt_lengths, always_trim=self.trim_cache)
+            self.num_layers = len(keys)
+        shared = self._shared_sources(rows)
+        groups = {source: self.store.add_group(*output.prompt_key_values(source, length, 0, copy=True))
+                  for source, length in shared.items()}  # fmt: skip
+        # Admit in order: runs of plain rows (copied) and runs of one group's rows (nothing copied).
+        index, grouped = 0, 0
+        for group, run in itertools.groupby(rows.source_rows, key=groups.get):
+            count = len(list(run))
+            if group is None:
+                span = slice(index, index + count)
+                self._admit_plain(output, rows.source_rows[span], rows.prompt_lengths[span])
+            else:
+                self.store.admit_grouped(group, count)
+                grouped += count
+            index += count
         positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
         self.rows.append(rows.first_tokens, positions, rows.seen)
+        return grouped
+
+    def _shared_sources(self, rows: RowInsert) -> dict[int, int]:
+        """Source rows whose prompt goes to several cache rows now (-> its length), when sharing is on."""
+        if not self.share_prompt_kv:
+            return {}
+        counts: dict[int, int] = {}
+        for source in rows.source_rows:
+            counts[source] = counts.get(source, 0) + 1
+        lengths = dict(zip(rows.source_rows, rows.prompt_lengths, strict=True))
+        return {source: lengths[source] for source, count in counts.items() if count > 1}
+
+    def _admit_plain(self, output: PrefillOutput, source_rows: list[int], lengths: list[int]) -> None:
+        keys, values = output.keys, output.values
+        if output.segments is not None:
+            segments = [output.segments[b] for b in source_rows]
+            self.store.admit_segments(keys, values, segments, always_trim=self.trim_cache)
+            return
+        if source_rows != list(range(keys[0].shape[0])):
+            # Some rows finished at their first token, or samples share a prompt's row: gather (a copy).
+            index = torch.tensor(source_rows, dtype=torch.long, device=self.device)
+            keys, values = [k[index] for k in keys], [v[index] for v in values]
+        self.store.admit(keys, values, lengths, always_trim=self.trim_cache)
 
     def _create_store(self, keys: list[torch.Tensor]) -> StaticKVCache:
         # keys[l]: [rows, kv_heads, width, head_dim]; geometry is read off the model's own K/V.
@@ -147,15 +185,28 @@ class ModelRunner:
         if logits is not None:
             self.store.finish_step()
             return logits
-        output = self.model(
+        if self.store.groups:
+            layout = self.store.cascade_layout()
+            with engine_attention(cascade_attention(layout)):
+                output = self._decode_forward()
+            if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
+                raise RuntimeError(
+                    f"cascade decode attention ran in {layout.calls} of {self.num_layers} layers: this model's "
+                    "attention does not go through transformers' attention interface; report this model"
+                )
+        else:
+            output = self._decode_forward()
+        self.store.finish_step()
+        return output.logits[:, -1, :].float()
+
+    def _decode_forward(self):
+        return self.model(
             input_ids=self.rows.tokens[:, None],
             attention_mask=self.store.step_mask(),
             position_ids=self.rows.positions[:, None],
             use_cache=True,
             **{self.spec.cache_keyword: self.cache},
         )
-        self.store.finish_step()
-        return output.logits[:, -1, :].float()
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Feed `tokens` [rows] at the next step; they join each row's seen tokens."""
@@ -165,8 +216,14 @@ class ModelRunner:
         """Cache row `row`'s K/V from its token `start` on, in token order (its owned columns; a gap
         skipped), per layer `[kv_heads, tokens - start, head_dim]` copies."""
         store = self.store
-        columns = (store.attend[row, : store.front] == 0).nonzero().squeeze(1)[start:]
-        return [k[row, :, columns] for k in store.keys], [v[row, :, columns] for v in store.values]
+        columns = (store.attend[row, : store.front] == 0).nonzero().squeeze(1)
+        keys, values = [k[row, :, columns] for k in store.keys], [v[row, :, columns] for v in store.values]
+        group = store.group_of[row]
+        if group >= 0:  # the shared prompt's K/V comes first
+            group_keys, group_values = store.groups[group]
+            keys = [torch.cat([g, k], dim=1) for g, k in zip(group_keys, keys, strict=True)]
+            values = [torch.cat([g, v], dim=1) for g, v in zip(group_values, values, strict=True)]
+        return [k[:, start:] for k in keys], [v[:, start:] for v in values]
 
     def retire(self, keep: list[int]) -> None:
         """Keep only cache rows `keep` (in order), compacted to the front rows."""

@@ -46,14 +46,20 @@ class PrefillOutput:
     forwards: int = 1  # model forwards it took
     tokens: int = 0  # token positions run through them (padding included)
 
-    def prompt_key_values(self, prompt: int, length: int, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Prompt `prompt`'s K/V (`length` tokens) from its token `start` on, per layer [kv_heads, length - start, head_dim]."""
+    def prompt_key_values(
+        self, prompt: int, length: int, start: int, copy: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Prompt `prompt`'s K/V (`length` tokens) from its token `start` on, per layer [kv_heads, length - start,
+        head_dim]: views of this output, or with `copy` tensors of their own (that do not keep it alive)."""
         if self.segments is None:
             row, begin = prompt, self.keys[0].shape[2] - length
         else:
             row, begin, _ = self.segments[prompt]
         columns = slice(begin + start, begin + length)
-        return [k[row, :, columns] for k in self.keys], [v[row, :, columns] for v in self.values]
+        keys, values = [k[row, :, columns] for k in self.keys], [v[row, :, columns] for v in self.values]
+        if copy:
+            return [k.clone() for k in keys], [v.clone() for v in values]
+        return keys, values
 
 
 def left_pad(

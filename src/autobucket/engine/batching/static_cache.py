@@ -19,6 +19,11 @@ then have masked columns between their data and the front, which costs nothing t
 
 The class keeps plain integer bookkeeping on the host (`first_column` per row) so that trimming
 and capacity checks never need a device sync.
+
+Shared prompts (cascade decode, `kernels/cascade_attention.py`): the n samples of a prompt can share one
+copy of its K/V, a *group* held beside the rows (`add_group`). Such rows own only the columns of what
+they generate (`admit_grouped` admits them owning nothing yet); `cascade_layout()` tells the decode
+attention which rows read which group. A group is dropped when its last row retires.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from autobucket.engine.kernels.cascade_attention import CascadeLayout
 
 try:  # transformers >= 4.56 has layered caches; both 4.57 and 5.x are supported.
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -63,13 +70,21 @@ class StaticKVCache:
         self.front = 0
         self.first_column: list[int] = []  # per active row: its first live column
         self.has_gap: list[bool] = []  # per active row: masked columns between its data and the front
+        self.group_of: list[int] = []  # per active row: its shared-prompt group (-1: none)
+        self.groups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id -> per layer [kv_heads, tokens, head_dim]
+        self._next_group = 0
+        self._layout: CascadeLayout | None = None  # rebuilt after rows or groups change
         self.trims = 0
         self.trimmed_columns = 0
         self.moved_bytes = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.attend))
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.attend)) + self.group_bytes
+
+    @property
+    def group_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for keys, values in self.groups.values() for t in (*keys, *values))
 
     @property
     def free_rows(self) -> int:
@@ -126,14 +141,64 @@ class StaticKVCache:
                 self.values[layer][first + offset, :, self.front - (end - start) : self.front] = v[row, :, start:end]
         return self._own_columns(first, lengths)
 
+    def add_group(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+        """Hold one prompt's K/V (per layer [kv_heads, tokens, head_dim]) for rows to share; returns its id."""
+        group, self._next_group = self._next_group, self._next_group + 1
+        self.groups[group] = (list(keys), list(values))
+        return group
+
+    def admit_grouped(self, group: int, count: int) -> range:
+        """`count` rows that read `group`'s K/V and own no columns yet (their decode tokens come next)."""
+        if count > self.free_rows:
+            raise ValueError(f"cannot admit {count} rows: only {self.free_rows} of {self.rows} are free")
+        rows = self._own_columns(self.active_rows, [0] * count)
+        self.group_of[-count:] = [group] * count
+        return rows
+
+    def cascade_layout(self) -> CascadeLayout:
+        """Which active rows read which group, with the groups' K/V stacked (see CascadeLayout)."""
+        if self._layout is None:
+            self._layout = self._build_layout()
+        self._layout.calls = 0
+        return self._layout
+
+    def _build_layout(self) -> CascadeLayout:
+        used = sorted({g for g in self.group_of if g >= 0})
+        slot_of, rows_in = {g: i for i, g in enumerate(used)}, dict.fromkeys(used, 0)
+        row_group, row_slot = [], []
+        for group in self.group_of:
+            row_group.append(slot_of.get(group, -1))
+            row_slot.append(rows_in[group] if group >= 0 else 0)
+            if group >= 0:
+                rows_in[group] += 1
+        longest = max(self.groups[g][0][0].shape[1] for g in used)
+        device, dtype = self.attend.device, self.keys[0].dtype
+        keys, values = [], []
+        for layer in range(len(self.keys)):
+            k = torch.zeros((len(used), self.keys[0].shape[1], longest, self.keys[0].shape[3]), dtype=dtype, device=device)
+            v = torch.zeros_like(k)
+            for slot, group in enumerate(used):
+                group_keys, group_values = self.groups[group]
+                k[slot, :, : group_keys[layer].shape[1]] = group_keys[layer]
+                v[slot, :, : group_values[layer].shape[1]] = group_values[layer]
+            keys.append(k)
+            values.append(v)
+        mask = torch.full((len(used), longest), float("-inf"), device=device)
+        for slot, group in enumerate(used):
+            mask[slot, : self.groups[group][0][0].shape[1]] = 0.0
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return CascadeLayout(keys, values, mask, as_long(row_group), as_long(row_slot), max(rows_in.values()))
+
     def _own_columns(self, first: int, lengths: Sequence[int]) -> range:
         """Rows first.. now own their last `lengths` columns before the front."""
+        self._layout = None
         last = first + len(lengths)
         self.attend[first:last] = self.masked_value
         for offset, length in enumerate(lengths):
             self.attend[first + offset, self.front - length : self.front] = 0
             self.first_column.append(self.front - length)
             self.has_gap.append(False)
+            self.group_of.append(-1)
         self.active_rows = last
         return range(first, last)
 
@@ -200,6 +265,10 @@ class StaticKVCache:
         self.attend[kept:before] = self.masked_value
         self.first_column = [self.first_column[row] for row in keep]
         self.has_gap = [self.has_gap[row] for row in keep]
+        self.group_of = [self.group_of[row] for row in keep]
+        for group in set(self.groups) - set(self.group_of):
+            del self.groups[group]  # its last row retired
+        self._layout = None
         self.active_rows = kept
         if kept == 0:
             self.front = 0

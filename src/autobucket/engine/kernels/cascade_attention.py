@@ -1,0 +1,111 @@
+"""Decode attention over a shared prompt (cascade attention): the n samples of one prompt keep a single
+copy of the prompt's K/V, and each decode step attends to it once for all of them.
+
+Without it, each of a prompt's n cache rows holds its own copy of the prompt's K/V, and a decode step
+reads all n copies (n x the memory traffic, at GRPO's n = 8 most of a step). Here the cache rows hold
+only what each sample generated; the prompt's K/V lives once in a `SharedPrefixes` group. A step's
+attention for a row is the softmax over [shared prompt keys | own keys], computed in two parts and merged
+by their softmax statistics (the standard split of a softmax over a concatenation):
+
+    lse = logaddexp(lse_shared, lse_own)
+    out = exp(lse_shared - lse) * out_shared + exp(lse_own - lse) * out_own
+
+where out_part and lse_part are one part's softmax attention output and log-sum-exp of its scores.
+The shared part is one flash-attention call for every group: the group's rows' queries (all their heads
+that share a KV head) against the group's keys, `[groups, kv_heads, rows_in_group * heads_per_kv, shared]`.
+The result equals attention over the concatenated keys up to floating-point rounding (not bitwise:
+`kernels="invariant"` keeps per-row copies and its own kernel). The merge is fp32 whatever the model's
+dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autobucket.engine.model_access.attention import dropout_suppressed
+
+
+@dataclass
+class CascadeLayout:
+    """The step's grouping of cache rows onto shared prompts (rebuilt when rows or groups change).
+
+    keys[l], values[l]: [groups, kv_heads, shared, head_dim], each group's prompt K/V left-aligned and
+    zero-padded to the longest; shared_mask: [groups, shared] additive (0 = a real key, -inf = padding);
+    row_group, row_slot: [rows] long, each row's group (-1: none) and its place among the group's rows."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    shared_mask: torch.Tensor
+    row_group: torch.Tensor
+    row_slot: torch.Tensor
+    slots: int  # most rows in one group
+    calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
+
+
+def cascade_attention(layout: CascadeLayout):
+    """transformers' attention-function interface for one decode forward over `layout`."""
+
+    def attention(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if dropout and not dropout_suppressed():
+            raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
+        layer = module.layer_idx
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        output = _attend(query, key, value, attention_mask, scale, layout, layer)
+        layout.calls += 1
+        return output, None
+
+    return attention
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, logsumexp), CPU
+
+
+def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int) -> torch.Tensor:
+    """query [rows, heads, 1, head_dim]; key, value [rows, kv_heads, own, head_dim] (each row's own
+    columns, masked by `attention_mask`) -> [rows, 1, heads, head_dim] in the query's dtype.
+
+    Both parts run SDPA's flash kernel, which also returns each query's logsumexp: the merge weights
+    are exp(lse_part - lse_total)."""
+    rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    per_kv = heads // kv_heads
+    # A KV head's query heads become its "query positions": [rows, kv_heads, per_kv, head_dim] (GQA, no repeat)
+    q = query.reshape(rows, kv_heads, per_kv, head_dim)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, :]  # [rows, 1, 1, own]: the one query's row
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+        mask = mask.to(query.dtype)
+    own_out, own_lse = _FLASH(q, key, value, attn_mask=mask, scale=scale)
+    shared_out, shared_lse = _shared_part(q, scale, layout, layer)
+    total = torch.logaddexp(own_lse, shared_lse)  # [rows, kv_heads, per_kv]
+    output = torch.exp(own_lse - total)[..., None] * own_out.float()
+    output = output + torch.exp(shared_lse - total)[..., None] * shared_out
+    return output.reshape(rows, heads, head_dim)[:, None].to(query.dtype)
+
+
+def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: attention output (fp32) and logsumexp over its group's shared keys, [rows, kv_heads,
+    per_kv, head_dim] and [rows, kv_heads, per_kv]; 0 and -inf for a row without a group."""
+    rows, kv_heads, per_kv, head_dim = q.shape
+    groups = layout.keys[layer].shape[0]
+    grouped = layout.row_group >= 0
+    where = (layout.row_group[grouped], layout.row_slot[grouped])
+    # queries gathered per group: [groups, slots, kv_heads, per_kv, head_dim] -> [groups, kv_heads, slots * per_kv, head_dim]
+    by_group = q.new_zeros((groups, layout.slots, kv_heads, per_kv, head_dim))
+    by_group[where] = q[grouped]
+    by_group = by_group.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, layout.slots * per_kv, head_dim)
+    mask = layout.shared_mask[:, None, None, :].to(q.dtype)  # [groups, 1, 1, shared]: padding keys off
+    out, lse = _FLASH(by_group, layout.keys[layer], layout.values[layer], attn_mask=mask, scale=scale)
+    out = out.reshape(groups, kv_heads, layout.slots, per_kv, head_dim).transpose(1, 2)
+    lse = lse.reshape(groups, kv_heads, layout.slots, per_kv).transpose(1, 2)
+    row_out = torch.zeros((rows, kv_heads, per_kv, head_dim), dtype=torch.float32, device=q.device)
+    row_lse = torch.full((rows, kv_heads, per_kv), float("-inf"), device=q.device)
+    row_out[grouped] = out[where].float()
+    row_lse[grouped] = lse[where]
+    return row_out, row_lse

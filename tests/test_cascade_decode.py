@@ -1,0 +1,113 @@
+"""Cascade decode: the n samples of a prompt read one shared copy of its K/V
+(`engine/kernels/cascade_attention.py`), against the same call with per-row copies and against
+single-request HF `generate`; a negative control that points rows at the wrong prompt must break it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ARCHS, oracle_generate, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import routes
+from autobucket.engine.batching.static_cache import StaticKVCache
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
+
+BUDGET = 8
+SAMPLING = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperature=1.0, seed=4, logprobs=True,
+                          continuous_batch_size=5)  # 15 rows on 5: samples of a prompt split over admissions  # fmt: skip
+
+
+@pytest.fixture
+def always_share(monkeypatch):
+    """Share every multi-sample prompt (the default starts only when the copies saved are large)."""
+    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
+
+
+def _without_sharing(monkeypatch):
+    monkeypatch.setattr(routes, "_shares_prompt_kv", lambda call: False)
+
+
+def _flat(logprobs):
+    return [value for samples in logprobs for sample in samples for value in sample]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, always_share, monkeypatch):
+    model = tiny_models(arch)
+    prompts = random_prompts([40, 70, 12, 90, 35], seed=ARCHS.index(arch) + 50)
+    shared = Rollout(model, config=RolloutConfig(route="bucketed")).generate(prompts, SAMPLING)
+    assert shared.profile.shared_kv_rows > 0
+    _without_sharing(monkeypatch)
+    copies = Rollout(model, config=RolloutConfig(route="bucketed")).generate(prompts, SAMPLING)
+    assert copies.profile.shared_kv_rows == 0
+    assert shared.tokens == copies.tokens
+    difference = max(abs(a - b) for a, b in zip(_flat(shared.logprobs), _flat(copies.logprobs), strict=True))
+    assert difference < 1e-4  # the merge of two softmax parts rounds differently, nothing more
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+def test_greedy_samples_on_a_shared_prompt_equal_generate(tiny_models, arch, always_share):
+    model = tiny_models(arch)
+    prompts = random_prompts([33, 64, 20], seed=60)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, continuous_batch_size=4)
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
+    assert result.profile.shared_kv_rows > 0
+    for prompt, samples in zip(prompts, result.tokens, strict=True):
+        expected, _ = oracle_generate(model, prompt, BUDGET, eos_token_id=[])
+        assert samples == [expected, expected]
+
+
+def test_negative_control_rows_reading_another_prompt_break_the_oracle(tiny_models, always_share, monkeypatch):
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts([40, 70, 55], seed=61)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, continuous_batch_size=6)
+    build = StaticKVCache._build_layout
+
+    def swapped(self):
+        layout = build(self)
+        grouped = layout.row_group >= 0
+        layout.row_group[grouped] = (layout.row_group[grouped] + 1) % (int(layout.row_group.max()) + 1)
+        return layout
+
+    monkeypatch.setattr(StaticKVCache, "_build_layout", swapped)
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
+    expected = [[oracle_generate(model, p, BUDGET, eos_token_id=[])[0]] * 2 for p in prompts]
+    assert result.profile.shared_kv_rows > 0 and result.tokens != expected
+
+
+def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
+    """A finished sample's sequence enters the prefix cache with its shared prompt in front: the next turn
+    continues it and equals generate over the whole conversation."""
+    model = tiny_models("tiny-mistral")
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
+    prompts = random_prompts([50, 37], seed=62)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2)
+    first = rollout.generate(prompts, sampling)
+    assert first.profile.shared_kv_rows == 4
+    second_prompts = [p + samples[1] + [7, 8, 9] for p, samples in zip(prompts, first.tokens, strict=True)]
+    second = rollout.generate(second_prompts, SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[]))
+    assert second.profile.cached_prompt_tokens == sum(len(p) + BUDGET - 1 for p in prompts)
+    for prompt, tokens in zip(second_prompts, second.tokens, strict=True):
+        assert tokens == oracle_generate(model, prompt, BUDGET, eos_token_id=[])[0]
+
+
+def test_no_sharing_with_invariant_kernels_eager_attention_or_one_sample(tiny_models, always_share):
+    prompts = random_prompts([40, 45], seed=63)
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_id=[], n=2)
+    invariant = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned", kernels="invariant"))
+    assert invariant.generate(prompts, sampling).profile.shared_kv_rows == 0
+    eager = Rollout(tiny_models("tiny-qwen2", attn_implementation="eager"), config=RolloutConfig(route="aligned"))
+    assert eager.generate(prompts, sampling).profile.shared_kv_rows == 0
+    single = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned"))
+    assert single.generate(prompts, SamplingConfig(max_new_tokens=4, eos_token_id=[])).profile.shared_kv_rows == 0
+
+
+def test_sharing_starts_only_when_the_copies_it_saves_are_large(tiny_models):
+    model = tiny_models("tiny-qwen2")
+    sampling = SamplingConfig(max_new_tokens=2, eos_token_id=[], n=4)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    short = rollout.generate(random_prompts([40, 30], seed=64), sampling)  # 3 x 70 columns saved
+    assert short.profile.shared_kv_rows == 0
+    long = rollout.generate(random_prompts([800, 700], seed=65), sampling)  # 3 x 1500
+    assert long.profile.shared_kv_rows == 8
