@@ -137,6 +137,20 @@ def test_packed_weights_follow_an_optimizer_step_and_load_state_dict():
 
 
 @pytest.mark.engine
+def test_packed_weights_follow_a_fused_optimizer_step():
+    """Fused AdamW (TRL's default) leaves `_version` unchanged; the engine's optimizer-step count repacks."""
+    model, prompts, rollout, first = _first_call(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    versions = [p._version for p in model.parameters()]
+    model(input_ids=torch.tensor([prompts[2]]), labels=torch.tensor([prompts[2]])).loss.backward()
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions
+    forget_oracle(model)
+    stepped = _generate(rollout, prompts)
+    assert stepped == oracle_batch(model, prompts, BUDGET, eos_token_id=[])[0] and stepped != first
+
+
+@pytest.mark.engine
 def test_a_data_write_needs_refresh_weights():
     model, prompts, rollout, first = _first_call(seed=4)
     other = build_tiny_model("tiny-llama", seed=52)

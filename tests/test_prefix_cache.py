@@ -390,3 +390,24 @@ def test_invariant_sharing_equals_whole_prefills_bitwise(dtype):
     ]
     assert results[0].profile.shared_prefixes == 1 and results[1].profile.shared_prefixes == 0
     assert results[0].tokens == results[1].tokens and results[0].logprobs == results[1].logprobs
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_fused_optimizer_step_is_seen_although_it_does_not_bump_versions(fused):
+    """Fused AdamW (TRL's default optimizer) writes parameters without bumping `_version`; the engine
+    counts optimizer steps, so the next turn reuses nothing and equals generate on the new weights."""
+    model = _fresh_model()
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
+    first = random_prompts([40, 28], seed=21)
+    result = rollout.generate(first, GREEDY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused)
+    versions = [p._version for p in model.parameters()]
+    ids = torch.tensor([random_prompts([24], seed=22)[0]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    if fused:
+        assert [p._version for p in model.parameters()] == versions  # the counters really miss it
+    second = [p + t + [5, 6] for p, t in zip(first, result.tokens, strict=True)]
+    continued = rollout.generate(second, GREEDY)
+    assert continued.profile.cached_prompt_tokens == 0 and continued.profile.prefix_cache_invalidations == 1
+    _assert_oracle(model, second, continued)

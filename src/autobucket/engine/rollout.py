@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
-from autobucket.engine.batching.prefix_cache import PrefixCache, weights_version
+from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
@@ -32,6 +32,7 @@ from autobucket.engine.model_access.hf_compat import (
     unwrap_model,
     vocab_size,
 )
+from autobucket.engine.model_access.weight_versions import weights_version
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
 from autobucket.planning.costs import CostCoefficients, ModelGeometry

@@ -11,8 +11,9 @@ tokens, head_dim]` (2: keys, values), copied out of the static cache, so nothing
 engine's buffers. K/V at position i depends on tokens 0..i only (causal attention, positions counted
 from 0 in every route), so any common prefix of two sequences has the same K/V.
 
-Versions: `weights_version(model)` is the parameters' `(data_ptr, _version)` with the attention
-backend and the kernels; any change clears the whole cache before the next lookup (an entry of old
+Versions: `weights_version(model)` (`model_access/weight_versions.py`) is the parameters'
+`(data_ptr, _version)`, the process's optimizer steps (fused optimizers do not bump `_version`), the
+attention backend and the kernels; any change clears the whole cache before the next lookup (an entry of old
 weights can never be served again, so keeping it would only hold memory). `Rollout.refresh_weights()`
 clears it too, for writes that bypass version counters (`param.data` copies).
 
@@ -24,7 +25,7 @@ their descendants. A sequence whose new blocks alone exceed the budget is not ca
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,13 +71,6 @@ class PrefixCacheStats:
     skipped_sequences: int = 0  # larger than the whole budget: not cached
     evicted_blocks: int = 0
     invalidations: int = 0  # clears after a weight change or refresh_weights()
-
-
-def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
-    """What the K/V of a token sequence depends on besides its tokens: every parameter's storage and
-    in-place version (an optimizer step, `copy_`, `load_state_dict` bump `_version`; a `.data = t`
-    assignment changes `data_ptr()`), plus `extra` (attention backend, kernels)."""
-    return (*extra, tuple((p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for p in model.parameters()))
 
 
 class PrefixCache:

@@ -11,8 +11,9 @@ Every linear the engine's forwards run is routed here by `packed_linears` — a 
 only this thread's forwards inside the block see it and the model's modules are never touched (LoRA
 layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike; GPT-2's `Conv1D`
 is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
-keyed on the weight's identity, `data_ptr()` and `_version`: an `optimizer.step()`, a `copy_` under
-`no_grad` or `load_state_dict` between calls bumps the version and the next forward repacks; a write
+keyed on the weight's identity, `data_ptr()`, `_version` and the process's optimizer steps
+(`model_access/weight_versions.py`: fused optimizers do not bump `_version`): an `optimizer.step()`, a
+`copy_` under `no_grad` or `load_state_dict` between calls and the next forward repacks; a write
 through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs `refresh()`
 (`Rollout.refresh_weights()`)."""
 
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from autobucket.engine.model_access.weight_versions import tensor_version
+
 
 @functools.cache  # read on every linear call of a forward: the answer is fixed for the process
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -44,17 +47,12 @@ def onednn_available(dtype: torch.dtype) -> bool:
 @dataclass
 class _Pack:
     owner: weakref.ref  # the weight this copy was made from
-    version: tuple[int, int | None]  # (data_ptr, _version) when packed
+    version: tuple[int, int | None, int]  # (data_ptr, _version, optimizer steps) when packed
     packed: torch.Tensor  # oneDNN-blocked copy of the weight
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
-
-
-def _version_of(weight: torch.Tensor) -> tuple[int, int | None]:
-    # Inference tensors keep no version counter (they cannot be changed outside inference mode).
-    return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
 class PackedLinears:
@@ -103,7 +101,7 @@ class PackedLinears:
     def _pack_for(self, weight: torch.Tensor, x: torch.Tensor, transposed: bool) -> _Pack | None:
         if not _eligible(weight, x):
             return None
-        pack, version = self._packs.get(id(weight)), _version_of(weight)
+        pack, version = self._packs.get(id(weight)), tensor_version(weight)
         if pack is not None and pack.owner() is weight and pack.version == version:
             return pack
         started = time.perf_counter()

@@ -1,0 +1,59 @@
+"""What tells the engine the trainer's weights changed since it last looked, so nothing derived from
+old weights (packed linears, prefix-cache K/V) is ever used after an update.
+
+- A parameter's `(data_ptr, _version)`: `_version` increases on every in-place change autograd sees
+  (an unfused optimizer step, `copy_` under `no_grad`, `load_state_dict`); `param.data = t` changes
+  `data_ptr()`.
+- A process-wide count of optimizer steps: fused optimizers (`torch.optim.AdamW(fused=True)`, TRL's
+  default `adamw_torch_fused`) write the parameters in kernels that do not bump `_version` (measured:
+  `_version` stays 1 after a fused AdamW step). torch calls global optimizer step hooks after every
+  `Optimizer.step` of every optimizer, so one hook counting them (registered at first use, never
+  removed, touching nothing but the counter) sees those updates too. Any optimizer's step counts — a
+  reward model's included: a false alarm costs a repack, a miss would cost correctness.
+- Writes through `.data` (`p.data.copy_(...)`) are seen by neither: `Rollout.refresh_weights()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+import torch
+
+_LOCK = threading.Lock()
+_STEPS = 0
+_HOOK = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _STEPS
+    with _LOCK:
+        _STEPS += 1
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process since the engine started counting (hook at first use)."""
+    global _HOOK
+    if _HOOK is None:
+        with _LOCK:
+            if _HOOK is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                _HOOK = register_optimizer_step_post_hook(_count_step)
+    return _STEPS
+
+
+def tensor_version(tensor: torch.Tensor) -> tuple[int, int | None, int]:
+    """(data_ptr, _version, optimizer steps) of one weight; inference tensors keep no version counter
+    (they cannot be changed outside inference mode)."""
+    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version, optimizer_steps()
+
+
+def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
+    """What the K/V of a token sequence depends on besides its tokens: every parameter's storage,
+    in-place version, dtype and shape, the optimizer steps taken, plus `extra` (attention backend, kernels)."""
+    steps = optimizer_steps()
+    parameters = tuple(
+        (p.data_ptr(), None if p.is_inference() else p._version, p.dtype, tuple(p.shape)) for p in model.parameters()
+    )
+    return (*extra, steps, parameters)
