@@ -24,11 +24,30 @@ the reference model) runs its forward under `autobucket.invariant(model)`, with 
 over real tokens as generation counts them (TRL's fused LM head counts them from column 0 of the
 left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise); every
 training step logs `mismatch/k3` and `mismatch/max_abs_logp_diff` from TRL's per-token logprobs against
-the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl.py)."""
+the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl.py).
+
+Tool calling (`tools=` / `environment_factory=`): TRL's `_tool_call_loop` runs the tools and calls
+`_generate_single_turn` again for each later turn, with prompt + completion + tool-result ids and
+`num_generations=1`; those turns run through autobucket too, one sample per conversation (never merged
+with an identical neighbour), each call with its own stream key. A conversation's next turn extends a
+sequence the previous turn finished, so with `RolloutConfig(prefix_cache_mb > 0)` it prefills only the
+tool-result tokens (`autobucket_turns[t][i].cached_prompt_tokens`, logged as
+`autobucket/cached_prompt_tokens`). Without a `rollout_config`, a trainer with tools gets the default one
+with `prefix_cache_mb=TOOL_PREFIX_CACHE_MB`; an explicit config is used as given (a warning says when its
+cache is off). The cache lives for one generation batch only: it is emptied before and after each, so it
+holds memory only while generating and never serves K/V of the weights before an optimizer step.
+A later turn whose conversation leaves fewer than `max_completion_length` positions of the model's context
+generates only what fits (TRL keeps no more than that of it).
+
+Weight updates: the engine sees optimizer steps, fused ones included (they do not bump `_version`;
+`engine/model_access/weight_versions.py` counts steps), but not writes through `.data` such as TRL's
+reference-model sync; so the trainer also drops the rollout's packs and prefix cache and the trainer
+scope's packs (`Rollout.refresh_weights()`) once per optimizer step."""
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,14 +62,21 @@ from autobucket.engine.trainer_logprobs import mismatch_metrics
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
+# Prefix cache of a trainer with tools and no rollout_config: one generation batch's conversations (it is
+# emptied after every batch), least recently used evicted first beyond it.
+TOOL_PREFIX_CACHE_MB = 1024.0
 
 
 class AutobucketGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose completions come from `autobucket.Rollout`.
 
-    rollout_config: how autobucket runs (default `RolloutConfig(route="auto")`).
+    rollout_config: how autobucket runs (default `RolloutConfig(route="auto")`; with tools, also
+      `prefix_cache_mb=TOOL_PREFIX_CACHE_MB`, so tool turns prefill only their new tokens).
     continuous_batch_size: most completions decoded at once (None: the whole generation batch).
     Other arguments are `GRPOTrainer`'s; with `peft_config` it generates through the active LoRA adapter.
+
+    After each generation batch: `autobucket_routes` (the routes of its last turn) and `autobucket_turns`
+    (one list of `Profile`s per turn: the prompts, then each tool-calling iteration).
 
     Generation has eval semantics (no dropout), as TRL's vLLM path; TRL's own transformers path generates
     in train() mode, so with `lora_dropout > 0` the two agree only under `disable_dropout=True`.
@@ -71,6 +97,16 @@ class AutobucketGRPOTrainer(GRPOTrainer):
             check_args_supported(training_args)  # before TRL builds a vLLM engine we would not use
         super().__init__(*args, **kwargs)
         check_trainer_supported(self)
+        self.autobucket_turns: list[list[Any]] = []
+        self._autobucket_weights_step: int | None = None
+        if self.tools and rollout_config is None:
+            self.rollout_config = replace(self.rollout_config, prefix_cache_mb=TOOL_PREFIX_CACHE_MB)
+        elif self.tools and not self.rollout_config.prefix_cache_mb:
+            warnings.warn(
+                "tools with rollout_config.prefix_cache_mb=0: every tool-calling turn prefills its whole "
+                "conversation again; set RolloutConfig(prefix_cache_mb=...) to prefill only the new tokens",
+                stacklevel=2,
+            )
 
     @property
     def invariant_kernels(self) -> bool:
@@ -81,6 +117,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
                                            **multimodal):  # fmt: skip
         """TRL's per-token logprobs (and entropies); with invariant kernels the forward runs under
         `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights."""
+        self._refresh_after_optimizer_step()
         if not self.invariant_kernels or compute_aux_loss or any(v is not None for v in multimodal.values()):
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -98,6 +135,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """With invariant kernels the whole step runs in the scope: gradient checkpointing recomputes the
         forward during backward, and that recomputation must see the kernels the forward saw."""
+        self._refresh_after_optimizer_step()
         if not self.invariant_kernels:
             return super().training_step(model, inputs, num_items_in_batch)
         from autobucket import invariant
@@ -111,17 +149,67 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         trainer_logps, sampling_logps = self._autobucket_last_logps, inputs.get("sampling_per_token_logps")
         if trainer_logps is not None and sampling_logps is not None:
             mode = "train" if self.model.training else "eval"
-            for name, value in mismatch_metrics(trainer_logps, sampling_logps, inputs["completion_mask"]).items():
+            mask = inputs["completion_mask"]
+            if inputs.get("tool_mask") is not None:  # tool-result tokens were not sampled (logprob 0.0)
+                mask = mask * inputs["tool_mask"]
+            for name, value in mismatch_metrics(trainer_logps, sampling_logps, mask).items():
                 self._metrics[mode][name].append(value)
         return loss
+
+    def _refresh_after_optimizer_step(self) -> None:
+        """Drop the rollout's packed weights and prefix cache and the trainer scope's packs once per
+        optimizer step: TRL's ref-model sync writes weights through `.data`, which no version counter sees
+        (optimizer steps, fused ones included, the engine sees itself)."""
+        step = self.state.global_step
+        if self._autobucket_weights_step == step:
+            return
+        self._autobucket_weights_step = step
+        cached = getattr(self, "_autobucket_rollout", None)
+        if cached is not None:
+            cached[2].refresh_weights()
+        if self.invariant_kernels:
+            from autobucket.engine.kernels.trainer_scope import packs_for
+            from autobucket.engine.model_access.hf_compat import unwrap_model
+
+            for model in (self.model, getattr(self, "ref_model", None)):
+                if model is not None:
+                    packs_for(unwrap_model(model)).refresh()
+
+    def _generate(self, prompts):
+        """TRL's generation batch (the prompts' turn, then its tool-calling turns). The prefix cache is
+        emptied before and after it: its entries serve this batch's later turns only, so it holds memory
+        only while generating and never outlives the weights it was filled under."""
+        self._refresh_after_optimizer_step()
+        self.autobucket_turns = []
+        self._forget_prefixes()
+        try:
+            output = super()._generate(prompts)
+        finally:
+            self._forget_prefixes()
+        if self.rollout_config.prefix_cache_mb and self.autobucket_turns:
+            mode = "train" if self.model.training else "eval"
+            cached = sum(p.cached_prompt_tokens for turn in self.autobucket_turns for p in turn)
+            self._metrics[mode]["autobucket/cached_prompt_tokens"].append(float(cached))
+        return output
+
+    def _forget_prefixes(self) -> None:
+        cached = getattr(self, "_autobucket_rollout", None)
+        if cached is not None and cached[2].prefix_cache is not None:
+            cached[2].prefix_cache.clear()
 
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
-        """TRL 1.16's generation hook: prompt id lists (each repeated in a row) -> (completion ids,
-        per-token logprobs or None). `num_generations` is implied by the runs of identical prompts."""
+        """TRL 1.16's generation hook: prompt id lists (each repeated `num_generations` times in a row)
+        -> (completion ids, per-token logprobs or None). TRL's tool loop calls it again for each later turn
+        with prompt + completion + tool-result ids and `num_generations=1` (one sample per conversation)."""
         reject_multimodal(images, multimodal_fields)
-        return generate_completions(self, prompt_ids, self.rollout_config, self.continuous_batch_size)
+        continued = bool(self.autobucket_turns)  # a tool-calling turn of this generation batch
+        completions, logprobs = generate_completions(  # positional: tests wrap it as (trainer, *args)
+            self, prompt_ids, self.rollout_config, self.continuous_batch_size, num_generations, continued
+        )
+        self.autobucket_turns.append(self.autobucket_profiles)
+        return completions, logprobs
 
 
 def invariant_per_token_logps(
@@ -146,9 +234,8 @@ def invariant_per_token_logps(
                 use_cache=False,
             ).logits[:, :-1]  # [b, logits_to_keep, vocab]: the logits each completion token was sampled from
         logps.append(trainer_logprobs(logits, ids[:, -logits_to_keep:], temperature))
-        if compute_entropy:
-            with torch.no_grad():
-                entropies.append(entropy_from_logits(logits / temperature))
+        if compute_entropy:  # with its graph, as TRL's own: the entropy bonus (entropy_coef) backpropagates it
+            entropies.append(entropy_from_logits(logits / temperature))
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
 
 
@@ -164,6 +251,11 @@ def make_rollout_func(
 
     def rollout_func(prompts: list, trainer: Any) -> dict[str, Any]:
         check_trainer_supported(trainer)
+        if getattr(trainer, "tools", None) and not isinstance(trainer, AutobucketGRPOTrainer):
+            raise ValueError(
+                "tools with make_rollout_func() are not supported: TRL's tool loop would generate every turn "
+                "after the first with its own backend, not autobucket; use AutobucketGRPOTrainer(tools=...)"
+            )
         prompt_ids, images, multimodal_fields = trainer._tokenize_prompts(prompts)
         reject_multimodal(images, multimodal_fields)
         completion_ids, logprobs = generate_completions(trainer, prompt_ids, config, continuous_batch_size)
@@ -265,12 +357,13 @@ def check_prompt_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
 
 
 # ------------------------------------------------------------------ generation
-def prompt_runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
-    """Consecutive identical prompts -> (prompt, run length), in order."""
+def prompt_runs(prompt_ids: Sequence[Sequence[int]], longest: int | None = None) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts -> (prompt, run length), in order; runs are at most `longest` long
+    (TRL's `num_generations`: 1 for tool-calling turns, whose conversations are each sampled once)."""
     runs: list[tuple[list[int], int]] = []
     for ids in prompt_ids:
         ids = list(ids)
-        if runs and runs[-1][0] == ids:
+        if runs and runs[-1][0] == ids and (longest is None or runs[-1][1] < longest):
             runs[-1] = (ids, runs[-1][1] + 1)
         else:
             runs.append((ids, 1))
@@ -293,15 +386,38 @@ def run_seeds(call_seed: int, run_count: int) -> list[int]:
     ]
 
 
+def context_budgets(runs: list[tuple[list[int], int]], max_new_tokens: int, model: Any) -> list[int]:
+    """Per run: the new tokens a tool-calling turn generates, `max_new_tokens` or what the model's context
+    leaves. TRL keeps at most `max_completion_length - (conversation - prompt)` of a later turn, which the
+    context leaves whenever the first turn fitted, so the cap drops only tokens TRL would cut."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return [max_new_tokens] * len(runs)
+    budgets = []
+    for index, (prompt, _) in enumerate(runs):
+        if len(prompt) >= limit:
+            raise ValueError(
+                f"tool-calling turn: conversation {index} has {len(prompt)} tokens, the model's whole context "
+                f"({limit}): lower max_completion_length or max_tool_calling_iterations"
+            )
+        budgets.append(min(max_new_tokens, limit - len(prompt)))
+    return budgets
+
+
 def generate_completions(
-    trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None
+    trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None,
+    num_generations: int | None = None, continued: bool = False,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
-    """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row."""
+    """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row.
+
+    num_generations: the longest run of identical prompts sampled as one prompt with n (None: any).
+    continued: a tool-calling turn (conversations, not dataset prompts): each run generates what the
+    model's context leaves, up to the budget, where a first turn raises."""
     if len(prompt_ids) == 0:
         raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
     base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
     base = replace(base, logprobs=base.temperature > 0, continuous_batch_size=continuous_batch_size or len(prompt_ids))
-    runs = prompt_runs(prompt_ids)
+    runs = prompt_runs(prompt_ids, num_generations)
     seeds = run_seeds(generation_seed(trainer), len(runs))
     with (
         unwrap_model_for_generation(
@@ -314,10 +430,15 @@ def generate_completions(
         torch.no_grad(),
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
-        check_prompt_context(prompt_ids, base.max_new_tokens, model)
+        if continued:
+            budgets = context_budgets(runs, base.max_new_tokens, model)
+        else:
+            check_prompt_context(prompt_ids, base.max_new_tokens, model)
+            budgets = [base.max_new_tokens] * len(runs)
         rollout = _rollout_for(trainer, model, config)
-        samples, routes = _generate_runs(rollout, runs, seeds, base)
-    trainer.autobucket_routes = routes  # what ran for the last batch ("bucketed" / "ordinary" under auto)
+        samples, results = _generate_runs(rollout, runs, seeds, budgets, base)
+    trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
+    trainer.autobucket_profiles = [r.profile for r in results]
     completions = [tokens for tokens, _ in samples]
     return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
 
@@ -333,20 +454,21 @@ def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
 
 
 def _generate_runs(
-    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], base: SamplingConfig
-) -> tuple[list[tuple[list[int], list[float] | None]], list[str]]:
-    """One `generate` per distinct run length (normally one: every run is num_generations long);
-    returns (tokens, logprobs) per completion in the input's row order, and the routes that ran."""
+    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], budgets: list[int], base: SamplingConfig
+) -> tuple[list[tuple[list[int], list[float] | None]], list[Any]]:
+    """One `generate` per distinct (run length, token budget) (normally one: every run is num_generations
+    long, with the whole budget); returns (tokens, logprobs) per completion in the input's row order, and
+    the results (route, profile) of the calls that ran."""
     per_run: dict[int, list[tuple[list[int], list[float] | None]]] = {}
-    routes = []
-    for n in sorted({count for _, count in runs}):
-        members = [r for r, (_, count) in enumerate(runs) if count == n]
-        sampling = replace(base, n=n, seed=[seeds[r] for r in members])
+    results = []
+    for n, budget in sorted({(count, budget) for (_, count), budget in zip(runs, budgets, strict=True)}):
+        members = [r for r, (_, count) in enumerate(runs) if count == n and budgets[r] == budget]
+        sampling = replace(base, n=n, max_new_tokens=budget, seed=[seeds[r] for r in members])
         result = rollout.generate([runs[r][0] for r in members], sampling)
-        routes.append(result.route)
+        results.append(result)
         for position, r in enumerate(members):
             per_run[r] = _run_samples(result, position, n)
-    return [sample for r in range(len(runs)) for sample in per_run[r]], routes
+    return [sample for r in range(len(runs)) for sample in per_run[r]], results
 
 
 def _run_samples(result: Any, position: int, n: int) -> list[tuple[list[int], list[float] | None]]:
