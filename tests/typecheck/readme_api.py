@@ -50,3 +50,12 @@ ids, mask, prompt_width = input_ids, attention_mask, 2
 with autobucket.invariant(model):
     logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
 logps = autobucket.trainer_logprobs(logits[:, prompt_width - 1 : -1], ids[:, prompt_width:], 1.0)
+
+# Multi-turn: the prefix cache.
+rollout = Rollout(model, tokenizer, RolloutConfig(prefix_cache_mb=1024))
+conversations = [[1, 9690, 198, 2683], [1, 9690, 198, 4093]]
+first = rollout.generate(conversations, SamplingConfig(max_new_tokens=64))
+tool_ids = [[28, 1421], [28, 310, 77]]
+conversations = [c + t + x for c, t, x in zip(conversations, first.tokens, tool_ids, strict=True)]
+second = rollout.generate(conversations, SamplingConfig(max_new_tokens=64))
+cached: int = second.profile.cached_prompt_tokens
