@@ -1,14 +1,17 @@
 """vLLM side of `benchmarks/peers/compare.py`: runs in vLLM's own virtual environment (see the
 Makefile's `bench-peers`), reads one JSON request per stdin line, answers one JSON line.
 
-    request:  {"prompts": [[ids...], ...], "max_new_tokens": N}
-    answer:   {"ms": wall time of llm.generate, "tokens": [[ids...], ...],
+    request:  {"prompts": [[ids...], ...], "max_new_tokens": N,
+               optional "n": samples per prompt (1), "temperature": (0.0, greedy), "seed": (none)}
+    answer:   {"ms": wall time of llm.generate, "tokens": [[ids...], ...] (each prompt's first output),
+               "samples": [[[ids...] x n], ...] (every output of each prompt, in vLLM's output order),
                "cached_tokens": [prompt tokens served by vLLM's prefix cache, per prompt]}
 
-Greedy (temperature 0) with ignore_eos and min_tokens = max_tokens = N, prompts as token ids, fp32
-(vLLM would silently run an fp32 checkpoint in bf16 with dtype="auto"). Timing is taken here, around
-`generate` alone, so the pipe's cost is not charged to vLLM. Prefix caching is off unless
-`--prefix-caching` is given (`benchmarks/multi_turn.py`, where it is the peer feature compared)."""
+Greedy (temperature 0) unless the request says otherwise, with ignore_eos and min_tokens = max_tokens =
+N, prompts as token ids, fp32 (vLLM would silently run an fp32 checkpoint in bf16 with dtype="auto").
+Timing is taken here, around `generate` alone, so the pipe's cost is not charged to vLLM. Prefix caching
+is off unless `--prefix-caching` is given (`benchmarks/multi_turn.py`, where it is the peer feature
+compared). `benchmarks/shared_decode.py` sends n = 8 samples at temperature 1 with a seed per round."""
 
 from __future__ import annotations
 
@@ -37,15 +40,19 @@ def main() -> None:
     print(json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        n = request["max_new_tokens"]
-        params = SamplingParams(temperature=0.0, ignore_eos=True, min_tokens=n, max_tokens=n, detokenize=False)
+        new_tokens = request["max_new_tokens"]
+        params = SamplingParams(
+            n=request.get("n", 1), temperature=request.get("temperature", 0.0), seed=request.get("seed"),
+            ignore_eos=True, min_tokens=new_tokens, max_tokens=new_tokens, detokenize=False,
+        )  # fmt: skip
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed_ms = (time.perf_counter() - started) * 1e3
-        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        samples = [[list(sample.token_ids) for sample in output.outputs] for output in outputs]
+        tokens = [per_prompt[0] for per_prompt in samples]
         cached = [output.num_cached_tokens or 0 for output in outputs]
-        print(json.dumps({"ms": elapsed_ms, "tokens": tokens, "cached_tokens": cached}), flush=True)
+        print(json.dumps({"ms": elapsed_ms, "tokens": tokens, "samples": samples, "cached_tokens": cached}), flush=True)
 
 
 if __name__ == "__main__":
