@@ -17,7 +17,7 @@ folder so vLLM loads exactly these weights.
 Contenders, interleaved per round (A B C, A B C, ...) after `--warmup` untimed rounds:
 - "autobucket (shared prompt K/V)": `Rollout(model, config=RolloutConfig(route="auto"))` with
   `SamplingConfig(max_new_tokens, eos_token_id=[], n, temperature=1.0, seed=round,
-  continuous_batch_size=64)`: the engine's own decision (`routes._shares_prompt_kv`) turns cascade decode
+  continuous_batch_size=64)`: the engine's own decision (`routes._shares_samples_kv`) turns cascade decode
   on when (samples decoded at once - 1) x prompt tokens >= `SHARED_MIN_SAVED_COLUMNS` (4096). The
   default call saves ~7 x 2000 columns; a small smoke call (2 prompts x 4 samples) may fall under the
   threshold and then keeps per-row copies too (its `shared_kv_rows` column says 0).
@@ -89,7 +89,7 @@ def round_prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 # ------------------------------------------------------------ contenders
 @contextmanager
 def per_row_copies():
-    """Cascade decode off for the calls inside: the threshold `routes._shares_prompt_kv` reads."""
+    """Cascade decode off for the calls inside: the threshold `routes._shares_samples_kv` reads."""
     saved = routes.SHARED_MIN_SAVED_COLUMNS
     routes.SHARED_MIN_SAVED_COLUMNS = sys.maxsize
     try:

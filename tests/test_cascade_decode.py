@@ -9,6 +9,7 @@ from conftest import ARCHS, oracle_generate, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
+from autobucket.engine.batching import model_runner
 from autobucket.engine.batching.static_cache import StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
@@ -22,10 +23,11 @@ SAMPLING = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperatu
 def always_share(monkeypatch):
     """Share every multi-sample prompt (the default starts only when the copies saved are large)."""
     monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
+    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
 
 
 def _without_sharing(monkeypatch):
-    monkeypatch.setattr(routes, "_shares_prompt_kv", lambda call: False)
+    monkeypatch.setattr(routes, "_cascade_allowed", lambda call: False)
 
 
 def _flat(logprobs):
@@ -111,3 +113,28 @@ def test_sharing_starts_only_when_the_copies_it_saves_are_large(tiny_models):
     assert short.profile.shared_kv_rows == 0
     long = rollout.generate(random_prompts([800, 700], seed=65), sampling)  # 3 x 1500
     assert long.profile.shared_kv_rows == 8
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen2", "tiny-opt"])
+def test_members_of_a_shared_system_prompt_read_its_one_copy(tiny_models, arch, always_share, monkeypatch):
+    """A prefix shared inside the call (prefilled once) is also read once per decode step: the members'
+    rows hold only their own tokens. Greedy tokens equal generate; sampled ones equal per-row copies."""
+    from autobucket import CostCoefficients
+
+    model = tiny_models(arch)
+    system = random_prompts([120], seed=66)[0]
+    prompts = [system + user for user in random_prompts([5, 17, 30, 9, 22, 11], seed=67)]
+    costs = CostCoefficients(fixed_ms=1.0, token_ms=0.05, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
+    config = RolloutConfig(route="bucketed", costs=costs)
+    greedy = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], continuous_batch_size=4)  # refills too
+    result = Rollout(model, config=config).generate(prompts, greedy)
+    assert result.profile.shared_prefixes == 1 and result.profile.shared_kv_rows == len(prompts)
+    for prompt, tokens in zip(prompts, result.tokens, strict=True):
+        assert tokens == oracle_generate(model, prompt, BUDGET, eos_token_id=[])[0]
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], temperature=1.0, seed=3, logprobs=True)
+    shared = Rollout(model, config=config).generate(prompts, sampling)
+    _without_sharing(monkeypatch)
+    copies = Rollout(model, config=config).generate(prompts, sampling)
+    assert copies.profile.shared_kv_rows == 0 and shared.tokens == copies.tokens
+    difference = max(abs(a - b) for x, y in zip(shared.logprobs, copies.logprobs, strict=True) for a, b in zip(x, y, strict=True))
+    assert difference < 1e-4

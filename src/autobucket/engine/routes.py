@@ -32,7 +32,7 @@ from autobucket.engine.admission import (
     form_options,
 )
 from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher, PrefixReuse
-from autobucket.engine.batching.model_runner import CacheShape, ModelRunner
+from autobucket.engine.batching.model_runner import SHARED_MIN_SAVED_COLUMNS, CacheShape, ModelRunner
 from autobucket.engine.compiled.compile_setup import (
     compile_credit_ms,
     compile_decision,
@@ -185,7 +185,7 @@ def run_continuous(
     runner = ModelRunner(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
         track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
-        share_prompt_kv=_shares_prompt_kv(call),
+        cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
@@ -201,23 +201,19 @@ def run_continuous(
     return finished
 
 
-# Sharing adds two attention kernels and a few gathers per layer and step, whatever the groups; it pays
-# once the copies it avoids are large: measured on bench-qwen2 (one core), 8 prompts of ~40 tokens x 4
-# samples (1,000 columns saved) decoded 12% slower shared, 8 prompts of 300 x 4 (7,200) 3% faster,
-# 8 prompts of 120-900 x 8 (24,000) 30% faster.
-SHARED_MIN_SAVED_COLUMNS = 4096
+def _cascade_allowed(call: RouteCall) -> bool:
+    """Rows may read one shared copy of K/V (cascade decode): with the model's own kernels only (the
+    invariant kernel keeps per-row copies, so its reduction order stays that of one sequence) and
+    attention through transformers' interface (where the engine's decode attention is called). A prefix
+    shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`)."""
+    return call.config.kernels == "hf" and dispatches(call.model)
 
 
-def _shares_prompt_kv(call: RouteCall) -> bool:
-    """n samples of a prompt read one copy of its K/V (cascade decode) when the copies saved, summed over
-    the call's prompts ((samples decoded at once - 1) x prompt tokens), pass SHARED_MIN_SAVED_COLUMNS:
-    the model's own kernels only (the invariant kernel keeps per-row copies, so its reduction order stays
-    that of one sequence), attention through transformers' interface (where the engine's decode attention
-    is called)."""
-    if call.sampling.n == 1 or call.config.kernels != "hf" or not dispatches(call.model):
-        return False
+def _shares_samples_kv(call: RouteCall) -> bool:
+    """A prompt's n samples read one copy of its K/V when the copies saved over the call ((samples
+    decoded at once - 1) x prompt tokens) pass SHARED_MIN_SAVED_COLUMNS."""
     together = min(call.sampling.n, call.sampling.continuous_batch_size)
-    return (together - 1) * sum(len(p) for p in call.prompts) >= SHARED_MIN_SAVED_COLUMNS
+    return together > 1 and (together - 1) * sum(len(p) for p in call.prompts) >= SHARED_MIN_SAVED_COLUMNS
 
 
 def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy, share: bool) -> PrefixReuse | None:

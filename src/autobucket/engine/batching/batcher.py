@@ -202,6 +202,7 @@ class ContinuousBatcher:
         with self.timer.phase("prefill_ms"):
             output, seen = self.runner.prefill_continued(group_hits, [self.prompts[p] for p in group], self.prefix.chunk_tokens)
             self.timer.sync()
+        output.shared_prefixes = [hit if hit.shared else None for hit in group_hits]
         self.profile.prefill_forwards += output.forwards
         self.profile.prefill_tokens += output.tokens
         self.profile.cached_prompt_tokens += sum(hit.tokens for hit in group_hits if not hit.shared)

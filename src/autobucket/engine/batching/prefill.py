@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class PrefillOutput:
     # Per prompt: (output row, first column, end column) of its K/V. None: padded, prompt b is row b,
     # right-aligned (its last len(prompt) columns).
     segments: list[tuple[int, int, int]] | None = None
+    # Continued prefills: per prompt, the prefix shared inside the call it continues (None: its own or
+    # cached K/V), so its cache rows can read that prefix's one copy.
+    shared_prefixes: list[Any] | None = None
     forwards: int = 1  # model forwards it took
     tokens: int = 0  # token positions run through them (padding included)
 

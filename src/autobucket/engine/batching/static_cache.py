@@ -147,11 +147,16 @@ class StaticKVCache:
         self.groups[group] = (list(keys), list(values))
         return group
 
-    def admit_grouped(self, group: int, count: int) -> range:
-        """`count` rows that read `group`'s K/V and own no columns yet (their decode tokens come next)."""
+    def admit_grouped(self, group: int, count: int, own=None, always_trim: bool = False) -> range:
+        """`count` rows that read `group`'s K/V first: owning no columns yet (a prompt's samples: their
+        decode tokens come next), or with `own` = (keys, values, segments) their own columns after the
+        group's tokens, copied as `admit_segments` does (the members of a shared prefix)."""
         if count > self.free_rows:
             raise ValueError(f"cannot admit {count} rows: only {self.free_rows} of {self.rows} are free")
-        rows = self._own_columns(self.active_rows, [0] * count)
+        if own is not None:
+            rows = self.admit_segments(*own, always_trim=always_trim)
+        else:
+            rows = self._own_columns(self.active_rows, [0] * count)
         self.group_of[-count:] = [group] * count
         return rows
 
