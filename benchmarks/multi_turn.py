@@ -68,7 +68,8 @@ SHARED, UNSHARED = "autobucket (shared prefix)", "autobucket (no sharing)"
 TURNS, EPISODE_PROMPT, TOOL_OUTPUT, EPISODE_NEW_TOKENS = 4, (64, 256), (32, 128), 64
 SYSTEM_TOKENS, USER_PART, SYSTEM_NEW_TOKENS = 512, (16, 64), 32
 COUNTERS = ("prefill_tokens", "cached_prompt_tokens", "prefix_cache_hits", "prefix_cache_evictions",
-            "prefix_cache_bytes", "shared_prefixes", "shared_prompt_tokens", "route")  # fmt: skip
+            "prefix_cache_bytes", "shared_prefixes", "shared_prompt_tokens", "shared_kv_rows", "prefill_ms",
+            "decode_ms", "cache_ms", "route")  # fmt: skip
 # (contender, baseline, ratio at most) per workload
 TARGETS = {"episodes": ((PREFIX, REPREFILL, 0.5), (PREFIX, VLLM, 1.0)), "system": ((SHARED, UNSHARED, 0.5), (SHARED, VLLM, 1.0))}
 
@@ -231,6 +232,8 @@ def summarize(samples: list[dict]) -> dict:
         "median_turn_ms": [statistics.median(s["turn_ms"][t] for s in samples) for t in range(turns)],
         "prefill_tokens": per_turn("prefill_tokens"), "cached_prompt_tokens": per_turn("cached_prompt_tokens"),
         "prefix_cache_hits": per_turn("prefix_cache_hits"), "shared_prompt_tokens": per_turn("shared_prompt_tokens"),
+        "shared_kv_rows": per_turn("shared_kv_rows"), "prefill_ms": per_turn("prefill_ms"),
+        "decode_ms": per_turn("decode_ms"), "cache_ms": per_turn("cache_ms"),
         "tokens_equal_share": sum(s["tokens_equal"] for s in samples) / max(1, sum(s["tokens_compared"] for s in samples)),
     }  # fmt: skip
 
@@ -257,6 +260,16 @@ def print_table(title: str, summaries: dict, baseline: str) -> None:
               + f" | {prefill} | {joined(s['cached_prompt_tokens'])} | {joined(s['shared_prompt_tokens'])} | {hits}"
               f" | {100 * s['tokens_equal_share']:.1f}% | {fmt(ratio(summaries, name, baseline))}"
               f" | {fmt(ratio(summaries, name, VLLM))} |")  # fmt: skip
+
+
+def print_profile(summaries: dict) -> None:
+    """Where autobucket's time went, per call (medians): what bounds a ratio."""
+    for name, s in summaries.items():
+        if name == VLLM:
+            continue
+        calls = " | ".join(f"prefill {p:.0f} decode {d:.0f} cache {c:.0f}"
+                           for p, d, c in zip(s["prefill_ms"], s["decode_ms"], s["cache_ms"], strict=True))  # fmt: skip
+        print(f"profile ms, {name}: {calls}; shared_kv_rows {' / '.join(f'{v:.0f}' for v in s['shared_kv_rows'])}")
 
 
 def print_targets(workload: str, summaries: dict) -> None:
@@ -340,10 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     if "episodes" in report:
         print_table(f"{args.episodes} tool episodes x {TURNS} turns, {args.episode_new_tokens} new tokens per turn",
                     report["episodes"]["summary"], REPREFILL)  # fmt: skip
+        print_profile(report["episodes"]["summary"])
         print_targets("episodes", report["episodes"]["summary"])
     if "system" in report:
         print_table(f"{args.system_prompts} prompts sharing a {SYSTEM_TOKENS}-token system prompt, "
                     f"{args.system_new_tokens} new tokens", report["system"]["summary"], UNSHARED)  # fmt: skip
+        print_profile(report["system"]["summary"])
         print_targets("system", report["system"]["summary"])
     meta = {"argv": sys.argv, "config": vars(args), "cpu": cpu_model(), "torch_threads": threads,
             "torch": torch.__version__, "vllm": vllm.version if vllm else None, "model": "bench-qwen2"}  # fmt: skip
