@@ -63,6 +63,7 @@ from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 
 SHARED, PER_ROW, VLLM = "autobucket (shared prompt K/V)", "autobucket (per-row copies)", "vllm"
+INVARIANT_SHARED, INVARIANT_PER_ROW = "autobucket invariant (shared)", "autobucket invariant (per-row copies)"
 MEDIAN_LENGTH, SIGMA, LENGTH_RANGE = 250, 1.0, (32, 1024)  # ShareGPT-like prompt lengths
 CONTINUOUS_BATCH_SIZE = 64
 COUNTERS = ("route", "shared_kv_rows", "decode_ms", "prefill_ms", "total_ms", "prefill_tokens",
@@ -99,8 +100,8 @@ def per_row_copies():
 
 
 class AutobucketContender:
-    def __init__(self, model, args, share: bool) -> None:
-        self.rollout = Rollout(model, config=RolloutConfig(route="auto"))
+    def __init__(self, model, args, share: bool, kernels: str = "hf") -> None:
+        self.rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
         self.args, self.share = args, share
 
     def call(self, prompts: list[list[int]], seed: int) -> Call:
@@ -195,6 +196,8 @@ def measure(contenders: dict, args, vocab: int) -> list[dict]:
             record["calls"][name] = {"ms": call.ms, "counters": call.counters,
                                      "full_budget": full_budget(call, args.prompts, args.n, args.new_tokens)}  # fmt: skip
         record["shared_vs_per_row_tokens_equal"] = agreement(calls[SHARED], calls[PER_ROW])
+        if INVARIANT_SHARED in calls:  # bitwise by construction: all of them
+            record["invariant_shared_vs_per_row_tokens_equal"] = agreement(calls[INVARIANT_SHARED], calls[INVARIANT_PER_ROW])
         records.append(record)
     return records
 
@@ -253,6 +256,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--vllm-prefix-caching", action="store_true", help="vLLM with prefix caching on (default off)")
+    parser.add_argument("--invariant", action="store_true", help="also kernels='invariant', shared and per-row copies")
     parser.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND for the vLLM child (run under taskset)")
     parser.add_argument("--out", default="results/shared_decode.json")
     return parser.parse_args(argv)
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = set_torch_threads(args.threads)
     model = build_tiny_model("bench-qwen2")
     contenders = {SHARED: AutobucketContender(model, args, share=True), PER_ROW: AutobucketContender(model, args, share=False)}
+    if args.invariant:  # the batch-invariant kernels, shared keys read as part of each row's sequence
+        contenders[INVARIANT_SHARED] = AutobucketContender(model, args, share=True, kernels="invariant")
+        contenders[INVARIANT_PER_ROW] = AutobucketContender(model, args, share=False, kernels="invariant")
     vllm = start_vllm(args, model)
     if vllm is not None:
         contenders[VLLM] = vllm
@@ -281,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     print("prompt lengths per round: " + "; ".join(" ".join(map(str, r["prompt_lengths"])) for r in records))
     print_table(summaries)
     print(f"sampled tokens equal, shared vs per-row copies: {equal}/{compared} ({100 * equal / max(1, compared):.1f}%)")
+    if args.invariant:
+        equal = sum(r["invariant_shared_vs_per_row_tokens_equal"][0] for r in records)
+        compared = sum(r["invariant_shared_vs_per_row_tokens_equal"][1] for r in records)
+        print(f"sampled tokens equal, invariant shared vs invariant per-row copies: {equal}/{compared}")
     if not summaries[SHARED]["shared_kv_rows"]:
         print(f"note: the shared contender shared no prompt K/V (below SHARED_MIN_SAVED_COLUMNS = "
               f"{routes.SHARED_MIN_SAVED_COLUMNS} saved columns?): both autobucket rows measure per-row copies")  # fmt: skip

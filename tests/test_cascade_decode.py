@@ -5,6 +5,7 @@ single-request HF `generate`; a negative control that points rows at the wrong p
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import ARCHS, oracle_generate, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -94,15 +95,37 @@ def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
         assert tokens == oracle_generate(model, prompt, BUDGET, eos_token_id=[])[0]
 
 
-def test_no_sharing_with_invariant_kernels_eager_attention_or_one_sample(tiny_models, always_share):
+def test_no_sharing_with_eager_attention_or_one_sample(tiny_models, always_share):
     prompts = random_prompts([40, 45], seed=63)
     sampling = SamplingConfig(max_new_tokens=4, eos_token_id=[], n=2)
-    invariant = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned", kernels="invariant"))
-    assert invariant.generate(prompts, sampling).profile.shared_kv_rows == 0
     eager = Rollout(tiny_models("tiny-qwen2", attn_implementation="eager"), config=RolloutConfig(route="aligned"))
     assert eager.generate(prompts, sampling).profile.shared_kv_rows == 0
     single = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned"))
     assert single.generate(prompts, SamplingConfig(max_new_tokens=4, eos_token_id=[])).profile.shared_kv_rows == 0
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_kernels_share_bitwise(arch, dtype, always_share, monkeypatch):
+    """Under kernels="invariant" a row walks [shared prompt keys | own keys] as one sequence in the
+    kernel's blocks: tokens and logprobs bitwise those of per-row copies, for a prompt's samples and for a
+    shared system prompt's members."""
+    from autobucket import CostCoefficients
+    from autobucket.models import build_tiny_model
+
+    model = build_tiny_model(arch, seed=7, dtype=dtype)
+    system = random_prompts([90], seed=68)[0]
+    prompts = [system + user for user in random_prompts([4, 19, 11], seed=69)] + random_prompts([50, 33], seed=70)
+    costs = CostCoefficients(fixed_ms=1.0, token_ms=0.05, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
+    config = RolloutConfig(route="bucketed", kernels="invariant", costs=costs)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperature=1.0, seed=2, logprobs=True,
+                              continuous_batch_size=7)  # fmt: skip
+    shared = Rollout(model, config=config).generate(prompts, sampling)
+    assert shared.profile.shared_kv_rows > 0
+    _without_sharing(monkeypatch)
+    copies = Rollout(model, config=config).generate(prompts, sampling)
+    assert copies.profile.shared_kv_rows == 0
+    assert shared.tokens == copies.tokens and shared.logprobs == copies.logprobs
 
 
 def test_sharing_starts_only_when_the_copies_it_saves_are_large(tiny_models):

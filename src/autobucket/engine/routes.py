@@ -202,11 +202,11 @@ def run_continuous(
 
 
 def _cascade_allowed(call: RouteCall) -> bool:
-    """Rows may read one shared copy of K/V (cascade decode): with the model's own kernels only (the
-    invariant kernel keeps per-row copies, so its reduction order stays that of one sequence) and
-    attention through transformers' interface (where the engine's decode attention is called). A prefix
+    """Rows may read one shared copy of K/V (cascade decode) when attention goes through transformers'
+    interface (where the engine's decode attention is called); with `kernels="invariant"` the invariant
+    kernel reads the shared keys as part of the row's own sequence (bitwise a per-row copy's). A prefix
     shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`)."""
-    return call.config.kernels == "hf" and dispatches(call.model)
+    return dispatches(call.model)
 
 
 def _shares_samples_kv(call: RouteCall) -> bool:

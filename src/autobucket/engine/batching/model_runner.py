@@ -22,7 +22,7 @@ from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
 from autobucket.engine.kernels.cascade_attention import cascade_attention
-from autobucket.engine.model_access.attention import engine_attention
+from autobucket.engine.model_access.attention import engine_attention, kernel_attention_active
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
@@ -226,7 +226,7 @@ class ModelRunner:
             return logits
         if self.store.groups:
             layout = self.store.cascade_layout()
-            with engine_attention(cascade_attention(layout)):
+            with engine_attention(cascade_attention(layout, invariant=kernel_attention_active())):
                 output = self._decode_forward()
             if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
                 raise RuntimeError(

@@ -192,7 +192,8 @@ class StaticKVCache:
         for slot, group in enumerate(used):
             mask[slot, : self.groups[group][0][0].shape[1]] = 0.0
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return CascadeLayout(keys, values, mask, as_long(row_group), as_long(row_slot), max(rows_in.values()))
+        lengths = as_long([self.groups[g][0][0].shape[1] for g in used])
+        return CascadeLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()))
 
     def _own_columns(self, first: int, lengths: Sequence[int]) -> range:
         """Rows first.. now own their last `lengths` columns before the front."""

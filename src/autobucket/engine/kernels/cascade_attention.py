@@ -13,9 +13,10 @@ by their softmax statistics (the standard split of a softmax over a concatenatio
 where out_part and lse_part are one part's softmax attention output and log-sum-exp of its scores.
 The shared part is one flash-attention call for every group: the group's rows' queries (all their heads
 that share a KV head) against the group's keys, `[groups, kv_heads, rows_in_group * heads_per_kv, shared]`.
-The result equals attention over the concatenated keys up to floating-point rounding (not bitwise:
-`kernels="invariant"` keeps per-row copies and its own kernel). The merge is fp32 whatever the model's
-dtype.
+The result equals attention over the concatenated keys up to floating-point rounding; the merge is fp32
+whatever the model's dtype. Under `kernels="invariant"` the invariant kernel runs instead, each row
+walking [shared keys | own keys] as one sequence (same 64-key blocks, same order), so the output is
+bitwise a per-row copy's.
 """
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ class CascadeLayout:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     shared_mask: torch.Tensor
+    shared_length: torch.Tensor  # [groups] long: each group's real keys
     row_group: torch.Tensor
     row_slot: torch.Tensor
     slots: int  # most rows in one group
     calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
 
 
-def cascade_attention(layout: CascadeLayout):
-    """transformers' attention-function interface for one decode forward over `layout`."""
+def cascade_attention(layout: CascadeLayout, invariant: bool = False):
+    """transformers' attention-function interface for one decode forward over `layout`; `invariant`: on
+    the batch-invariant kernel, which reads the shared keys first in the row's own key order (bitwise
+    the per-row result), instead of two flash parts merged."""
 
     def attention(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
@@ -54,7 +58,15 @@ def cascade_attention(layout: CascadeLayout):
             raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
         layer = module.layer_idx
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        output = _attend(query, key, value, attention_mask, scale, layout, layer)
+        if invariant:
+            from autobucket.engine.kernels.invariant_attention import invariant_attention_shared
+
+            output = invariant_attention_shared(
+                query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
+                layout.shared_length, layout.row_group,
+            )  # fmt: skip
+        else:
+            output = _attend(query, key, value, attention_mask, scale, layout, layer)
         layout.calls += 1
         return output, None
 

@@ -136,6 +136,29 @@ def invariant_attention(
     return torch.ops.autobucket.invariant_attention(query, key, value, allowed, causal, float(scale))
 
 
+def invariant_attention_shared(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    shared_key: torch.Tensor,
+    shared_value: torch.Tensor,
+    shared_length: torch.Tensor,
+    row_group: torch.Tensor,
+) -> torch.Tensor:
+    """`invariant_attention` of decode queries whose rows first read a shared prompt's keys (cascade
+    decode): row r of group g = row_group[r] >= 0 sees shared_key[g, :, :shared_length[g]] and then its
+    own allowed columns, in the same blocks and order as one sequence, so its output is bitwise that of
+    a row holding the whole prompt itself. shared_key, shared_value [groups, kv_heads, shared, D]."""
+    load_invariant_kernels()
+    rows, columns = query.shape[0], key.shape[2]
+    allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
+    return torch.ops.autobucket.invariant_attention_shared(
+        query, key, value, allowed, float(scale), shared_key, shared_value, shared_length, row_group
+    )
+
+
 class _InvariantAttention(torch.autograd.Function):
     """Forward values from the invariant kernel; gradients from SDPA recomputed on the saved inputs
     (the backward needs no invariance, only the right gradient)."""

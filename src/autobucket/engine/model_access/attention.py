@@ -58,6 +58,11 @@ def base_attention() -> AttentionFunction:
     return _KERNEL_ATTENTION.get() or hf_sdpa()
 
 
+def kernel_attention_active() -> bool:
+    """Whether this thread's forwards run on the engine's own attention kernel (`kernels="invariant"`)."""
+    return _KERNEL_ATTENTION.get() is not None
+
+
 def _dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():

@@ -81,12 +81,12 @@ struct Strides {
 
 inline Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// One (row, K/V head, query): its group of query heads over the allowed keys `columns`.
+// One (row, K/V head, query): its group of query heads over its keys in order, `keys[j]` / `values[j]`
+// pointing at key j's head_dim vector (wherever it lives: the row's own columns, a shared prompt's copy).
 template <typename T>
-void attend_one(const T* q_base, Strides qs, const T* k_base, Strides ks, const T* v_base, Strides vs,
-                T* out_base, Strides os, int64_t row, int64_t kv_head, int64_t group, int64_t query,
-                const int32_t* columns, int64_t count, int64_t head_dim, float scale,
-                std::vector<float>& work) {
+void attend_one(const T* q_base, Strides qs, T* out_base, Strides os, int64_t row, int64_t kv_head,
+                int64_t group, int64_t query, const T* const* keys, const T* const* values, int64_t count,
+                int64_t head_dim, float scale, std::vector<float>& work) {
   // work: [group][head_dim] query in fp32 | [group][head_dim] output | [group][kBlockKeys] scores
   work.resize(static_cast<size_t>(group) * (2 * head_dim + kBlockKeys));
   float* q = work.data();
@@ -100,12 +100,10 @@ void attend_one(const T* q_base, Strides qs, const T* k_base, Strides ks, const 
     running_max[g] = -std::numeric_limits<float>::infinity();
     running_sum[g] = 0.0f;
   }
-  const T* k_row = k_base + row * ks.row + kv_head * ks.head;
-  const T* v_row = v_base + row * vs.row + kv_head * vs.head;
   for (int64_t first = 0; first < count; first += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, count - first);
     for (int64_t j = 0; j < n; ++j) {  // scores of the block: each key read once for the whole group
-      const T* k = k_row + static_cast<int64_t>(columns[first + j]) * ks.token;
+      const T* k = keys[first + j];
       for (int64_t g = 0; g < group; ++g) scores[g * kBlockKeys + j] = dot(q + g * head_dim, k, head_dim) * scale;
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -123,7 +121,7 @@ void attend_one(const T* q_base, Strides qs, const T* k_base, Strides ks, const 
       for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
     }
     for (int64_t j = 0; j < n; ++j) {  // P.V of the block, in key order, each value row read once
-      const T* v = v_row + static_cast<int64_t>(columns[first + j]) * vs.token;
+      const T* v = values[first + j];
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * kBlockKeys + j];
         float* a = acc + g * head_dim;
@@ -138,11 +136,21 @@ void attend_one(const T* q_base, Strides qs, const T* k_base, Strides ks, const 
   }
 }
 
+// Keys read before a row's own (cascade decode): row r of `group` >= 0 sees the first `length[g]` keys of
+// shared_key[g] / shared_value[g] ([groups, kv_heads, shared, head_dim]) and then its own allowed columns,
+// exactly as if they were one sequence (the same blocks, the same order); empty tensors: none.
+struct Shared {
+  const at::Tensor* key = nullptr;
+  const at::Tensor* value = nullptr;
+  const int64_t* length = nullptr;  // [groups]
+  const int64_t* group = nullptr;   // [rows], -1: no shared keys
+};
+
 // allowed: [rows, mask_queries, columns] bool (mask_queries 1 = the same keys for every query), or an
 // empty tensor: every column for one query, or causal (query i sees columns < columns - queries + i + 1).
 template <typename T>
 void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                const at::Tensor& allowed, bool causal, double scale, at::Tensor& out) {
+                const at::Tensor& allowed, bool causal, double scale, at::Tensor& out, const Shared& shared) {
   const int64_t rows = query.size(0), heads = query.size(1), queries = query.size(2), head_dim = query.size(3);
   const int64_t kv_heads = key.size(1), columns = key.size(2), group = heads / kv_heads;
   const bool has_mask = allowed.numel() > 0;
@@ -154,24 +162,38 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   T* o = out.data_ptr<T>();
+  const int64_t shared_max = shared.key != nullptr ? shared.key->size(2) : 0;
   at::parallel_for(0, rows * kv_heads * queries, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> keys(static_cast<size_t>(columns));
+    std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
+    std::vector<const T*> value_ptrs(static_cast<size_t>(shared_max + columns));
     std::vector<float> work;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / (kv_heads * queries);
       const int64_t kv_head = (item / queries) % kv_heads;
       const int64_t qi = item % queries;
       int64_t count = 0;
-      if (has_mask) {
-        const bool* m = mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns;
-        for (int64_t c = 0; c < columns; ++c) {
-          if (m[c]) keys[count++] = static_cast<int32_t>(c);
+      const int64_t g = shared.group != nullptr ? shared.group[row] : -1;
+      if (g >= 0) {
+        const Strides sks = strides_of(*shared.key), svs = strides_of(*shared.value);
+        const T* sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
+        const T* sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
+        for (int64_t j = 0; j < shared.length[g]; ++j, ++count) {
+          key_ptrs[count] = sk + j * sks.token;
+          value_ptrs[count] = sv + j * svs.token;
         }
-      } else {
-        const int64_t visible = causal ? columns - queries + qi + 1 : columns;
-        for (int64_t c = 0; c < visible; ++c) keys[count++] = static_cast<int32_t>(c);
       }
-      attend_one<T>(q, qs, k, ks, v, vs, o, os, row, kv_head, group, qi, keys.data(), count, head_dim,
+      const T* k_row = k + row * ks.row + kv_head * ks.head;
+      const T* v_row = v + row * vs.row + kv_head * vs.head;
+      const bool* m = has_mask ? mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns : nullptr;
+      const int64_t visible = has_mask ? columns : (causal ? columns - queries + qi + 1 : columns);
+      for (int64_t c = 0; c < visible; ++c) {
+        if (m == nullptr || m[c]) {
+          key_ptrs[count] = k_row + c * ks.token;
+          value_ptrs[count] = v_row + c * vs.token;
+          ++count;
+        }
+      }
+      attend_one<T>(q, qs, o, os, row, kv_head, group, qi, key_ptrs.data(), value_ptrs.data(), count, head_dim,
                     static_cast<float>(scale), work);
     }
   });
@@ -179,8 +201,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 
 // query [rows, heads, queries, head_dim]; key, value [rows, kv_heads, columns, head_dim] (any strides,
 // head_dim contiguous) -> [rows, queries, heads, head_dim], transformers' attention-output layout.
-at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                               const at::Tensor& allowed, bool causal, double scale) {
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& allowed) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "query, key, value must be 4-D");
   TORCH_CHECK(query.device().is_cpu(), "invariant_attention runs on CPU tensors");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
@@ -198,21 +219,62 @@ at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, c
                     (allowed.size(1) == 1 || allowed.size(1) == query.size(2)),
                 "allowed's shape disagrees with query and key");
   }
+}
+
+at::Tensor run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& allowed,
+               bool causal, double scale, const Shared& shared) {
   auto out = at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
   if (query.scalar_type() == at::kFloat) {
-    attend_all<float>(query, key, value, allowed, causal, scale, out);
+    attend_all<float>(query, key, value, allowed, causal, scale, out, shared);
   } else if (query.scalar_type() == at::kBFloat16) {
-    attend_all<c10::BFloat16>(query, key, value, allowed, causal, scale, out);
+    attend_all<c10::BFloat16>(query, key, value, allowed, causal, scale, out, shared);
   } else {
     TORCH_CHECK(false, "invariant_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
   return out;
 }
 
+at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& allowed, bool causal, double scale) {
+  check_inputs(query, key, value, allowed);
+  return run(query, key, value, allowed, causal, scale, Shared{});
+}
+
+// The same, each row first reading its group's shared keys (cascade decode): shared_key, shared_value
+// [groups, kv_heads, shared, head_dim], shared_length [groups] and row_group [rows] int64 (-1: none).
+at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                      const at::Tensor& allowed, double scale, const at::Tensor& shared_key,
+                                      const at::Tensor& shared_value, const at::Tensor& shared_length,
+                                      const at::Tensor& row_group) {
+  check_inputs(query, key, value, allowed);
+  TORCH_CHECK(shared_key.dim() == 4 && shared_key.sizes() == shared_value.sizes() &&
+                  shared_key.scalar_type() == query.scalar_type() && shared_value.scalar_type() == query.scalar_type(),
+              "shared_key and shared_value must be [groups, kv_heads, shared, head_dim] in the query's dtype");
+  TORCH_CHECK(shared_key.size(1) == key.size(1) && shared_key.size(3) == key.size(3) && shared_key.stride(3) == 1 &&
+                  shared_value.stride(3) == 1, "shared keys disagree with the keys' heads or head_dim");
+  TORCH_CHECK(shared_length.scalar_type() == at::kLong && shared_length.is_contiguous() &&
+                  shared_length.numel() == shared_key.size(0), "shared_length must be [groups] int64");
+  TORCH_CHECK(row_group.scalar_type() == at::kLong && row_group.is_contiguous() && row_group.numel() == query.size(0),
+              "row_group must be [rows] int64");
+  const int64_t* lengths = shared_length.data_ptr<int64_t>();
+  const int64_t* groups = row_group.data_ptr<int64_t>();
+  for (int64_t r = 0; r < row_group.numel(); ++r) {
+    TORCH_CHECK(groups[r] < shared_key.size(0), "row_group names a group that does not exist");
+    TORCH_CHECK(groups[r] < 0 || (lengths[groups[r]] >= 0 && lengths[groups[r]] <= shared_key.size(2)),
+                "shared_length out of range");
+  }
+  return run(query, key, value, allowed, false, scale, Shared{&shared_key, &shared_value, lengths, groups});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(autobucket, m) {
   m.def("invariant_attention(Tensor query, Tensor key, Tensor value, Tensor allowed, bool causal, float scale) -> Tensor");
+  m.def("invariant_attention_shared(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale, "
+        "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(autobucket, CPU, m) { m.impl("invariant_attention", &invariant_attention); }
+TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
+  m.impl("invariant_attention", &invariant_attention);
+  m.impl("invariant_attention_shared", &invariant_attention_shared);
+}
