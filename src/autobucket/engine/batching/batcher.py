@@ -37,7 +37,7 @@ from autobucket.profile import PhaseTimer, Profile
 # indices is a padded group).
 AdmissionPolicy = Callable[[Sequence[int]], list[list[int]] | list[PrefillGroup]]
 
-CONTINUED = "continued"  # the form of a group whose prompts' prefixes came from the prefix cache
+CONTINUED = "continued"  # a group whose prompts continue given K/V (from the prefix cache or a shared prefix)
 
 
 @dataclass
