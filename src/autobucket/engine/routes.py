@@ -31,8 +31,9 @@ from autobucket.engine.admission import (
     equal_width_groups,
     form_options,
 )
-from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher, PrefixReuse
+from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher
 from autobucket.engine.batching.model_runner import SHARED_MIN_SAVED_COLUMNS, CacheShape, ModelRunner
+from autobucket.engine.batching.prefix_reuse import PrefixReuse
 from autobucket.engine.compiled.compile_setup import (
     compile_credit_ms,
     compile_decision,

@@ -87,9 +87,13 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         *args: Any,
         rollout_config: RolloutConfig | None = None,
         continuous_batch_size: int | None = None,
+        reuse_sampling_logps: bool = True,
         **kwargs: Any,
     ) -> None:
         self.rollout_config = _rollout_config_or_default(rollout_config)
+        self.reuse_sampling_logps = bool(reuse_sampling_logps)
+        self.autobucket_old_logps_reused = 0  # generation batches whose old-policy forward was skipped
+        self._autobucket_old_logps: tuple[list[list[int]], list[list[float]]] | None = None
         optional_int("continuous_batch_size", continuous_batch_size, 1, "or None for the whole generation batch")
         self.continuous_batch_size = continuous_batch_size
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -116,8 +120,13 @@ class AutobucketGRPOTrainer(GRPOTrainer):
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                            **multimodal):  # fmt: skip
         """TRL's per-token logprobs (and entropies); with invariant kernels the forward runs under
-        `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights."""
+        `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights. TRL's
+        old-policy call (no grad, right after generation) returns the sampling logprobs instead when
+        `_generate` armed them (see `_old_logps_reusable`)."""
         self._refresh_after_optimizer_step()
+        reused = self._take_sampling_logps(model, input_ids, logits_to_keep, compute_entropy, compute_aux_loss, multimodal)
+        if reused is not None:
+            return reused, None, None
         if not self.invariant_kernels or compute_aux_loss or any(v is not None for v in multimodal.values()):
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -181,16 +190,68 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         only while generating and never outlives the weights it was filled under."""
         self._refresh_after_optimizer_step()
         self.autobucket_turns = []
+        self._autobucket_old_logps = None
         self._forget_prefixes()
         try:
             output = super()._generate(prompts)
         finally:
             self._forget_prefixes()
+        completion_ids_list, sampling_logps_list = output[1], output[4]
+        if self._old_logps_reusable(sampling_logps_list):
+            self._autobucket_old_logps = ([list(c) for c in completion_ids_list], sampling_logps_list)
         if self.rollout_config.prefix_cache_mb and self.autobucket_turns:
             mode = "train" if self.model.training else "eval"
             cached = sum(p.cached_prompt_tokens for turn in self.autobucket_turns for p in turn)
             self._metrics[mode]["autobucket/cached_prompt_tokens"].append(float(cached))
         return output
+
+    def _generate_and_score_completions(self, inputs):
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._autobucket_old_logps = None  # armed for this generation batch's old-policy call only
+
+    def _old_logps_reusable(self, sampling_logps_list: Any) -> bool:
+        """Whether TRL's old-policy forward of this generation batch (it runs one when
+        `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`, grpo_trainer.py
+        `_generate_and_score_completions`) would return the sampling logprobs bitwise, so it can be skipped:
+        invariant kernels, sampling (logprobs returned), one turn (tool-result tokens carry logprob 0.0,
+        not the model's), no active dropout (TRL's forward runs in train mode, generation in eval), and no
+        mixed-precision autocast (it changes the forward's kernels and output dtype). The weights are the
+        sampling ones: the forward runs right after generation, before any optimizer step."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if not (self.reuse_sampling_logps and self.invariant_kernels and sampling_logps_list is not None):
+            return False
+        if self.args.gradient_accumulation_steps % generate_every == 0 or self.use_vllm:
+            return False
+        if len(self.autobucket_turns) != 1 or self.accelerator.mixed_precision != "no":
+            return False
+        return not (self.model.training and _has_active_dropout(self.model))
+
+    def _take_sampling_logps(
+        self, model: Any, input_ids: torch.Tensor, logits_to_keep: int, compute_entropy: bool,
+        compute_aux_loss: bool, multimodal: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """The armed sampling logprobs as TRL's old-policy forward returns them ([B, logits_to_keep], the
+        logits' dtype; positions past a completion hold 0.0, masked out of the loss as TRL's padding is),
+        or None (run the forward) when this is not that call; the first no-grad policy call disarms them."""
+        armed = self._autobucket_old_logps
+        if armed is None or model is not self.model or torch.is_grad_enabled():
+            return None
+        self._autobucket_old_logps = None  # the first no-grad policy call only (a PEFT reference call follows)
+        if compute_entropy or compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return None
+        completions, logps = armed
+        if input_ids.shape[0] != len(completions) or any(len(c) > logits_to_keep for c in completions):
+            return None
+        tail = input_ids[:, input_ids.shape[1] - logits_to_keep :].tolist()
+        if any(row[: len(c)] != c for row, c in zip(tail, completions, strict=True)):
+            return None  # not this batch's completions: run the forward
+        out = torch.zeros(len(logps), logits_to_keep, dtype=torch.float32)
+        for row, values in enumerate(logps):
+            out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        self.autobucket_old_logps_reused += 1
+        return out.to(device=input_ids.device, dtype=_logits_dtype(model))
 
     def _forget_prefixes(self) -> None:
         cached = getattr(self, "_autobucket_rollout", None)
@@ -210,6 +271,19 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         )
         self.autobucket_turns.append(self.autobucket_profiles)
         return completions, logprobs
+
+
+def _has_active_dropout(model: Any) -> bool:
+    """A dropout module with p > 0 (attention dropout the invariant kernels refuse in train mode)."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def _logits_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's logits (its LM head's weights; no autocast: `_old_logps_reusable`)."""
+    from autobucket.engine.model_access.hf_compat import unwrap_model
+
+    head = unwrap_model(model).get_output_embeddings()
+    return head.weight.dtype if head is not None else torch.float32
 
 
 def invariant_per_token_logps(

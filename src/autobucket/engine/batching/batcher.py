@@ -24,13 +24,13 @@ import torch
 
 from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
 from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
-from autobucket.engine.batching.prefix_cache import PrefixCache, PrefixHit
+from autobucket.engine.batching.prefix_cache import PrefixHit
+from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
 from autobucket.engine.finished import Finished
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
 from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
-from autobucket.planning.forms import CHUNKED, PADDED
-from autobucket.planning.shared_prefix import SharedPrefix
+from autobucket.planning.forms import PADDED
 from autobucket.profile import PhaseTimer, Profile
 
 # A route's admission policy: the admission's prompt indices -> prefill groups (a plain list of prompt
@@ -38,19 +38,6 @@ from autobucket.profile import PhaseTimer, Profile
 AdmissionPolicy = Callable[[Sequence[int]], list[list[int]] | list[PrefillGroup]]
 
 CONTINUED = "continued"  # a group whose prompts continue given K/V (from the prefix cache or a shared prefix)
-
-
-@dataclass
-class PrefixReuse:
-    """How a call reuses prefixes: the prefix cache across calls (None: off), shared prefixes found in
-    each admission (`share`: the admitted prompts -> the prefixes worth prefilling once; None: off), and
-    how the continued prompts are grouped: (prompt indices, their suffix lengths) -> groups of those
-    indices, each one continued forward (or chunks of at most `chunk_tokens`)."""
-
-    cache: PrefixCache | None
-    group_suffixes: Callable[[Sequence[int], Sequence[int]], list[list[int]]]
-    chunk_tokens: int | None
-    share: Callable[[list[Sequence[int]]], list[SharedPrefix]] | None = None
 
 
 @dataclass
@@ -86,8 +73,8 @@ class ContinuousBatcher:
         prefix: PrefixReuse | None = None,
     ) -> None:
         self.runner, self.selection, self.profile, self.timer = runner, selection, profile, timer
-        self.prefix = prefix  # None: every prompt prefilled whole, nothing remembered
-        self.shared: dict[tuple[int, ...], PrefixHit] = {}  # shared prefixes prefilled in this call, for refills
+        # None: every prompt prefilled whole, nothing remembered
+        self.prefix = PrefixAdmission(prefix, runner, profile, timer) if prefix is not None else None
         self.prompts: Sequence[Sequence[int]] = ()
         self.eos, self.max_new_tokens = frozenset(eos_token_ids), max_new_tokens
         self.rows: list[_Row] = []
@@ -118,11 +105,10 @@ class ContinuousBatcher:
         if self.retained is not None:
             sources[self.retained[0]] = self.retained[1]
         new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
-        hits = self._cached_prefixes(prompts, new_prompts)
-        hits.update(self._shared_prefixes(prompts, [p for p in new_prompts if p not in hits]))
+        hits = self.prefix.hits(prompts, new_prompts) if self.prefix is not None else {}
         whole = [p for p in new_prompts if p not in hits]
         groups = [as_group(b) for b in policy(whole)] if whole else []
-        continued = self._continued_groups(prompts, hits)
+        continued = self.prefix.continued_groups(prompts, hits) if self.prefix is not None else []
         self.profile.prefill_groups.append([list(g.prompts) for g in groups] + continued)
         self.profile.prefill_forms.append([g.form for g in groups] + [CONTINUED] * len(continued))
         # Widest group first: it sets the front, narrower groups then fit without a gap.
@@ -148,66 +134,8 @@ class ContinuousBatcher:
         self.profile.prefill_tokens += output.tokens
         return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group.prompts)}
 
-    def _cached_prefixes(self, prompts, new_prompts: list[int]) -> dict[int, PrefixHit]:
-        if self.prefix is None or self.prefix.cache is None:
-            return {}
-        hits = {p: self.prefix.cache.lookup(prompts[p]) for p in new_prompts}
-        return {p: hit for p, hit in hits.items() if hit is not None}
-
-    def _shared_prefixes(self, prompts, whole: list[int]) -> dict[int, PrefixHit]:
-        """Prefill each shared prefix of the admission's uncached prompts once: a hit for every member."""
-        if self.prefix is None or self.prefix.share is None:
-            return {}
-        hits = {p: hit for p in whole if (hit := self._earlier_shared_prefix(prompts[p])) is not None}
-        rest = [p for p in whole if p not in hits]
-        for shared in self.prefix.share([prompts[p] for p in rest]) if len(rest) > 1 else []:
-            tokens = tuple(prompts[rest[shared.members[0]]][: shared.tokens])
-            self.shared[tokens] = self._prefill_prefix(tokens)
-            hits.update({rest[m]: self.shared[tokens] for m in shared.members})
-        return hits
-
-    def _earlier_shared_prefix(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """The longest prefix shared in an earlier admission of this call that `prompt` continues."""
-        matches = [
-            hit for tokens, hit in self.shared.items() if len(prompt) > len(tokens) and tuple(prompt[: len(tokens)]) == tokens
-        ]
-        return max(matches, key=lambda hit: hit.tokens, default=None)
-
-    def _prefill_prefix(self, tokens: Sequence[int]) -> PrefixHit:
-        limit = self.prefix.chunk_tokens
-        chunked = limit is not None and len(tokens) > limit
-        with self.timer.phase("prefill_ms"):
-            output, _ = self.runner.prefill([tokens], CHUNKED if chunked else PADDED, limit if chunked else None)
-            self.timer.sync()
-        self.profile.prefill_forwards += output.forwards
-        self.profile.prefill_tokens += output.tokens
-        self.profile.shared_prefixes += 1
-
-        def key_values(start: int):
-            return output.prompt_key_values(0, len(tokens), start)
-
-        if self.prefix.cache is not None:  # refills and later calls find it there too
-            self.prefix.cache.insert(tokens, key_values)
-        keys, values = key_values(0)
-        return PrefixHit(len(tokens), keys, values, shared=True)
-
-    def _continued_groups(self, prompts, hits: dict[int, PrefixHit]) -> list[list[int]]:
-        if not hits:
-            return []
-        indices = list(hits)
-        return self.prefix.group_suffixes(indices, [len(prompts[p]) - hits[p].tokens for p in indices])
-
     def _prefill_continued(self, group: list[int], hits: dict[int, PrefixHit]) -> dict[int, _Source]:
-        group_hits = [hits[p] for p in group]
-        with self.timer.phase("prefill_ms"):
-            output, seen = self.runner.prefill_continued(group_hits, [self.prompts[p] for p in group], self.prefix.chunk_tokens)
-            self.timer.sync()
-        output.shared_prefixes = [hit if hit.shared else None for hit in group_hits]
-        self.profile.prefill_forwards += output.forwards
-        self.profile.prefill_tokens += output.tokens
-        self.profile.cached_prompt_tokens += sum(hit.tokens for hit in group_hits if not hit.shared)
-        self.profile.shared_prompt_tokens += sum(hit.tokens for hit in group_hits if hit.shared)
-        self.profile.prefix_cache_hits += sum(not hit.shared for hit in group_hits)
+        output, seen = self.prefix.prefill_continued(group, hits, self.prompts)
         return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group)}
 
     def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
@@ -227,9 +155,9 @@ class ContinuousBatcher:
             row = _Row(p, s, [token], None if logprob is None else [logprob])
             if not self._finish_if_done(row):
                 keep.append((b, row))
-            elif self.prefix is not None and self.prefix.cache is not None:  # its K/V is the prompt's own
+            elif self.prefix is not None:  # its K/V is the prompt's own
                 length = len(prompts[p])
-                self.prefix.cache.insert(prompts[p], lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
+                self.prefix.remember(prompts[p], lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
         if keep:
             with self.timer.phase("cache_ms"):
                 self._insert(prompts, output, source_rows, tokens, seen, keep)
@@ -274,13 +202,13 @@ class ContinuousBatcher:
     def _remember_finished(self, keep: list[int]) -> None:
         """Finished rows' sequences into the prefix cache, before their cache rows are reused: the prompt
         and every generated token but the last (it was never fed, so it has no K/V)."""
-        if self.prefix is None or self.prefix.cache is None:
+        if self.prefix is None or not self.prefix.remembers:
             return
         kept = set(keep)
         for r, row in enumerate(self.rows):
             if r not in kept:
                 sequence = [*self.prompts[row.prompt], *row.tokens[:-1]]
-                self.prefix.cache.insert(sequence, lambda start, r=r: self.runner.row_key_values(r, start))
+                self.prefix.remember(sequence, lambda start, r=r: self.runner.row_key_values(r, start))
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
         """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""
