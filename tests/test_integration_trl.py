@@ -325,3 +325,75 @@ def test_zero3_without_gathering_is_rejected(tmp_path):
     )
     with pytest.raises(ValueError, match="ds3_gather_for_generation=False is not supported"):
         check_trainer_supported(trainer)
+
+
+# ------------------------------------------------------------------ old-policy logprobs from the rollout
+def counting_policy_forwards(monkeypatch) -> list[int]:
+    """Counts the trainer's no-grad invariant forwards (TRL's old-policy and reference logprobs)."""
+    import autobucket.integrations.trl as integration
+
+    calls, original = [], integration.invariant_per_token_logps
+
+    def counted(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "invariant_per_token_logps", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_kernels_reuse_sampling_logps_as_old_policy(tmp_path, eos_id, dtype, monkeypatch):
+    """num_iterations=2: TRL runs a no-grad forward per generation batch only for old_per_token_logps.
+    With invariant kernels the trainer skips it and uses the sampling logprobs; the oracle is the same
+    run with the reuse off (TRL's own forward): the same old_per_token_logps on every completion token
+    (bitwise, same dtype), the same logged losses and bitwise the same final weights."""
+    config = {"num_iterations": 2}
+    rollout = RolloutConfig(route="auto", kernels="invariant")
+    calls = counting_policy_forwards(monkeypatch)
+    reused = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_config=rollout,
+    )
+    reused_forwards, calls[:] = len(calls), []
+    stock = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_config=rollout, reuse_sampling_logps=False,
+    )
+    assert len(stock.outputs) == len(reused.outputs) == 2  # steps 0 and 2 generate (generate_every = 2)
+    assert reused_forwards == 0 and len(calls) == len(stock.outputs)  # TRL's forward ran once per batch
+    for got, want in zip(reused.outputs, stock.outputs, strict=True):
+        mask = want["completion_mask"].bool()
+        assert torch.equal(got["completion_ids"], want["completion_ids"]) and mask.sum() > 0
+        assert got["old_per_token_logps"].dtype == want["old_per_token_logps"].dtype == dtype
+        assert torch.equal(got["old_per_token_logps"][mask], want["old_per_token_logps"][mask])
+    losses = [[h["loss"] for h in run.log_history if "loss" in h] for run in (reused, stock)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    assert_same_training(reused, stock)
+
+
+def test_hf_kernels_keep_trl_old_policy_forward(tmp_path, eos_id, monkeypatch):
+    """Negative control: with the default kernels the sampling logprobs are not TRL's bitwise, so the
+    old-policy forward runs (its logprobs differ from the sampling ones somewhere)."""
+    from autobucket.integrations.trl import AutobucketGRPOTrainer as Trainer
+
+    forwards = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def counted(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            forwards.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counted)
+    run = run_grpo(
+        Trainer, tmp_path, eos_id, greedy=False, config_overrides={"num_iterations": 2},
+        rollout_config=RolloutConfig(route="auto"),
+    )
+    assert len(forwards) == len(run.outputs) == 2
+    diffs = [
+        (o["old_per_token_logps"] - o["sampling_per_token_logps"])[o["completion_mask"].bool()].abs().max()
+        for o in run.outputs
+    ]
+    assert max(diffs) > 0.0

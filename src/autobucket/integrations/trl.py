@@ -25,6 +25,11 @@ over real tokens as generation counts them (TRL's fused LM head counts them from
 left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise); every
 training step logs `mismatch/k3` and `mismatch/max_abs_logp_diff` from TRL's per-token logprobs against
 the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl.py).
+So where TRL runs a no-grad forward only for `old_per_token_logps` (`num_iterations > 1` or
+`steps_per_generation > gradient_accumulation_steps`), the trainer returns the sampling logprobs instead
+and skips it (`reuse_sampling_logps=True`, the default; counted in `autobucket_old_logps_reused`): only
+for single-turn batches (tool-result tokens carry logprob 0.0), without active dropout or mixed-precision
+autocast; the loss and the final weights are bitwise TRL's (benchmarks/trl_old_logps.py times it).
 
 Tool calling (`tools=` / `environment_factory=`): TRL's `_tool_call_loop` runs the tools and calls
 `_generate_single_turn` again for each later turn, with prompt + completion + tool-result ids and
@@ -73,6 +78,8 @@ class AutobucketGRPOTrainer(GRPOTrainer):
     rollout_config: how autobucket runs (default `RolloutConfig(route="auto")`; with tools, also
       `prefix_cache_mb=TOOL_PREFIX_CACHE_MB`, so tool turns prefill only their new tokens).
     continuous_batch_size: most completions decoded at once (None: the whole generation batch).
+    reuse_sampling_logps: with invariant kernels, use the sampling logprobs as `old_per_token_logps`
+      instead of TRL's extra forward (False: always run TRL's forward).
     Other arguments are `GRPOTrainer`'s; with `peft_config` it generates through the active LoRA adapter.
 
     After each generation batch: `autobucket_routes` (the routes of its last turn) and `autobucket_turns`
