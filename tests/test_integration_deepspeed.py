@@ -230,3 +230,36 @@ def test_unsupported_settings_are_rejected(ds, workload):
         AutobucketRollout(zero3, tokenizer)
     with pytest.raises(ValueError, match="neither pad_token_id nor eos_token_id"):
         AutobucketRollout(engine, SimpleNamespace(pad_token_id=None, eos_token_id=None))
+
+
+@pytest.mark.parametrize("route", ["ordinary", "auto"])
+def test_invariant_logprobs_equal_the_engines_own_forward_bitwise(route, ds, workload):
+    """`last_logprobs` against the engine's teacher-forced forward of the returned batch under
+    `autobucket.invariant(engine.module)`: bitwise on every generated token; the same forward without the
+    scope (the negative control) differs somewhere."""
+    import autobucket
+    from autobucket.engine.batching.prefill import positions_from_mask
+    from autobucket.integrations.deepspeed import AutobucketRollout
+
+    _, engine = ds
+    request, tokenizer = workload
+    rollout = AutobucketRollout(engine, tokenizer, RolloutConfig(route=route, kernels="invariant"))
+    batch = rollout.generate(request, sampling(temperature=1.0, top_k=-1, top_p=1.0, n_samples_per_prompt=2))
+    lengths = [len(tokens) for tokens in rollout.last_result.flat_tokens()]
+    start = request.prompt_ids.shape[1]
+    # Every generated token is attended, also one equal to the pad id (the batch's mask hides it from the
+    # loss only); `generated` marks the response columns that hold a token.
+    mask, generated = batch.attention_mask.clone(), torch.zeros(rollout.last_logprobs.shape, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        mask[row, start : start + length] = 1
+        generated[row, :length] = True
+
+    def engine_logprobs(scoped: bool) -> torch.Tensor:
+        with torch.no_grad(), (autobucket.invariant(engine.module) if scoped else torch.no_grad()):
+            logits = engine.module(input_ids=batch.input_ids, attention_mask=mask,
+                                   position_ids=positions_from_mask(mask)).logits  # fmt: skip
+        return autobucket.trainer_logprobs(logits[:, start - 1 : -1], batch.input_ids[:, start:], 1.0)
+
+    scoped = engine_logprobs(True)
+    assert torch.equal(scoped[generated], rollout.last_logprobs[generated])
+    assert not torch.equal(engine_logprobs(False)[generated], rollout.last_logprobs[generated])

@@ -60,6 +60,7 @@ class AutobucketRollout(RolloutEngine):
         self.step = 0
         self._calls_this_step = 0
         self.last_result: RolloutResult | None = None
+        self.last_logprobs: torch.Tensor | None = None  # [B * n, max_new_tokens] float32, see the module docstring
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: DeepSpeedSamplingConfig) -> RolloutBatch:
@@ -69,6 +70,7 @@ class AutobucketRollout(RolloutEngine):
         settings = self._sampling(sampling, rows * n)
         result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
         self.last_result = result
+        self.last_logprobs = _response_logprobs(result, n, sampling.max_new_tokens, request.prompt_ids.device)
         return _rollout_batch(request, result.flat_tokens(), n, sampling.max_new_tokens, self.pad_token_id, self.eos_token_ids)
 
     def sync_weights(self, step: int) -> None:
@@ -93,6 +95,7 @@ class AutobucketRollout(RolloutEngine):
             eos_token_id=list(self.eos_token_ids),
             seed=self._next_seed(),
             n=sampling.n_samples_per_prompt,
+            logprobs=True,
             **warping,
         )
 
@@ -133,6 +136,17 @@ def _pad_token_id(tokenizer: Any) -> int:
         if value is not None:
             return int(value if isinstance(value, int) else eos_token_ids(value)[0])
     raise ValueError("the tokenizer defines neither pad_token_id nor eos_token_id: set tokenizer.pad_token_id")
+
+
+def _response_logprobs(result: RolloutResult, n: int, max_new_tokens: int, device: torch.device) -> torch.Tensor:
+    """The result's logprobs (per prompt, or per prompt n lists) -> [rows, max_new_tokens] float32, rows
+    prompt-major as the batch's, 0.0 past each row's tokens."""
+    assert result.logprobs is not None, "AutobucketRollout always asks for logprobs"
+    flat = [sample for samples in result.logprobs for sample in samples] if n > 1 else list(result.logprobs)
+    out = torch.zeros((len(flat), max_new_tokens), dtype=torch.float32)
+    for row, values in enumerate(flat):
+        out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out.to(device)
 
 
 def _rollout_batch(
