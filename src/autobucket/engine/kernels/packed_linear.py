@@ -36,12 +36,8 @@ from autobucket.engine.model_access.weight_versions import tensor_version
 
 @functools.cache  # read on every linear call of a forward: the answer is fixed for the process
 def onednn_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packed linears run for `dtype` on this CPU (bf16 needs AVX512-BF16 or AMX)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN packed linears run for `dtype` on this CPU: fp32, and bf16 (computed in fp32)."""
+    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -106,7 +102,10 @@ class PackedLinears:
             return pack
         started = time.perf_counter()
         dense = weight.detach().t().contiguous() if transposed else weight.detach()  # [N, K]
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64)  # batch hint: a decode batch
+        # bf16 weights are packed as fp32 (exact) and run fp32 GEMMs: oneDNN's bf16 GEMM is not batch-
+        # invariant on every shape (measured: [M, 1024] x [1024, 256], a row's output depends on M),
+        # its fp32 GEMM was on every shape probed; the output is rounded to bf16 as a bf16 GEMM's is.
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense.float(), 64)  # batch hint: a decode batch
         pack = _Pack(weakref.ref(weight), version, packed)
         self._packs[id(weight)] = pack
         self.packs_made += 1
@@ -167,12 +166,13 @@ class _PackedLinearFunction(torch.autograd.Function):
 
 
 def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]: oneDNN's 2-D path was 10-15% faster than 3-D
+    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K] fp32 (see _pack_for); 2-D was 10-15% faster than 3-D
+    bias = None if bias is None else bias.float()
     if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
         out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), pack.packed, bias, "none", [], "")[:1]
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows, pack.packed, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
