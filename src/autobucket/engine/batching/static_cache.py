@@ -74,6 +74,7 @@ class StaticKVCache:
         self.groups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id -> per layer [kv_heads, tokens, head_dim]
         self._next_group = 0
         self._layout: CascadeLayout | None = None  # rebuilt after rows or groups change
+        self._stacked: tuple | None = None  # (group ids, their stacked K/V): see _stacked_groups
         self.trims = 0
         self.trimmed_columns = 0
         self.moved_bytes = 0
@@ -176,24 +177,31 @@ class StaticKVCache:
             row_slot.append(rows_in[group] if group >= 0 else 0)
             if group >= 0:
                 rows_in[group] += 1
-        longest = max(self.groups[g][0][0].shape[1] for g in used)
-        device, dtype = self.attend.device, self.keys[0].dtype
-        keys, values = [], []
-        for layer in range(len(self.keys)):
-            k = torch.zeros((len(used), self.keys[0].shape[1], longest, self.keys[0].shape[3]), dtype=dtype, device=device)
-            v = torch.zeros_like(k)
-            for slot, group in enumerate(used):
-                group_keys, group_values = self.groups[group]
-                k[slot, :, : group_keys[layer].shape[1]] = group_keys[layer]
-                v[slot, :, : group_values[layer].shape[1]] = group_values[layer]
-            keys.append(k)
-            values.append(v)
-        mask = torch.full((len(used), longest), float("-inf"), device=device)
-        for slot, group in enumerate(used):
-            mask[slot, : self.groups[group][0][0].shape[1]] = 0.0
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        lengths = as_long([self.groups[g][0][0].shape[1] for g in used])
+        keys, values, mask, lengths = self._stacked_groups(tuple(used))
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.attend.device)  # noqa: E731
         return CascadeLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()))
+
+    def _stacked_groups(self, used: tuple[int, ...]):
+        """The groups' K/V stacked and zero-padded to the longest, per layer [groups, kv_heads, shared,
+        head_dim], their padding mask and lengths. Kept while the set of groups stays the same: rows retire
+        every few steps, and restacking would copy every shared prompt each time."""
+        if self._stacked is not None and self._stacked[0] == used:
+            return self._stacked[1]
+        lengths = [self.groups[g][0][0].shape[1] for g in used]
+        device, dtype, longest = self.attend.device, self.keys[0].dtype, max(lengths)
+        shape = (len(used), self.keys[0].shape[1], longest, self.keys[0].shape[3])
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
+        mask = torch.full((len(used), longest), float("-inf"), device=device)
+        for slot, (group, length) in enumerate(zip(used, lengths, strict=True)):
+            group_keys, group_values = self.groups[group]
+            for layer in range(len(self.keys)):
+                keys[layer][slot, :, :length] = group_keys[layer]
+                values[layer][slot, :, :length] = group_values[layer]
+            mask[slot, :length] = 0.0
+        stacked = (keys, values, mask, torch.tensor(lengths, dtype=torch.long, device=device))
+        self._stacked = (used, stacked)
+        return stacked
 
     def _own_columns(self, first: int, lengths: Sequence[int]) -> range:
         """Rows first.. now own their last `lengths` columns before the front."""
@@ -274,6 +282,8 @@ class StaticKVCache:
         self.group_of = [self.group_of[row] for row in keep]
         for group in set(self.groups) - set(self.group_of):
             del self.groups[group]  # its last row retired
+        if self._stacked is not None and not set(self._stacked[0]) <= set(self.groups):
+            self._stacked = None  # holds a dropped group's copy
         self._layout = None
         self.active_rows = kept
         if kept == 0:
