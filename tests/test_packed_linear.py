@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from conftest import ARCHS, assert_matches_oracle, forget_oracle, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels.packed_linear import PackedLinears, onednn_available, packed_linears
+from autobucket.engine.kernels import packed_linear
+from autobucket.engine.kernels.packed_linear import (
+    PackedLinears,
+    bf16_blocks_invariant,
+    onednn_available,
+    packed_linears,
+)
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import CostCoefficients
 
@@ -28,11 +34,14 @@ SHAPES = [(256, 1024), (1024, 256), (256, 32000), (576, 1536), (1536, 576), (256
 BUDGET = 6
 
 
-def invariance_failures(kernel, k: int, n: int, batch: int = 32) -> list[str]:
+def invariance_failures(
+    kernel, k: int, n: int, batch: int = 32, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Rows whose output inside a batch of `batch` rows differs from the row computed alone, bitwise."""
     generator = torch.Generator().manual_seed(k * 7 + n)
-    x = torch.randn(batch, k, generator=generator)
-    weight, bias = torch.randn(n, k, generator=generator) / k**0.5, torch.randn(n, generator=generator)
+    x = torch.randn(batch, k, generator=generator).to(dtype)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
     together = kernel(x, weight, bias)
     failures = []
     for row in (0, 1, batch // 2, batch - 1):
@@ -61,6 +70,64 @@ def test_control_a_batch_dependent_kernel_fails_the_invariance_check():
 
     with torch.inference_mode():
         assert invariance_failures(split_k_when_batched, 1536, 576)
+
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 GEMM on this CPU"
+)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_bf16_packs_are_batch_invariant_across_row_blocks_and_close_to_f_linear(k, n):
+    """bf16: rows alone, in a prefix and inside 70 rows (three 32-row blocks, the last padded) are
+    bitwise equal; the values are a bf16 GEMM's (F.linear's to bf16 rounding)."""
+    packs = PackedLinears()
+    with torch.inference_mode():
+        assert invariance_failures(packs.linear, k, n, batch=70, dtype=torch.bfloat16) == []
+        (pack,) = packs._packs.values()
+        assert pack.row_blocks == bf16_blocks_invariant(k, n)
+        x, weight = torch.randn(5, 3, k).bfloat16(), (torch.randn(n, k) / k**0.5).bfloat16()
+        torch.testing.assert_close(packs.linear(x, weight, None), F.linear(x, weight), rtol=2e-2, atol=2e-2)
+
+
+@needs_bf16_gemm
+def test_control_one_bf16_gemm_over_all_rows_depends_on_the_batch():
+    """Why the row blocks: oneDNN's bf16 GEMM over M rows at once picks its kernel by M, so on
+    bench-qwen2's down projection ([M, 1024] x [1024, 256]) three rows run alone differ from the same
+    rows inside 114 somewhere; in row blocks they never do."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(114, 1024, generator=generator).bfloat16()
+    weight = (torch.randn(256, 1024, generator=generator) / 32).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+    def one_gemm(rows):
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+    packs = PackedLinears()
+    with torch.inference_mode():
+        whole, blocked = one_gemm(x), packs.linear(x, weight, None)
+        starts = range(0, 114, 3)
+        assert any(not torch.equal(one_gemm(x[i : i + 3]), whole[i : i + 3]) for i in starts)
+        assert all(torch.equal(packs.linear(x[i : i + 3], weight, None), blocked[i : i + 3]) for i in starts)
+
+
+def test_a_shape_failing_the_bf16_probe_is_packed_as_fp32_and_stays_invariant(monkeypatch):
+    """Control for the probe: a batch-dependent GEMM must fail it; then packs fall back to fp32 GEMMs."""
+
+    def sums_k_in_halves_when_batched(rows, packed, bias):
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        return out if rows.shape[0] == 1 else out + torch.randn_like(out) * 1e-3
+
+    with torch.inference_mode():
+        monkeypatch.setattr(packed_linear, "_onednn_linear", sums_k_in_halves_when_batched)
+        assert not bf16_blocks_invariant.__wrapped__(1024, 256)
+        monkeypatch.undo()
+        monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: False)
+        packs = PackedLinears()
+        assert invariance_failures(packs.linear, 1024, 256, batch=40, dtype=torch.bfloat16) == []
+        (pack,) = packs._packs.values()
+        assert not pack.row_blocks and pack.packed.dtype == torch.float32
 
 
 def test_the_mode_routes_only_this_threads_linears_and_repacks_after_an_update():

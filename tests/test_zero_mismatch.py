@@ -157,7 +157,8 @@ def test_trainer_logprobs_is_trls_formula():
 def test_bf16_down_projection_shape_stays_bitwise():
     """bench-qwen2 in bf16 (its [M, 1024] x [1024, 256] MLP down projection is where oneDNN's bf16 GEMM
     is not batch-invariant: a row's output depended on M, and 3 of 24 sampled tokens' logprobs differed
-    from the trainer's by up to 0.0625); the packed linears compute bf16 in fp32, so every one is equal."""
+    from the trainer's by up to 0.0625); the packed linears run it in fixed 32-row blocks (or in fp32
+    where the CPU has no bf16 GEMM), so every one is equal."""
     from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
     from autobucket.engine.batching.prefill import positions_from_mask
     from autobucket.engine.trainer_logprobs import teacher_forced_batch

@@ -66,8 +66,9 @@ class RolloutConfig:
       (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
       reduction order depends only on the sequence, so a token's logits are bitwise the same on every
       route, batch, padding, refill order and n, and equal a trainer's forward under
-      `autobucket.invariant(model)`. fp32 stays strict fp32; bf16 linears run as fp32 GEMMs on an fp32 copy of
-      the weights (oneDNN's bf16 GEMM is not batch-invariant on every shape); one more copy of the linear weights is held;
+      `autobucket.invariant(model)`. fp32 stays strict fp32; bf16 linears run oneDNN's bf16 GEMM in fixed
+      32-row blocks (it picks its kernel by the row count, so one GEMM over all rows is not invariant), or
+      fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more copy of the linear weights is held;
       the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
     prefix_cache_mb: memory for a prefix KV cache across calls (0, the default: off). Every finished
       sequence (prompt + generated tokens) is kept, least recently used evicted first, so a next call

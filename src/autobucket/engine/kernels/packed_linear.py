@@ -15,7 +15,17 @@ keyed on the weight's identity, `data_ptr()`, `_version` and the process's optim
 (`model_access/weight_versions.py`: fused optimizers do not bump `_version`): an `optimizer.step()`, a
 `copy_` under `no_grad` or `load_state_dict` between calls and the next forward repacks; a write
 through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs `refresh()`
-(`Rollout.refresh_weights()`)."""
+(`Rollout.refresh_weights()`).
+
+bf16 weights run oneDNN's bf16 GEMM (AMX / AVX512-BF16) in fixed blocks of `ROW_BLOCK` rows. That GEMM
+picks its kernel by the number of rows, so a row's output depends on M (measured on `[M, 1024] x
+[1024, 256]` and five other shapes); inside one fixed block shape a row's output was bitwise the same
+wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
+32-row blocks (the last zero-padded), and each weight shape is probed once per process
+(`bf16_blocks_invariant`) before its bf16 pack is trusted. A shape that fails, or a CPU without a native
+bf16 GEMM, gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on
+every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
+1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
 
 from __future__ import annotations
 
@@ -33,18 +43,49 @@ from torch.overrides import TorchFunctionMode
 
 from autobucket.engine.model_access.weight_versions import tensor_version
 
+ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
+
 
 @functools.cache  # read on every linear call of a forward: the answer is fixed for the process
 def onednn_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packed linears run for `dtype` on this CPU: fp32, and bf16 (computed in fp32)."""
+    """Whether oneDNN packed linears run for `dtype` on this CPU: fp32, and bf16 (natively in fixed row
+    blocks where the CPU has a bf16 GEMM and the shape passes its probe, else computed in fp32)."""
     return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+
+
+@functools.cache  # once per weight shape and process: six 32-row GEMMs
+def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN's bf16 GEMM on a packed [out, in] weight gives each row of a `ROW_BLOCK`-row block
+    bitwise the same output wherever it sits and whatever the other rows are. Probed with random data
+    from a private generator (the caller's RNG is untouched): three blocks of rows of mixed scales, each
+    against the same rows scattered among fresh ones."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    generator = torch.Generator().manual_seed(in_features * 100_003 + out_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
+    for kept in (1, ROW_BLOCK // 2, ROW_BLOCK - 1):
+        scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
+        rows = (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
+        reference = _onednn_linear(rows, packed, None)
+        places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
+        mixed = torch.randn(ROW_BLOCK, in_features, generator=generator).bfloat16()
+        mixed[places] = rows[:kept]
+        if not torch.equal(_onednn_linear(mixed, packed, None)[places], reference[:kept]):
+            return False
+    return True
+
+
+def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 @dataclass
 class _Pack:
     owner: weakref.ref  # the weight this copy was made from
     version: tuple[int, int | None, int]  # (data_ptr, _version, optimizer steps) when packed
-    packed: torch.Tensor  # oneDNN-blocked copy of the weight
+    packed: torch.Tensor  # oneDNN-blocked copy of the weight: bf16 when `row_blocks`, else fp32
+    row_blocks: bool  # a bf16 GEMM run in ROW_BLOCK-row blocks (else one fp32 GEMM over all rows)
 
     @property
     def nbytes(self) -> int:
@@ -102,11 +143,12 @@ class PackedLinears:
             return pack
         started = time.perf_counter()
         dense = weight.detach().t().contiguous() if transposed else weight.detach()  # [N, K]
-        # bf16 weights are packed as fp32 (exact) and run fp32 GEMMs: oneDNN's bf16 GEMM is not batch-
-        # invariant on every shape (measured: [M, 1024] x [1024, 256], a row's output depends on M),
-        # its fp32 GEMM was on every shape probed; the output is rounded to bf16 as a bf16 GEMM's is.
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense.float(), 64)  # batch hint: a decode batch
-        pack = _Pack(weakref.ref(weight), version, packed)
+        row_blocks = dense.dtype == torch.bfloat16 and bf16_blocks_invariant(dense.shape[1], dense.shape[0])
+        if row_blocks:
+            packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
+        else:  # fp32, or bf16 packed as fp32 (exact) for the fp32 GEMM: see the module docstring
+            packed = torch.ops.mkldnn._reorder_linear_weight(dense.float(), 64)  # batch hint: a decode batch
+        pack = _Pack(weakref.ref(weight), version, packed, row_blocks)
         self._packs[id(weight)] = pack
         self.packs_made += 1
         self.pack_ms += (time.perf_counter() - started) * 1e3
@@ -166,13 +208,29 @@ class _PackedLinearFunction(torch.autograd.Function):
 
 
 def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K] fp32 (see _pack_for); 2-D was 10-15% faster than 3-D
-    bias = None if bias is None else bias.float()
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]: 2-D was 10-15% faster than [M, 1, K]
+    out = _in_row_blocks(rows, pack, bias) if pack.row_blocks else _in_fp32(rows, pack, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    """One fp32 GEMM over all rows, rounded to the input's dtype: [M, K] -> [M, N]."""
+    bias_fp32 = None if bias is None else bias.float()
     if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
-        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), pack.packed, bias, "none", [], "")[:1]
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, pack.packed, bias, "none", [], "")
-    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return _onednn_linear(rows.float().expand(2, -1), pack.packed, bias_fp32)[:1].to(rows.dtype)
+    return _onednn_linear(rows.float(), pack.packed, bias_fp32).to(rows.dtype)
+
+
+def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 GEMMs of exactly ROW_BLOCK rows each, the last block zero-padded: [M, K] -> [M, N]."""
+    count = rows.shape[0]
+    padding = -count % ROW_BLOCK
+    if padding:
+        rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
+    starts = range(0, len(rows), ROW_BLOCK)
+    blocks = [_onednn_linear(rows[first : first + ROW_BLOCK], pack.packed, bias) for first in starts]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return out[:count] if padding else out
 
 
 def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:

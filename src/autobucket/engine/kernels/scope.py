@@ -32,7 +32,7 @@ def check_invariant_model(model: torch.nn.Module) -> None:
             "attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
         )
     dtype = next(model.parameters()).dtype
-    if dtype in (torch.float32, torch.bfloat16):  # bf16 linears run as fp32 GEMMs too
+    if dtype in (torch.float32, torch.bfloat16):  # bf16 linears may fall back to fp32 GEMMs
         check_fp32_precision()
     if not onednn_available(dtype):
         warnings.warn(
