@@ -178,9 +178,10 @@ def differing_layouts(outputs: dict[str, torch.Tensor]) -> list[str]:
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("length", (64, 150))
-def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype):
+@pytest.mark.parametrize("dim", (48, 40), ids=("vector path", "portable path"))  # AVX-512: multiples of 16
+def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype, dim):
     generator = torch.Generator().manual_seed(length)
-    query, key, value = sequence(generator, length, dtype)
+    query, key, value = sequence(generator, length, dtype, dim=dim)
     with torch.inference_mode():
         outputs = token_outputs(kernel, query, key, value, generator)
         want = sdpa(query[None].float(), key[None].float(), value[None].float(), None, True)[0]

@@ -13,6 +13,13 @@
 // in block order (online softmax). Nothing in that order depends on anything but the sequence.
 // Grouped-query attention reads each K/V head once for all query heads that share it (no repeat_kv).
 //
+// Two forms of that algorithm, one per build (so one per machine, and a model's every call runs the same
+// one): AVX-512 builds with head_dim a multiple of 16 (up to 128) run `attend_query` (intrinsics, the
+// query and output in registers, a bf16 cache widened to fp32 once per work item); every other build or
+// head_dim runs the portable `attend_one`. Each is invariant; they differ from each other in the last bits.
+// Measured (Intel Xeon, one core, bench-qwen2 decode step at 32 rows x 512 keys): the vector form 8.1 ms
+// per step over 4 layers vs 12.5 ms for the portable one and 12.3 ms for SDPA's flash kernel.
+//
 // Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
 // compiler never reassociates a sum.
 
@@ -26,7 +33,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -74,6 +86,105 @@ inline float dot(const float* q, const T* k, int64_t head_dim) {
   }
   return lanes[0];
 }
+
+
+#if defined(__AVX512F__)
+// The AVX-512 form of the same algorithm (the build's choice, fixed per machine: a model's every call runs
+// the same code). head_dim = 16 * C, C <= kMaxChunks: the query and the output accumulator live in C
+// registers; a dot product is one FMA chain over the C chunks then _mm512_reduce_add_ps (a fixed tree);
+// the block's exponentials and their sum run as 16-lane vectors, unused lanes exactly zero. keys[j] /
+// values[j] point at fp32 vectors (bf16 caches are widened once per item, exactly, see attend_all).
+constexpr int kMaxChunks = 8;  // head_dim up to 128
+
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23: rounds to nearest
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), exponent));
+}
+
+inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
+
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// One query's group of heads over its keys; q [group][16 C] fp32 in, out [group][16 C] fp32 (normalized).
+template <int C>
+void attend_query(const float* q, int64_t group, const float* const* keys, const float* const* values,
+                  int64_t count, float scale, float* out) {
+  alignas(64) float acc[kMaxGroup][16 * C];
+  alignas(64) float scores[kBlockKeys];
+  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    std::fill(acc[g], acc[g] + 16 * C, 0.0f);
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.0f;
+  }
+  for (int64_t first = 0; first < count; first += kBlockKeys) {
+    const int64_t n = std::min(kBlockKeys, count - first);
+    for (int64_t g = 0; g < group; ++g) {  // the block's keys stay in L1 across the group's heads
+      __m512 qv[C], av[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * 16 * C + 16 * c);
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = keys[first + j];
+        __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), dot);
+        scores[j] = _mm512_reduce_add_ps(dot) * scale;
+        block_max = std::max(block_max, scores[j]);
+      }
+      const float new_max = std::max(running_max[g], block_max);
+      const float rescale = first == 0 ? 0.0f : exp_nonpositive_scalar(running_max[g] - new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t v = 0; v * 16 < n; ++v) {
+        const __mmask16 live = lanes_below(n - v * 16);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + v * 16), _mm512_set1_ps(new_max));
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
+        _mm512_store_ps(scores + v * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(sum);
+      running_max[g] = new_max;
+      const __m512 rescale_v = _mm512_set1_ps(rescale);
+      for (int c = 0; c < C; ++c) av[c] = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), rescale_v);
+      for (int64_t j = 0; j < n; ++j) {  // P.V in key order
+        const float* v = values[first + j];
+        const __m512 p = _mm512_set1_ps(scores[j]);
+        for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), av[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g] + 16 * c, av[c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < 16 * C; ++d) out[g * 16 * C + d] = count == 0 ? 0.0f : acc[g][d] / running_sum[g];
+  }
+}
+
+using QueryKernel = void (*)(const float*, int64_t, const float* const*, const float* const*, int64_t, float,
+                             float*);
+
+inline QueryKernel query_kernel_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_query<1>;
+    case 32: return attend_query<2>;
+    case 48: return attend_query<3>;
+    case 64: return attend_query<4>;
+    case 80: return attend_query<5>;
+    case 96: return attend_query<6>;
+    case 112: return attend_query<7>;
+    case 128: return attend_query<8>;
+    default: return nullptr;  // the portable loop below
+  }
+}
+#endif
 
 struct Strides {
   int64_t row, head, token;  // elements; the last (head_dim) dimension is contiguous
@@ -146,6 +257,40 @@ struct Shared {
   const int64_t* group = nullptr;   // [rows], -1: no shared keys
 };
 
+// Queries of one (row, K/V head) handled by one work item: a bf16 cache's keys are widened to fp32 once
+// per item, not once per query (a prefill's queries read the same keys).
+constexpr int64_t kQueryChunk = 64;
+
+// A key/value head_dim vector as the AVX-512 kernel reads it: fp32 in place, or bf16 widened (exactly)
+// into `scratch`, each cache column at most once per item (slot[c] remembers where).
+template <typename T>
+struct Widened {
+  std::vector<float> scratch;  // [slots][head_dim]
+  std::vector<int32_t> slot;   // per column of one source, -1: not widened yet
+  int64_t used = 0, head_dim = 0;
+
+  void reset(int64_t columns, int64_t capacity, int64_t dim) {
+    if constexpr (std::is_same_v<T, float>) return;  // read in place
+    head_dim = dim;
+    used = 0;
+    slot.assign(static_cast<size_t>(columns), -1);
+    scratch.resize(static_cast<size_t>(capacity * dim));
+  }
+  const float* at(const T* source, int64_t column) {
+    if constexpr (std::is_same_v<T, float>) {
+      return source;
+    } else {
+      int32_t& s = slot[static_cast<size_t>(column)];
+      if (s < 0) {
+        s = static_cast<int32_t>(used++);
+        float* dst = scratch.data() + s * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(source[d]);
+      }
+      return scratch.data() + s * head_dim;
+    }
+  }
+};
+
 // allowed: [rows, mask_queries, columns] bool (mask_queries 1 = the same keys for every query), or an
 // empty tensor: every column for one query, or causal (query i sees columns < columns - queries + i + 1).
 template <typename T>
@@ -163,38 +308,73 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const T* v = value.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t shared_max = shared.key != nullptr ? shared.key->size(2) : 0;
-  at::parallel_for(0, rows * kv_heads * queries, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunks = (queries + kQueryChunk - 1) / kQueryChunk;
+#if defined(__AVX512F__)
+  const QueryKernel simd = query_kernel_for(head_dim);
+#else
+  const void* simd = nullptr;
+#endif
+  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
     std::vector<const T*> value_ptrs(static_cast<size_t>(shared_max + columns));
-    std::vector<float> work;
+    std::vector<const float*> key_fp32(simd ? key_ptrs.size() : 0), value_fp32(simd ? value_ptrs.size() : 0);
+    std::vector<float> work, q_fp32(static_cast<size_t>(group * head_dim)), out_fp32(q_fp32.size());
+    Widened<T> own_keys, own_values, shared_keys, shared_values;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / (kv_heads * queries);
-      const int64_t kv_head = (item / queries) % kv_heads;
-      const int64_t qi = item % queries;
-      int64_t count = 0;
+      const int64_t row = item / (kv_heads * chunks);
+      const int64_t kv_head = (item / chunks) % kv_heads;
+      const int64_t chunk = item % chunks;
       const int64_t g = shared.group != nullptr ? shared.group[row] : -1;
-      if (g >= 0) {
-        const Strides sks = strides_of(*shared.key), svs = strides_of(*shared.value);
-        const T* sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
-        const T* sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
-        for (int64_t j = 0; j < shared.length[g]; ++j, ++count) {
-          key_ptrs[count] = sk + j * sks.token;
-          value_ptrs[count] = sv + j * svs.token;
-        }
+      const int64_t shared_count = g >= 0 ? shared.length[g] : 0;
+      if (simd) {
+        own_keys.reset(columns, columns, head_dim), own_values.reset(columns, columns, head_dim);
+        shared_keys.reset(shared_count, shared_count, head_dim), shared_values.reset(shared_count, shared_count, head_dim);
       }
       const T* k_row = k + row * ks.row + kv_head * ks.head;
       const T* v_row = v + row * vs.row + kv_head * vs.head;
-      const bool* m = has_mask ? mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns : nullptr;
-      const int64_t visible = has_mask ? columns : (causal ? columns - queries + qi + 1 : columns);
-      for (int64_t c = 0; c < visible; ++c) {
-        if (m == nullptr || m[c]) {
-          key_ptrs[count] = k_row + c * ks.token;
-          value_ptrs[count] = v_row + c * vs.token;
-          ++count;
-        }
+      const T* sk = nullptr;
+      const T* sv = nullptr;
+      Strides sks{}, svs{};
+      if (g >= 0) {
+        sks = strides_of(*shared.key), svs = strides_of(*shared.value);
+        sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
+        sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
       }
-      attend_one<T>(q, qs, o, os, row, kv_head, group, qi, key_ptrs.data(), value_ptrs.data(), count, head_dim,
-                    static_cast<float>(scale), work);
+      for (int64_t qi = chunk * kQueryChunk; qi < std::min(queries, (chunk + 1) * kQueryChunk); ++qi) {
+        int64_t count = 0;
+        for (int64_t j = 0; j < shared_count; ++j, ++count) {
+          key_ptrs[count] = sk + j * sks.token;
+          value_ptrs[count] = sv + j * svs.token;
+          if (simd) key_fp32[count] = shared_keys.at(key_ptrs[count], j), value_fp32[count] = shared_values.at(value_ptrs[count], j);
+        }
+        const bool* m = has_mask ? mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns : nullptr;
+        const int64_t visible = has_mask ? columns : (causal ? columns - queries + qi + 1 : columns);
+        for (int64_t c = 0; c < visible; ++c) {
+          if (m == nullptr || m[c]) {
+            key_ptrs[count] = k_row + c * ks.token;
+            value_ptrs[count] = v_row + c * vs.token;
+            if (simd) key_fp32[count] = own_keys.at(key_ptrs[count], c), value_fp32[count] = own_values.at(value_ptrs[count], c);
+            ++count;
+          }
+        }
+#if defined(__AVX512F__)
+        if (simd) {
+          for (int64_t h = 0; h < group; ++h) {
+            const T* src = q + row * qs.row + (kv_head * group + h) * qs.head + qi * qs.token;
+            for (int64_t d = 0; d < head_dim; ++d) q_fp32[h * head_dim + d] = as_float(src[d]);
+          }
+          simd(q_fp32.data(), group, key_fp32.data(), value_fp32.data(), count, static_cast<float>(scale),
+               out_fp32.data());
+          for (int64_t h = 0; h < group; ++h) {
+            T* dst = o + row * os.row + qi * os.token + (kv_head * group + h) * os.head;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out_fp32[h * head_dim + d]);
+          }
+          continue;
+        }
+#endif
+        attend_one<T>(q, qs, o, os, row, kv_head, group, qi, key_ptrs.data(), value_ptrs.data(), count, head_dim,
+                      static_cast<float>(scale), work);
+      }
     }
   });
 }
