@@ -281,3 +281,22 @@ def test_greedy_selection_breaks_ties_like_argmax():
     tokens, _ = select_tokens(logits, settings, list(range(6)), [0] * 6, [0] * 6, False)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert tokens.tolist()[:3] == [0, 3, 2048]
+
+
+@pytest.mark.parametrize("vocab", [32000, 32003, 4095, 5000])
+def test_first_argmax_is_argmax_on_planted_ties_tails_infinities_and_nan(vocab):
+    """Oracle: torch.argmax (first maximal value). Ties inside one block, across block boundaries, in the
+    tail past the last whole block, a row of equal values, an all -inf row and a NaN row."""
+    from autobucket.engine.selection import ARGMAX_BLOCK, first_argmax
+
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    block = ARGMAX_BLOCK
+    planted = [(5, 9), (block - 1, block), (3 * block + 7, block + 2), (vocab - 1, vocab - 2), (vocab - 1,)]
+    for row, ids in enumerate(planted):
+        logits[row, list(ids)] = logits[row].max() + 1.0
+    logits[5] = 0.25
+    logits[6] = -torch.inf
+    logits[7, [11, vocab - 3]] = torch.nan
+    with torch.inference_mode():
+        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert first_argmax(logits)[:2].tolist() == [5, block - 1]

@@ -195,6 +195,31 @@ class SamplerSettings:
         )  # fmt: skip
 
 
+ARGMAX_BLOCK = 1024  # vocabulary entries per block of `first_argmax`'s first pass
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows] int64: `argmax`'s answer (the first maximal value on ties) in two passes,
+    because torch's index-tracking reductions do not vectorize on a CPU (`[32, 32000]` fp32, one thread:
+    `argmax` 1.8 ms, `max(-1).indices` 1.1 ms, `amax` 0.15 ms). Pass one: each block's maximum (`amax`);
+    pass two: `max` over the first block that holds the row's maximum only. A row with NaN keeps `max`'s
+    answer (the first NaN, as `argmax` gives)."""
+    rows, vocab = logits.shape
+    if vocab < 4 * ARGMAX_BLOCK or logits.device.type != "cpu":
+        return logits.max(dim=-1).indices
+    whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    block_max = logits[:, :whole].reshape(rows, -1, ARGMAX_BLOCK).amax(-1)  # [rows, blocks]
+    if whole < vocab:
+        block_max = torch.cat([block_max, logits[:, whole:].amax(-1, keepdim=True)], dim=1)
+    row_max = block_max.amax(-1, keepdim=True)  # [rows, 1]
+    if bool(row_max.isnan().any()):
+        return logits.max(dim=-1).indices
+    first_block = (block_max == row_max).byte().argmax(-1)  # [rows]: argmax takes the first on ties
+    start = first_block * ARGMAX_BLOCK
+    columns = (start[:, None] + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, columns).max(dim=-1).indices  # clamped repeats come after the real ones
+
+
 def select_tokens(
     logits: torch.Tensor,
     settings: SamplerSettings,
@@ -209,9 +234,7 @@ def select_tokens(
     under the warped distribution actually sampled from, as RL importance ratios need.
     """
     if settings.greedy:
-        # max's indices are argmax's (the first maximal value on ties) at about half its cost on a CPU
-        # ([32, 32000] fp32, one thread: 1.3 vs 2.4 ms).
-        tokens = logits.max(dim=-1).indices
+        tokens = first_argmax(logits)
         if not want_logprobs:
             return tokens, None
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
