@@ -61,7 +61,9 @@ class RolloutConfig:
       (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
       cache folder that cannot be written gets one warning and the call goes on. False: the cache
       folder is neither read nor written; learning stays in this process.
-    kernels: "hf" (default): the model's own forward, op by op; "invariant": the engine's own kernels
+    kernels: "hf" (default): the model's own forward, op by op, except that eager decode steps on a CPU
+      attend on the engine's attention kernel (it reads only each row's own keys; transformers' SDPA
+      where the kernel cannot be built or cannot take the call); "invariant": the engine's own kernels
       (`engine/kernels/`): every linear on oneDNN-prepacked weights that follow in-place weight updates
       (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
       reduction order depends only on the sequence, so a token's logits are bitwise the same on every

@@ -20,6 +20,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
@@ -41,7 +43,8 @@ from autobucket.engine.compiled.compile_setup import (
     record_compile,
 )
 from autobucket.engine.finished import Finished
-from autobucket.engine.model_access.attention import dispatches
+from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
+from autobucket.engine.model_access.attention import AttentionFunction, dispatches
 from autobucket.engine.model_access.hf_compat import attention_implementation, sliding_window_limit
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.route_call import RouteCall
@@ -187,6 +190,7 @@ def run_continuous(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
         track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
         cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
+        decode_attention=_decode_attention(call),
     )  # fmt: skip
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
@@ -200,6 +204,20 @@ def run_continuous(
         call.profile.prefix_cache_bytes = call.prefix_cache.used_bytes
     record_compile(call.profile, compiled)
     return finished
+
+
+def _decode_attention(call: RouteCall) -> AttentionFunction | None:
+    """The default kernels' eager decode steps attend on the engine's kernel, which reads only each row's
+    own keys (measured on bench-qwen2, 16 new tokens: a 512-token prompt among 31 of 16 tokens decoded
+    19% faster, equal lengths 2% faster), where transformers' attention interface reaches it and the
+    kernel builds; `kernels="invariant"` runs that kernel everywhere anyway."""
+    if call.config.kernels != "hf" or not dispatches(call.model) or _device(call.model).type != "cpu":
+        return None
+    return decode_sdpa if decode_kernel_builds() else None
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _cascade_allowed(call: RouteCall) -> bool:

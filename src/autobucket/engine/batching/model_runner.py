@@ -22,7 +22,11 @@ from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
 from autobucket.engine.kernels.cascade_attention import cascade_attention
-from autobucket.engine.model_access.attention import engine_attention, kernel_attention_active
+from autobucket.engine.model_access.attention import (
+    AttentionFunction,
+    engine_attention,
+    kernel_attention_active,
+)
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
@@ -65,8 +69,11 @@ class ModelRunner:
         compiled: CompiledDecode | None = None,
         cascade: bool = False,
         share_samples: bool = False,
+        decode_attention: AttentionFunction | None = None,
     ) -> None:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
+        # The eager decode step's attention when not transformers' own (the default kernels' `decode_sdpa`)
+        self.decode_attention = decode_attention
         self.compiled = compiled  # the compiled decode step, or None: every step eager
         # Rows may read one shared copy of K/V (cascade decode attention): a prefix shared inside an
         # admission, and with `share_samples` the samples of one prompt admitted together.
@@ -233,6 +240,9 @@ class ModelRunner:
                     f"cascade decode attention ran in {layout.calls} of {self.num_layers} layers: this model's "
                     "attention does not go through transformers' attention interface; report this model"
                 )
+        elif self.decode_attention is not None:
+            with engine_attention(self.decode_attention):
+                output = self._decode_forward()
         else:
             output = self._decode_forward()
         self.store.finish_step()

@@ -85,27 +85,38 @@ _EMPTY = torch.empty(0, dtype=torch.bool)
 def allowed_keys(mask: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     """A 4-D attention mask `[rows | 1, 1, queries | 1, >= columns]` (bool: True = attend; additive:
     0 = attend, dtype-min = masked) -> contiguous bool `[rows, queries | 1, columns]`."""
-    memo, given = _MEMO, mask
-    if memo.mask is not None and memo.mask() is given and memo.version == _version(given) and memo.columns == columns:
-        assert memo.allowed is not None
-        return memo.allowed
+    allowed = _allowed_or_none(mask, rows, columns)
+    if allowed is not None:
+        return allowed
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(
             f"invariant attention takes a [rows, 1, queries, columns] mask shared by all heads, got shape "
             f"{tuple(mask.shape)}; use RolloutConfig(kernels='hf') for per-head masks"
         )
-    mask = mask[:, 0, :, :columns]
-    if mask.dtype == torch.bool:
-        allowed = mask
-    else:
-        allowed = mask == 0
-        masked_floor = torch.finfo(mask.dtype).min / 2
-        if not bool((allowed | (mask <= masked_floor)).all()):
-            raise ValueError(
-                "invariant attention takes a boolean or 0 / -inf additive mask, got an additive bias (ALiBi-"
-                "style); use RolloutConfig(kernels='hf') for this model"
-            )
-    allowed = allowed.expand(rows, -1, -1).contiguous()
+    raise ValueError(
+        "invariant attention takes a boolean or 0 / -inf additive mask, got an additive bias (ALiBi-"
+        "style); use RolloutConfig(kernels='hf') for this model"
+    )
+
+
+def _allowed_or_none(mask: torch.Tensor, rows: int, columns: int) -> torch.Tensor | None:
+    """`allowed_keys`, or None for a mask the kernel cannot take (per head, an additive bias); the last
+    answer per thread is kept (one forward hands every layer the same mask)."""
+    memo, given = _MEMO, mask
+    if memo.mask is not None and memo.mask() is given and memo.version == _version(given) and memo.columns == columns:
+        return memo.allowed
+    allowed: torch.Tensor | None = None
+    if mask.dim() == 4 and mask.shape[1] == 1:
+        mask = mask[:, 0, :, :columns]
+        if mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            allowed = mask == 0
+            masked_floor = torch.finfo(mask.dtype).min / 2
+            if not bool((allowed | (mask <= masked_floor)).all()):
+                allowed = None
+        if allowed is not None:
+            allowed = allowed.expand(rows, -1, -1).contiguous()
     memo.mask, memo.version, memo.columns, memo.allowed = weakref.ref(given), _version(given), columns, allowed
     return allowed
 
@@ -220,3 +231,42 @@ def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: floa
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return invariant_attention(query, key, value, attention_mask, scale, bool(is_causal) and attention_mask is None), None
+
+
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The default kernels' (`kernels="hf"`) decode attention over the static cache: the engine's kernel,
+    which reads only each row's own keys (SDPA's flash kernel reads every column of the longest row for
+    every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
+    mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""
+    takes = (
+        query.device.type == "cpu" and query.shape[2] == 1 and not dropout
+        and all(kwargs.get(name) is None for name in _UNSUPPORTED_KWARGS)
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] <= 16
+        and (attention_mask is None or _allowed_or_none(attention_mask, query.shape[0], key.shape[2]) is not None)
+    )  # fmt: skip
+    if not takes:
+        from autobucket.engine.model_access.attention import hf_sdpa
+
+        return hf_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)  # fmt: skip
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return invariant_attention(query, key, value, attention_mask, scale, False), None
+
+
+@functools.cache
+def decode_kernel_builds() -> bool:
+    """Whether the engine's attention kernel is available for the default kernels' decode steps: it is
+    built at first use (g++ and ninja); without them decode runs transformers' SDPA (warned once)."""
+    try:
+        load_invariant_kernels()
+    except ValueError as error:
+        import warnings
+
+        warnings.warn(f"autobucket: decode attention runs transformers' SDPA: {error}", RuntimeWarning, stacklevel=2)
+        return False
+    return True
