@@ -335,3 +335,55 @@ def test_control_packed_linears_with_hf_attention_depend_on_the_batch(tiny_model
 def test_bf16_models_get_their_alone_results(tiny_models, arch):
     model = copy.deepcopy(tiny_models(arch)).to(torch.bfloat16)  # the session's fp32 model stays fp32
     assert invariance_failures(model, ("auto", "bucketed"), workload(arch)) == []
+
+
+# ---- the default kernels' decode attention ------------------------------------------------------------------
+
+
+def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
+    """`kernels="hf"`: every eager decode step's attention runs the engine's kernel (prefill stays on
+    transformers' SDPA), and the tokens are single-request `generate`'s (the oracle suite checks every
+    architecture and route)."""
+    from conftest import oracle_generate
+
+    from autobucket.engine.kernels import invariant_attention as module
+
+    calls = {"decode": 0, "other": 0}
+    original = module.invariant_attention
+
+    def counting(query, *args, **kwargs):
+        calls["decode" if query.shape[2] == 1 else "other"] += 1
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(module, "invariant_attention", counting)
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts([5, 19, 11], seed=8)
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(
+        prompts, SamplingConfig(max_new_tokens=6, eos_token_id=[])
+    )
+    layers = model.config.num_hidden_layers
+    assert calls["decode"] == 5 * layers and calls["other"] == 0  # 5 decode steps after the prefill's token
+    for prompt, tokens in zip(prompts, result.tokens, strict=True):
+        assert tokens == oracle_generate(model, prompt, 6, eos_token_id=[])[0]
+
+
+def test_default_decode_attention_falls_back_to_sdpa_where_the_kernel_cannot_take_the_call():
+    """A per-head mask, softcapping or sinks go to transformers' own SDPA: bitwise its result."""
+    from autobucket.engine.kernels.invariant_attention import decode_sdpa
+    from autobucket.engine.model_access.attention import hf_sdpa
+
+    class Layer(torch.nn.Module):
+        is_causal, layer_idx = True, 0
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 4, 1, 16, generator=generator)
+    key, value = (torch.randn(3, 2, 20, 16, generator=generator) for _ in range(2))
+    key, value = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)  # SDPA's own layout here
+    per_head = random_mask(generator, (3, 4, 1, 20))
+    layer = Layer()
+    with torch.inference_mode():
+        ours, _ = decode_sdpa(layer, query, key, value, per_head)
+        theirs, _ = hf_sdpa()(layer, query, key, value, per_head)
+        assert torch.equal(ours, theirs)
+        on_kernel, _ = decode_sdpa(layer, query, key, value, per_head[:, :1])
+        torch.testing.assert_close(on_kernel, hf_sdpa()(layer, query, key, value, per_head[:, :1])[0])

@@ -233,7 +233,8 @@ class ModelRunner:
             return logits
         if self.store.groups:
             layout = self.store.cascade_layout()
-            with engine_attention(cascade_attention(layout, invariant=kernel_attention_active())):
+            own_kernel = self.decode_attention is not None
+            with engine_attention(cascade_attention(layout, kernel_attention_active(), own_kernel)):
                 output = self._decode_forward()
             if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
                 raise RuntimeError(

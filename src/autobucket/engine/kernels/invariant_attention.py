@@ -236,20 +236,26 @@ def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: floa
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 
-def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """The default kernels' (`kernels="hf"`) decode attention over the static cache: the engine's kernel,
-    which reads only each row's own keys (SDPA's flash kernel reads every column of the longest row for
-    every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
-    mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""
-    takes = (
+def kernel_takes(query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether the kernel can take this decode attention call (one query per row, on a CPU, a mask
+    shared by the heads with no additive bias, no softcapping or sinks, at most 16 query heads per K/V
+    head, fp32 or bf16)."""
+    return (
         query.device.type == "cpu" and query.shape[2] == 1 and not dropout
         and all(kwargs.get(name) is None for name in _UNSUPPORTED_KWARGS)
         and query.dtype in (torch.float32, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] <= 16
         and (attention_mask is None or _allowed_or_none(attention_mask, query.shape[0], key.shape[2]) is not None)
     )  # fmt: skip
-    if not takes:
+
+
+def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The default kernels' (`kernels="hf"`) decode attention over the static cache: the engine's kernel,
+    which reads only each row's own keys (SDPA's flash kernel reads every column of the longest row for
+    every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
+    mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""
+    if not kernel_takes(query, key, attention_mask, dropout, kwargs):
         from autobucket.engine.model_access.attention import hf_sdpa
 
         return hf_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
