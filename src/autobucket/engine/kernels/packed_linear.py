@@ -222,7 +222,10 @@ def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torc
 
 
 def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    """bf16 GEMMs of exactly ROW_BLOCK rows each, the last block zero-padded: [M, K] -> [M, N]."""
+    """bf16 GEMMs of exactly ROW_BLOCK rows each, the last block zero-padded: [M, K] -> [M, N]. The loop
+    runs in the engine's C++ library (`blocked_linear`) once it is built, else here (the same calls)."""
+    if rows.shape[0] > ROW_BLOCK and _blocked_linear_op() is not None:
+        return torch.ops.autobucket.blocked_linear(rows, pack.packed, bias, ROW_BLOCK)
     count = rows.shape[0]
     padding = -count % ROW_BLOCK
     if padding:
@@ -283,3 +286,15 @@ def check_fp32_precision() -> None:
             f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
             "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
         )
+
+
+@functools.cache
+def _blocked_linear_op():
+    """The C++ block loop, or None where the engine's kernel library does not build (no compiler)."""
+    from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+
+    try:
+        load_invariant_kernels()
+    except ValueError:  # the Python loop gives the same calls; the build error reaches the attention's callers
+        return None
+    return torch.ops.autobucket.blocked_linear

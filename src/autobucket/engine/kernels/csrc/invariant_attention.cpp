@@ -25,6 +25,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -446,15 +448,43 @@ at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor&
   return run(query, key, value, allowed, false, scale, Shared{&shared_key, &shared_value, lengths, groups});
 }
 
+// rows [M, K] through oneDNN's packed linear in calls of exactly `block` rows (the last zero-padded), so
+// every call has one shape: the bf16 GEMM picks its kernel by the row count (packed_linear.py). The loop
+// lives here, not in Python, because a prefill of 2,000 tokens makes ~60 calls per linear.
+at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                          int64_t block) {
+  TORCH_CHECK(rows.dim() == 2 && block > 0, "blocked_linear takes [rows, in_features] and a positive block");
+  static const c10::OperatorHandle linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t count = rows.size(0);
+  const int64_t padded = (count + block - 1) / block * block;
+  at::Tensor input = rows.contiguous();
+  if (padded != count) input = at::cat({input, at::zeros({padded - count, rows.size(1)}, rows.options())});
+  at::Tensor out;
+  for (int64_t first = 0; first < padded; first += block) {
+    torch::jit::Stack stack{input.narrow(0, first, block), packed, bias, c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+    linear.callBoxed(&stack);
+    const at::Tensor part = stack[0].toTensor();
+    if (!out.defined()) out = at::empty({padded, part.size(1)}, part.options());
+    out.narrow(0, first, block).copy_(part);
+  }
+  return padded == count ? out : out.narrow(0, 0, count);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(autobucket, m) {
   m.def("invariant_attention(Tensor query, Tensor key, Tensor value, Tensor allowed, bool causal, float scale) -> Tensor");
   m.def("invariant_attention_shared(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale, "
         "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group) -> Tensor");
+  m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("invariant_attention", &invariant_attention);
   m.impl("invariant_attention_shared", &invariant_attention_shared);
+  m.impl("blocked_linear", &blocked_linear);
 }
+
+// The packed weight is an opaque oneDNN tensor, so a call dispatches on its MkldnnCPU key.
+TORCH_LIBRARY_IMPL(autobucket, MkldnnCPU, m) { m.impl("blocked_linear", &blocked_linear); }
