@@ -14,9 +14,10 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-CONTENDERS = ("hf", "invariant")
+CONTENDERS = ("hf", "invariant", "invariant-half")  # half: packed_weights_mb = half the parameters' size
 
 
 def measure_one(model_name: str, dtype_name: str, kernels: str) -> dict:
@@ -30,13 +31,18 @@ def measure_one(model_name: str, dtype_name: str, kernels: str) -> dict:
     model, _ = load_model(model_name, dtype=getattr(torch, dtype_name))
     prompts = random_prompts([16 * (i + 1) for i in range(16)], model.config.vocab_size, seed=0)
     sampling = SamplingConfig(max_new_tokens=32, eos_token_id=[])
-    rollout = Rollout(model, config=RolloutConfig(kernels=kernels))
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget_mb = parameter_bytes / 2 / 2**20 if kernels == "invariant-half" else None
+    config = RolloutConfig(kernels=kernels.split("-")[0], packed_weights_mb=budget_mb)
+    rollout = Rollout(model, config=config)
     rollout.generate(prompts, sampling)
     reset_peak_memory(torch.device("cpu"))
+    started = time.perf_counter()
     result = rollout.generate(prompts, sampling)
+    seconds = time.perf_counter() - started
     return {"model": model_name, "dtype": dtype_name, "kernels": kernels, "peak_rss_bytes": _cpu_peak_rss_bytes(),
-            "packed_weight_bytes": result.profile.packed_weight_bytes,
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}  # fmt: skip
+            "packed_weight_bytes": result.profile.packed_weight_bytes, "parameter_bytes": parameter_bytes,
+            "call_s": seconds}  # fmt: skip
 
 
 def main() -> None:
@@ -57,14 +63,15 @@ def main() -> None:
                 command = [sys.executable, __file__, "--one", model, dtype, kernels]
                 output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 runs[kernels] = json.loads(output.strip().splitlines()[-1])
-            hf, invariant = runs["hf"], runs["invariant"]
-            ratio = invariant["peak_rss_bytes"] / hf["peak_rss_bytes"]
-            rows.append({"model": model, "dtype": dtype, "runs": runs, "ratio": ratio})
+            hf = runs["hf"]
+            rows.append({"model": model, "dtype": dtype, "runs": runs})
             mib = 2**20
-            print(f"{model} {dtype}: peak RSS hf {hf['peak_rss_bytes'] / mib:.0f} MiB, invariant "
-                  f"{invariant['peak_rss_bytes'] / mib:.0f} MiB (ratio {ratio:.2f}); packed weights "
-                  f"{invariant['packed_weight_bytes'] / mib:.0f} MiB, parameters "
-                  f"{hf['parameter_bytes'] / mib:.0f} MiB", flush=True)  # fmt: skip
+            for kernels, run in runs.items():
+                print(f"{model} {dtype} {kernels:15s} peak RSS {run['peak_rss_bytes'] / mib:5.0f} MiB "
+                      f"({run['peak_rss_bytes'] / hf['peak_rss_bytes']:.2f}x hf), packed weights "
+                      f"{run['packed_weight_bytes'] / mib:4.0f} MiB of {run['parameter_bytes'] / mib:.0f} MiB "
+                      f"parameters, call {run['call_s']:.2f} s ({run['call_s'] / hf['call_s']:.2f}x hf)",
+                      flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
 

@@ -241,3 +241,62 @@ def test_invariant_kernels_refuse_a_lowered_fp32_precision(monkeypatch):
 def test_a_bad_kernels_value_names_the_choices():
     with pytest.raises(ValueError, match="kernels='fast' is invalid.*'hf', 'invariant'"):
         RolloutConfig(kernels="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_gemm)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_a_live_weight_gives_bitwise_the_packed_result(k, n, dtype):
+    """What `packed_weights_mb` relies on: oneDNN's linear on the plain weight (reordered per call) is
+    bitwise its linear on the packed copy, for one row, a block and many rows."""
+    generator = torch.Generator().manual_seed(k + n)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
+    x = torch.randn(70, k, generator=generator).to(dtype)
+    packed, unpacked = PackedLinears(), PackedLinears(budget_bytes=0)
+    with torch.inference_mode():
+        for rows in (x[:1], x[:32], x):
+            assert torch.equal(packed.linear(rows, weight, None), unpacked.linear(rows, weight, None))
+    assert packed.nbytes > 0 and unpacked.nbytes == 0 and unpacked.unpacked_calls == 3
+
+
+def test_a_packed_weight_budget_bounds_the_copies_and_changes_no_value():
+    """Rollouts with no copies, a partial budget and no limit give bitwise the same logprobs, equal to a
+    trainer's scoped forward under yet another budget; the copies stay within each budget, also after an
+    optimizer step (live weights are read, never stale ones)."""
+    from autobucket import invariant
+    from autobucket.engine.batching.prefill import positions_from_mask
+    from autobucket.engine.trainer_logprobs import teacher_forced_batch, trainer_logprobs
+
+    model = build_tiny_model("tiny-llama")
+    prompts = random_prompts([9, 30, 17], seed=4)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=[0, 1, 2], logprobs=True, eos_token_id=[])
+    total = sum(p.numel() * 4 for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        runs = {}
+        for budget_mb in (0.0, total / 2 / 2**20, None):
+            rollout = Rollout(model, config=RolloutConfig(kernels="invariant", packed_weights_mb=budget_mb))
+            result = rollout.generate(prompts, sampling)
+            assert budget_mb is None or result.profile.packed_weight_bytes <= budget_mb * 2**20
+            runs[budget_mb] = result
+        logprobs = [run.logprobs for run in runs.values()]
+        assert logprobs[0] == logprobs[1] == logprobs[2]
+        assert runs[0.0].profile.packed_weight_bytes == 0 < runs[None].profile.packed_weight_bytes
+        ids, mask, width = teacher_forced_batch(prompts, runs[None].tokens)
+        with torch.no_grad(), invariant(model, packed_weights_mb=total / 4 / 2**20) as packs:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        assert 0 < packs.nbytes <= total / 4 and packs.unpacked_calls > 0
+        trainer = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
+        for row, values in enumerate(runs[None].logprobs):
+            assert trainer[row, : len(values)].tolist() == values
+        if step == 0:
+            model(input_ids=ids, attention_mask=mask).logits.logsumexp(-1).mean().backward()
+            optimizer.step()
+
+
+def test_a_negative_packed_weight_budget_is_refused():
+    with pytest.raises(ValueError, match="packed_weights_mb"):
+        RolloutConfig(kernels="invariant", packed_weights_mb=-1.0)
+    from autobucket import invariant
+
+    with pytest.raises(ValueError, match="packed_weights_mb"), invariant(build_tiny_model("tiny-llama"), -2.0):
+        pass

@@ -191,7 +191,8 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     if config.kernels != "invariant":
         return None
     check_invariant_model(model)
-    return PackedLinears()
+    budget = None if config.packed_weights_mb is None else int(config.packed_weights_mb * 2**20)
+    return PackedLinears(budget)
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.hf_compat import unwrap_model
@@ -38,15 +39,20 @@ def packs_for(model: torch.nn.Module) -> PackedLinears:
 
 
 @contextmanager
-def invariant(model: Any) -> Iterator[PackedLinears]:
+def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[PackedLinears]:
     """Run this thread's forwards (and backwards) of `model` inside the block on the batch-invariant
     kernels of `RolloutConfig(kernels="invariant")`; yields the packed weights (their `packs_made` and
     `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
-    DeepSpeed / compiled wrapper, as `Rollout` takes. Raises ValueError for models the kernels cannot
-    reach (eager attention) or for fp32 set to compute in a lower precision."""
+    DeepSpeed / compiled wrapper, as `Rollout` takes. `packed_weights_mb` bounds the packed copies as
+    `RolloutConfig(packed_weights_mb=...)` does (None: every linear packed); the values do not depend on
+    it. Raises ValueError for models the kernels cannot reach (eager attention), for fp32 set to compute
+    in a lower precision, or for a negative budget."""
+    if packed_weights_mb is not None:
+        require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
     inner = unwrap_model(model)
     check_invariant_model(inner)
     packs = packs_for(inner)
+    packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
     with invariant_kernels(packs, recompute_safe=checkpointing):
         yield packs
