@@ -6,6 +6,7 @@ The 20.3M-param Qwen2 (`bench-qwen2`), fp32, one thread. The static cache holds 
 `context` tokens; every timed step decodes at that context (the write front is reset), eager and
 compiled steps interleaved. Also timed: the output head's GEMM alone (`F.linear`, rows x hidden x
 vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler).
+`eager` runs transformers' SDPA; `default` is the default kernels' step (its attention on the engine's kernel);
 `invariant` is the eager step on the engine's own kernels (`kernels="invariant"`: every linear on
 oneDNN-prepacked weights, attention on the batch-invariant kernel);
 `repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.compiled.compiled_decode import CompiledDecode
+from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access.hf_compat import forward_spec
@@ -30,10 +32,10 @@ from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 
 
-def filled_runner(model, rows: int, context: int, compiled: CompiledDecode | None) -> ModelRunner:
+def filled_runner(model, rows: int, context: int, compiled: CompiledDecode | None, decode_attention=None) -> ModelRunner:
     prompts = random_prompts([context] * rows, model.config.vocab_size, seed=0)
     runner = ModelRunner(model, forward_spec(model), CacheShape(rows, context + 16), 0, model.config.vocab_size,
-                         track_seen=False, compiled=compiled)  # fmt: skip
+                         track_seen=False, compiled=compiled, decode_attention=decode_attention)  # fmt: skip
     output, _ = runner.prefill(prompts)
     runner.insert(output, RowInsert(list(range(rows)), output.last_logits.argmax(-1), [context] * rows, None))
     return runner
@@ -57,6 +59,7 @@ def timed(function) -> float:
 def measure(args) -> dict:
     model = build_tiny_model("bench-qwen2")
     eager = filled_runner(model, args.rows, args.context, None)
+    default = filled_runner(model, args.rows, args.context, None, decode_sdpa)  # the default kernels' step
     compiled = filled_runner(model, args.rows, args.context, CompiledDecode(model, forward_spec(model).cache_keyword, True))
     compile_ms = timed(lambda: step_at_context(compiled))
     difference = (step_at_context(eager) - step_at_context(compiled)).abs().max().item()
@@ -69,11 +72,12 @@ def measure(args) -> dict:
             return step_at_context(eager)
 
     invariant_difference = (step_at_context(eager) - invariant_step()).abs().max().item()
-    samples = {"eager": [], "compiled": [], "invariant": [], "head_gemm": [], "repack": []}
+    samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "head_gemm": [], "repack": []}
     for _ in range(args.warmup):
-        step_at_context(eager), step_at_context(compiled), invariant_step()
+        step_at_context(eager), step_at_context(default), step_at_context(compiled), invariant_step()
     for _ in range(args.repeats):
         samples["eager"].append(timed(lambda: step_at_context(eager)))
+        samples["default"].append(timed(lambda: step_at_context(default)))
         samples["compiled"].append(timed(lambda: step_at_context(compiled)))
         samples["invariant"].append(timed(invariant_step))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
@@ -116,6 +120,8 @@ def main() -> None:
           f"(ratio {m['compiled'] / m['eager']:.3f}); head GEMM alone {m['head_gemm']:.2f} ms "
           f"({flops / m['head_gemm'] / 1e6:.1f} GFLOPS); compile {result['compile_ms'] / 1e3:.1f} s; "
           f"max |logit difference| {result['max_logit_difference']:.2e}")  # fmt: skip
+    print(f"default kernels (decode attention on the engine's kernel) {m['default']:.2f} ms (ratio to eager "
+          f"{m['default'] / m['eager']:.3f})")
     print(f"invariant kernels {m['invariant']:.2f} ms (ratio to eager {m['invariant'] / m['eager']:.3f}); "
           f"repacking every linear {m['repack']:.2f} ms; max |logit difference| vs eager "
           f"{result['invariant_max_logit_difference']:.2e}")  # fmt: skip
