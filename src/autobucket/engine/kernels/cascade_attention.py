@@ -62,7 +62,6 @@ def cascade_attention(layout: CascadeLayout, invariant: bool = False, own_kernel
         layer = module.layer_idx
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if invariant or (own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
-
             output = invariant_attention_shared(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
                 layout.shared_length, layout.row_group,

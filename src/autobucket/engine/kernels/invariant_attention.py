@@ -21,13 +21,14 @@ import functools
 import hashlib
 import platform
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.attention import dropout_suppressed
+from autobucket.engine.model_access.attention import dropout_suppressed, hf_sdpa
 
 _SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 
@@ -256,8 +257,6 @@ def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float =
     every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
     mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""
     if not kernel_takes(query, key, attention_mask, dropout, kwargs):
-        from autobucket.engine.model_access.attention import hf_sdpa
-
         return hf_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)  # fmt: skip
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -271,8 +270,6 @@ def decode_kernel_builds() -> bool:
     try:
         load_invariant_kernels()
     except ValueError as error:
-        import warnings
-
         warnings.warn(f"autobucket: decode attention runs transformers' SDPA: {error}", RuntimeWarning, stacklevel=2)
         return False
     return True
