@@ -115,13 +115,15 @@ def test_control_one_bf16_gemm_over_all_rows_depends_on_the_batch():
 def test_a_shape_failing_the_bf16_probe_is_packed_as_fp32_and_stays_invariant(monkeypatch):
     """Control for the probe: a batch-dependent GEMM must fail it; then packs fall back to fp32 GEMMs."""
 
-    def sums_k_in_halves_when_batched(rows, packed, bias):
+    def noisy_when_batched(rows, packed, bias):
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         return out if rows.shape[0] == 1 else out + torch.randn_like(out) * 1e-3
 
     with torch.inference_mode():
-        monkeypatch.setattr(packed_linear, "_onednn_linear", sums_k_in_halves_when_batched)
+        monkeypatch.setattr(packed_linear, "_onednn_linear", noisy_when_batched)
         assert not bf16_blocks_invariant.__wrapped__(1024, 256)
+        monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: True)
+        assert not packed_linear.bf16_small_blocks_agree.__wrapped__(1024, 256)  # 16-row calls differ too
         monkeypatch.undo()
         monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: False)
         packs = PackedLinears()

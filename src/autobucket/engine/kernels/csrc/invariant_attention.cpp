@@ -459,6 +459,13 @@ at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, cons
   const int64_t padded = (count + block - 1) / block * block;
   at::Tensor input = rows.contiguous();
   if (padded != count) input = at::cat({input, at::zeros({padded - count, rows.size(1)}, rows.options())});
+  if (padded == block) {  // one block: no copy of the output
+    torch::jit::Stack stack{input, packed, bias, c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+    linear.callBoxed(&stack);
+    const at::Tensor part = stack[0].toTensor();
+    return padded == count ? part : part.narrow(0, 0, count);
+  }
   at::Tensor out;
   for (int64_t first = 0; first < padded; first += block) {
     torch::jit::Stack stack{input.narrow(0, first, block), packed, bias, c10::IValue(std::string("none")),
