@@ -92,11 +92,11 @@ inline float dot(const float* q, const T* k, int64_t head_dim) {
 
 #if defined(__AVX512F__)
 // The AVX-512 form of the same algorithm (the build's choice, fixed per machine: a model's every call runs
-// the same code). head_dim = 16 * C, C <= kMaxChunks: the query and the output accumulator live in C
+// the same code). head_dim = 16 * C: the query and the output accumulator live in C
 // registers; a dot product is one FMA chain over the C chunks then _mm512_reduce_add_ps (a fixed tree);
 // the block's exponentials and their sum run as 16-lane vectors, unused lanes exactly zero. keys[j] /
 // values[j] point at fp32 vectors (bf16 caches are widened once per item, exactly, see attend_all).
-constexpr int kMaxChunks = 8;  // head_dim up to 128
+// head_dim up to 128 (query_kernel_for).
 
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
