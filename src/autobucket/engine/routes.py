@@ -20,8 +20,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
@@ -211,13 +209,9 @@ def _decode_attention(call: RouteCall) -> AttentionFunction | None:
     own keys (measured on bench-qwen2, 16 new tokens: a 512-token prompt among 31 of 16 tokens decoded
     19% faster, equal lengths 2% faster), where transformers' attention interface reaches it and the
     kernel builds; `kernels="invariant"` runs that kernel everywhere anyway."""
-    if call.config.kernels != "hf" or not dispatches(call.model) or _device(call.model).type != "cpu":
+    if call.config.kernels != "hf" or not dispatches(call.model) or next(call.model.parameters()).device.type != "cpu":
         return None
     return decode_sdpa if decode_kernel_builds() else None
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _cascade_allowed(call: RouteCall) -> bool:

@@ -22,7 +22,8 @@ picks its kernel by the number of rows, so a row's output depends on M (measured
 [1024, 256]` and five other shapes); inside one fixed block shape a row's output was bitwise the same
 wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
 32-row blocks (the last zero-padded), and each weight shape is probed once per process
-(`bf16_blocks_invariant`) before its bf16 pack is trusted. A shape that fails, or a CPU without a native
+(`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
+block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`). A shape that fails, or a CPU without a native
 bf16 GEMM, gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on
 every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
@@ -62,12 +63,9 @@ def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
     against the same rows scattered among fresh ones."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    generator = torch.Generator().manual_seed(in_features * 100_003 + out_features)
-    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
+    generator, packed = _probe_weight(in_features, out_features, in_features * 100_003 + out_features)
     for kept in (1, ROW_BLOCK // 2, ROW_BLOCK - 1):
-        scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
-        rows = (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
+        rows = _probe_rows(generator, in_features)
         reference = _onednn_linear(rows, packed, None)
         places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
         mixed = torch.randn(ROW_BLOCK, in_features, generator=generator).bfloat16()
@@ -84,17 +82,26 @@ def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     576 -> 576, Intel Xeon); probed like `bf16_blocks_invariant`, which must hold first."""
     if not bf16_blocks_invariant(in_features, out_features):
         return False
-    generator = torch.Generator().manual_seed(in_features * 7 + out_features * 3)
-    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
+    generator, packed = _probe_weight(in_features, out_features, in_features * 7 + out_features * 3)
     for _ in range(3):
-        scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
-        rows = (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
-        whole = _onednn_linear(rows, packed, None)
+        rows = _probe_rows(generator, in_features)
         halves = [_onednn_linear(rows[first : first + SMALL_BLOCK], packed, None) for first in (0, SMALL_BLOCK)]
-        if not torch.equal(torch.cat(halves), whole):
+        if not torch.equal(torch.cat(halves), _onednn_linear(rows, packed, None)):
             return False
     return True
+
+
+def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
+    """A private generator and a random bf16 [out, in] weight packed for ROW_BLOCK rows."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
+    return generator, torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
+
+
+def _probe_rows(generator: torch.Generator, in_features: int) -> torch.Tensor:
+    """ROW_BLOCK random bf16 rows of scales 1e-2 .. 1e2."""
+    scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
+    return (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
 
 
 def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -182,14 +189,13 @@ class PackedLinears:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes
         size = source.numel() * source.element_size()
+        small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
             if row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
-            small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
             return _Pack(weakref.ref(weight), version, source, row_blocks, small)  # this call only, never kept
         packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
-        small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
         pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small)
         self._packs[id(weight)] = pack
         self._held_bytes += pack.nbytes
@@ -270,8 +276,9 @@ def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -
     runs in the engine's C++ library (`blocked_linear`) once it is built, else here (the same calls)."""
     count = rows.shape[0]
     block = SMALL_BLOCK if pack.small_block and count <= SMALL_BLOCK else ROW_BLOCK
-    if _blocked_linear_op() is not None:
-        return torch.ops.autobucket.blocked_linear(rows, pack.packed, bias, block)
+    blocked_linear = _blocked_linear_op()
+    if blocked_linear is not None:
+        return blocked_linear(rows, pack.packed, bias, block)
     padding = -count % block
     if padding:
         rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])

@@ -455,23 +455,23 @@ at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, cons
                           int64_t block) {
   TORCH_CHECK(rows.dim() == 2 && block > 0, "blocked_linear takes [rows, in_features] and a positive block");
   static const c10::OperatorHandle linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const auto one_block = [&](const at::Tensor& input) {
+    torch::jit::Stack stack{input, packed, bias, c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+    linear.callBoxed(&stack);
+    return stack[0].toTensor();
+  };
   const int64_t count = rows.size(0);
   const int64_t padded = (count + block - 1) / block * block;
   at::Tensor input = rows.contiguous();
   if (padded != count) input = at::cat({input, at::zeros({padded - count, rows.size(1)}, rows.options())});
   if (padded == block) {  // one block: no copy of the output
-    torch::jit::Stack stack{input, packed, bias, c10::IValue(std::string("none")),
-                            c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
-    linear.callBoxed(&stack);
-    const at::Tensor part = stack[0].toTensor();
+    const at::Tensor part = one_block(input);
     return padded == count ? part : part.narrow(0, 0, count);
   }
   at::Tensor out;
   for (int64_t first = 0; first < padded; first += block) {
-    torch::jit::Stack stack{input.narrow(0, first, block), packed, bias, c10::IValue(std::string("none")),
-                            c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
-    linear.callBoxed(&stack);
-    const at::Tensor part = stack[0].toTensor();
+    const at::Tensor part = one_block(input.narrow(0, first, block));
     if (!out.defined()) out = at::empty({padded, part.size(1)}, part.options());
     out.narrow(0, first, block).copy_(part);
   }
