@@ -8,7 +8,9 @@ compiled steps interleaved. Also timed: the output head's GEMM alone (`F.linear`
 vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler).
 `eager` runs transformers' SDPA; `default` is the default kernels' step (its attention on the engine's kernel);
 `invariant` is the eager step on the engine's own kernels (`kernels="invariant"`: every linear on
-oneDNN-prepacked weights, attention on the batch-invariant kernel);
+oneDNN-prepacked weights, the linears that read one input fused into one GEMM, attention on the
+batch-invariant kernel), `invariant_unfused` the same without fusing (what the trainer's scope runs);
+`--dtype bfloat16` runs the model in bf16;
 `repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
 
 from __future__ import annotations
@@ -57,29 +59,33 @@ def timed(function) -> float:
 
 @torch.inference_mode()
 def measure(args) -> dict:
-    model = build_tiny_model("bench-qwen2")
+    model = build_tiny_model("bench-qwen2").to(getattr(torch, args.dtype))
     eager = filled_runner(model, args.rows, args.context, None)
     default = filled_runner(model, args.rows, args.context, None, decode_sdpa)  # the default kernels' step
     compiled = filled_runner(model, args.rows, args.context, CompiledDecode(model, forward_spec(model).cache_keyword, True))
     compile_ms = timed(lambda: step_at_context(compiled))
     difference = (step_at_context(eager) - step_at_context(compiled)).abs().max().item()
-    hidden = torch.randn(args.rows, model.config.hidden_size)
+    hidden = torch.randn(args.rows, model.config.hidden_size, dtype=model.dtype)
     head = model.lm_head.weight
-    packs = PackedLinears()
+    packs, unfused_packs = PackedLinears(fuse=True), PackedLinears()
 
-    def invariant_step():
+    def invariant_step(packs: PackedLinears = packs):
         with invariant_kernels(packs):
             return step_at_context(eager)
 
     invariant_difference = (step_at_context(eager) - invariant_step()).abs().max().item()
-    samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "head_gemm": [], "repack": []}
+    fusion_difference = (invariant_step(unfused_packs) - invariant_step()).abs().max().item()
+    samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "invariant_unfused": [],
+               "head_gemm": [], "repack": []}  # fmt: skip
     for _ in range(args.warmup):
         step_at_context(eager), step_at_context(default), step_at_context(compiled), invariant_step()
+        invariant_step(unfused_packs)
     for _ in range(args.repeats):
         samples["eager"].append(timed(lambda: step_at_context(eager)))
         samples["default"].append(timed(lambda: step_at_context(default)))
         samples["compiled"].append(timed(lambda: step_at_context(compiled)))
         samples["invariant"].append(timed(invariant_step))
+        samples["invariant_unfused"].append(timed(lambda: invariant_step(unfused_packs)))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
         packs.refresh()
         before = packs.pack_ms
@@ -87,7 +93,8 @@ def measure(args) -> dict:
         samples["repack"].append(packs.pack_ms - before)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
-            "invariant_max_logit_difference": invariant_difference,
+            "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
+            "dtype": args.dtype, "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs)}  # fmt: skip
 
@@ -110,6 +117,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default="results/decode_step.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -125,6 +133,9 @@ def main() -> None:
     print(f"invariant kernels {m['invariant']:.2f} ms (ratio to eager {m['invariant'] / m['eager']:.3f}); "
           f"repacking every linear {m['repack']:.2f} ms; max |logit difference| vs eager "
           f"{result['invariant_max_logit_difference']:.2e}")  # fmt: skip
+    print(f"invariant kernels unfused {m['invariant_unfused']:.2f} ms (fused / unfused "
+          f"{m['invariant'] / m['invariant_unfused']:.3f}, {result['fused_groups']} fused groups, max |logit "
+          f"difference| {result['fusion_max_logit_difference']:.1e})")
     for label, key in (("eager", "top_ops"), ("invariant", "invariant_top_ops")):
         for name, ms in result[key]:
             print(f"  {label} step, self time per step: {name:55s} {ms:7.2f} ms")

@@ -192,7 +192,7 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
         return None
     check_invariant_model(model)
     budget = None if config.packed_weights_mb is None else int(config.packed_weights_mb * 2**20)
-    return PackedLinears(budget)
+    return PackedLinears(budget, fuse=True)
 
 
 def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:

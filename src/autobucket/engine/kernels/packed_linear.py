@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
 from autobucket.engine.model_access.weight_versions import tensor_version
 
 ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
@@ -91,6 +92,33 @@ def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     return True
 
 
+# fp32 row counts the fusion probe compares at: every decode batch to 64, then prefill sizes to 4,096
+# (the fp32 GEMM's M-invariance was probed on M = 2 ... 4,096; this makes fusion hold over the same M)
+FUSION_PROBE_ROWS = (*range(2, 65), 96, 127, 128, 129, 255, 256, 257, 511, 512, 1000, 2048, 4096)
+
+
+@functools.cache  # once per group shape and process
+def fused_columns_agree(in_features: int, out_features: tuple[int, ...], row_blocks: bool, has_bias: bool) -> bool:
+    """Whether one oneDNN GEMM on the concatenated [sum N_i, K] weight gives each member's columns
+    bitwise its own GEMM's output: in `ROW_BLOCK`-row bf16 blocks (`row_blocks`, every call is made of
+    those), else in fp32 at every row count of `FUSION_PROBE_ROWS`. Random data, a private generator."""
+    generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
+    dtype = torch.bfloat16 if row_blocks else torch.float32
+    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).to(dtype) for n in out_features]
+    biases = [torch.randn(n, generator=generator).to(dtype) if has_bias else None for n in out_features]
+    hint = ROW_BLOCK if row_blocks else 64
+    packs = [torch.ops.mkldnn._reorder_linear_weight(weight, hint) for weight in weights]
+    fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), hint)
+    fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
+    for rows_count in (ROW_BLOCK,) if row_blocks else FUSION_PROBE_ROWS:
+        scales = 10.0 ** torch.randint(-2, 3, (rows_count, 1), generator=generator)
+        rows = (torch.randn(rows_count, in_features, generator=generator) * scales).to(dtype)
+        alone = [_onednn_linear(rows, pack, bias) for pack, bias in zip(packs, biases, strict=True)]
+        if not torch.equal(_onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
+            return False
+    return True
+
+
 def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
     """A private generator and a random bf16 [out, in] weight packed for ROW_BLOCK rows."""
     generator = torch.Generator().manual_seed(seed)
@@ -130,13 +158,18 @@ class PackedLinears:
     every shape of `tests/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM. Weights
     are packed in the order the forward first meets them (the layers, then the output head)."""
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, fuse: bool = False) -> None:
         self._packs: dict[int, _Pack] = {}
+        self._fused: dict[int, _FusedPack] = {}  # id(group) -> its concatenated weight's pack
         self._held_bytes = 0
         self.budget_bytes = budget_bytes
         self.packs_made = 0  # packs made, first ones and repacks after weight updates
         self.pack_ms = 0.0
         self.unpacked_calls = 0  # GEMMs run on a live weight because the budget was full
+        # `fuse`: linears that read one input run as one GEMM where the values stay bitwise the same
+        # (`fused_linear.py`); the rollout's forwards fuse, the trainer's scope does not (its forwards
+        # need gradients, and alternating both would repack)
+        self.fusion = LinearFusion() if fuse else None
 
     @property
     def nbytes(self) -> int:
@@ -145,21 +178,95 @@ class PackedLinears:
     def refresh(self) -> None:
         """Drop every packed copy: the next forward repacks (after writes that bypass version counters)."""
         self._packs.clear()
+        self._fused.clear()
         self._held_bytes = 0
+
+    def forwards_done(self) -> None:
+        """The forwards of one scope are over: finish learning which linears share an input, and drop
+        the activations held for it."""
+        if self.fusion is not None:
+            self.fusion.forwards_done()
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recompute_safe: bool = False
     ) -> torch.Tensor:
         """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`. Under autograd the
         gradients are ordinary GEMMs'; `recompute_safe` (gradient checkpointing on): see `_with_values`."""
+        needs_grad = _needs_grad(x, weight, bias)
+        if self.fusion is not None and not needs_grad and _eligible(weight, x):
+            fused = self._fused_linear(x, weight, bias, self.fusion)
+            if fused is not None:
+                return fused
         pack = self._pack_for(weight, x, transposed=False)
         if pack is None:
             return F.linear(x, weight, bias)
-        if _needs_grad(x, weight, bias):
+        if needs_grad:
             if recompute_safe:
                 return _with_values(F.linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
+        if self.fusion is not None:
+            self.fusion.observe(x, weight, bias)
         return _packed_matmul(x, pack, bias)
+
+    def _fused_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fusion: LinearFusion
+    ) -> torch.Tensor | None:
+        """This call's columns of a fused GEMM: handed over (a group's member), or computed with the
+        whole group's (its first weight); None for a call that runs its own GEMM."""
+        columns = fusion.take(x, weight, bias)
+        if columns is not None:
+            return columns
+        group = fusion.group_led_by(weight, bias)
+        if group is None:
+            return None
+        fused = self._fused_pack_for(group)
+        if fused is None:
+            return None
+        return fusion.hand_out(group, x, _packed_matmul(x, fused.pack, fused.bias))
+
+    def _fused_pack_for(self, group: FusedGroup) -> _FusedPack | None:
+        """The group's concatenated weight packed (repacked after any member's update), or None, and
+        the group given up, where fusing could change a value or the budget has no room."""
+        pairs = group.live()
+        if pairs is None:
+            group.broken = True
+            return None
+        versions = tuple(tensor_version(t) for pair in pairs for t in pair if t is not None)
+        fused = self._fused.get(id(group))
+        if fused is not None and fused.versions == versions:
+            return fused
+        started = time.perf_counter()
+        weights = [weight.detach() for weight, _ in pairs]
+        dense, in_features = torch.cat(weights), weights[0].shape[1]  # [sum N_i, K]
+        row_blocks = _bf16_blocks(dense)
+        has_bias = pairs[0][1] is not None
+        agree = all(_bf16_blocks(weight) == row_blocks for weight in weights) and fused_columns_agree(
+            in_features, tuple(group.out_features), row_blocks, has_bias
+        )
+        source = dense if row_blocks else dense.float()
+        own = [self._packs[id(weight)] for weight, _ in pairs if id(weight) in self._packs]
+        freed = own + ([fused.pack] if fused else [])
+        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + source.numel() * source.element_size()
+        if not agree or (self.budget_bytes is not None and held_after > self.budget_bytes):
+            group.broken = True
+            self._drop_fused(group)
+            return None
+        for weight, _ in pairs:
+            self._packs.pop(id(weight), None)  # the members' own copies: the fused one serves them
+        packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
+        small = row_blocks and bf16_small_blocks_agree(in_features, dense.shape[0])
+        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, row_blocks, small)
+        bias = torch.cat([bias.detach() for _, bias in pairs if bias is not None]) if has_bias else None
+        self._fused[id(group)] = fused = _FusedPack(pack, bias, versions)
+        self._held_bytes = held_after
+        self.packs_made += 1
+        self.pack_ms += (time.perf_counter() - started) * 1e3
+        return fused
+
+    def _drop_fused(self, group: FusedGroup) -> None:
+        fused = self._fused.pop(id(group), None)
+        if fused is not None:
+            self._held_bytes -= fused.pack.nbytes
 
     def addmm(
         self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recompute_safe: bool = False
@@ -182,7 +289,7 @@ class PackedLinears:
             return pack
         started = time.perf_counter()
         dense = weight.detach().t().contiguous() if transposed else weight.detach()  # [N, K]
-        row_blocks = dense.dtype == torch.bfloat16 and bf16_blocks_invariant(dense.shape[1], dense.shape[0])
+        row_blocks = _bf16_blocks(dense)
         # the GEMM's weight: bf16 for the row blocks; fp32, or bf16 as fp32 (exact): see the module docstring
         source = dense if row_blocks else dense.float()
         if pack is not None:
@@ -202,6 +309,18 @@ class PackedLinears:
         self.packs_made += 1
         self.pack_ms += (time.perf_counter() - started) * 1e3
         return pack
+
+
+@dataclass
+class _FusedPack:
+    pack: _Pack  # the concatenated [sum N_i, K] weight
+    bias: torch.Tensor | None  # the concatenated biases
+    versions: tuple  # every member weight's and bias's version when packed
+
+
+def _bf16_blocks(dense: torch.Tensor) -> bool:
+    """Whether a [N, K] weight runs oneDNN's bf16 GEMM in row blocks (else an fp32 GEMM)."""
+    return dense.dtype == torch.bfloat16 and bf16_blocks_invariant(dense.shape[1], dense.shape[0])
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -324,8 +443,11 @@ def _is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
 def packed_linears(packs: PackedLinears, recompute_safe: bool = False) -> Iterator[None]:
     """This thread's `F.linear` calls inside the block run on `packs` (mode stacks are thread-local);
     `recompute_safe`: the model recomputes forwards in backward (gradient checkpointing), see `_with_values`."""
-    with _PackedLinearMode(packs, recompute_safe):
-        yield
+    try:
+        with _PackedLinearMode(packs, recompute_safe):
+            yield
+    finally:
+        packs.forwards_done()
 
 
 def check_fp32_precision() -> None:
