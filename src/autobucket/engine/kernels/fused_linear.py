@@ -98,12 +98,12 @@ class LinearFusion:
     def hand_out(self, group: FusedGroup, x: torch.Tensor, fused: torch.Tensor) -> torch.Tensor:
         """Split a fused output [..., sum N_i] into its members' columns: the first weight's returned,
         the others kept for their calls on `x`."""
-        columns = torch.split(fused, group.out_features, dim=-1)
+        columns = torch.split(fused, group.out_features, dim=-1)  # views: copies cost more than the GEMM saved
         version = _version(x)
-        for index in range(1, len(columns)):  # contiguous, as F.linear returns
-            self._handed[id(group.weights[index]())] = _Handed(x, version, group, index, columns[index].contiguous())
+        for index in range(1, len(columns)):
+            self._handed[id(group.weights[index]())] = _Handed(x, version, group, index, columns[index])
         self.fused_calls += 1
-        return columns[0].contiguous()
+        return columns[0]
 
     def take(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The columns a fused GEMM computed for this call, or None (then the call runs its own GEMM);
