@@ -112,6 +112,51 @@ def test_control_one_bf16_gemm_over_all_rows_depends_on_the_batch():
         assert all(torch.equal(packs.linear(x[i : i + 3], weight, None), blocked[i : i + 3]) for i in starts)
 
 
+# (K, N): bench-qwen2's projections and fused q/k/v, SmolLM2's fused q/k/v, fused gate/up and down
+LARGE_SHAPES = [(256, 256), (256, 512), (1024, 256), (576, 960), (576, 3072), (1536, 576)]
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("k,n", LARGE_SHAPES)
+def test_a_prefill_sized_bf16_call_in_large_blocks_gives_each_row_its_decode_result(k, n):
+    """2,700 rows: 2,048 + 512 + 128 rows as single calls where the shape's probe allows them, the rest
+    in 32-row blocks. Oracle: every row run alone (a decode step's call), bitwise."""
+    generator = torch.Generator().manual_seed(k + n)
+    x = (torch.randn(2700, k, generator=generator) * 10.0 ** torch.randint(-2, 3, (2700, 1), generator=generator))
+    x, weight = x.bfloat16(), (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    packs = PackedLinears()
+    with torch.inference_mode():
+        whole = packs.linear(x, weight, bias)
+        rows = [0, 1, 127, 128, 639, 640, 2047, 2048, 2559, 2560, 2687, 2699]
+        alone = torch.cat([packs.linear(x[i : i + 1], weight, bias) for i in rows])
+        assert torch.equal(whole[rows], alone)
+        in_small_calls = torch.cat([packs.linear(x[i : i + 20], weight, bias) for i in range(0, 2700, 20)])
+        assert torch.equal(whole, in_small_calls)
+    if (k, n) in ((256, 256), (256, 512)):  # where every size passed its probe (Intel Xeon, AMX)
+        assert packed_linear._large_blocks_for(2700, k, n, True) in ([2048, 512, 128], [])
+
+
+@needs_bf16_gemm
+def test_control_large_blocks_the_probe_refuses_would_break_the_oracle(monkeypatch):
+    """Why the probe: forced on a shape and size it refuses, a large block changes rows against their
+    alone results (skipped where this CPU's GEMM passes every size on every shape)."""
+    failing = [(k, n, size) for k, n in LARGE_SHAPES for size in packed_linear.LARGE_BLOCKS
+               if not packed_linear.bf16_large_block_agrees(k, n, size, False)]  # fmt: skip
+    if not failing:
+        pytest.skip("every large block passes its probe on this CPU")
+    k, n, size = failing[0]
+    generator = torch.Generator().manual_seed(size)
+    x = (torch.randn(size, k, generator=generator) * 10.0).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+    monkeypatch.setattr(packed_linear, "bf16_large_block_agrees", lambda *shape: True)
+    packs = PackedLinears()
+    with torch.inference_mode():
+        forced = packs.linear(x, weight, None)
+        in_blocks = torch.cat([packs.linear(x[i : i + 32], weight, None) for i in range(0, size, 32)])
+    assert not torch.equal(forced, in_blocks)
+
+
 def test_a_shape_failing_the_bf16_probe_is_packed_as_fp32_and_stays_invariant(monkeypatch):
     """Control for the probe: a batch-dependent GEMM must fail it; then packs fall back to fp32 GEMMs."""
 

@@ -23,7 +23,9 @@ picks its kernel by the number of rows, so a row's output depends on M (measured
 wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
 32-row blocks (the last zero-padded), and each weight shape is probed once per process
 (`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
-block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`). A shape that fails, or a CPU without a native
+block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
+and a prefill-sized call runs its leading rows as single calls of 2,048, 512 or 128 rows where a probe
+per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster). A shape that fails, or a CPU without a native
 bf16 GEMM, gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on
 every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
@@ -117,6 +119,29 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], row_blo
         if not torch.equal(_onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
             return False
     return True
+
+
+# Row counts of one bf16 call for prefill-sized inputs, largest first. On bench-qwen2's and SmolLM2's
+# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX), and gave the
+# rows bitwise their 32-row results on some shapes and sizes, not others (576 -> 1,536: only 2,048):
+# hence a probe per shape and size. Output heads are left out: on 256 -> 32,000 the one call was 1.7x
+# slower than the 32-row calls (its weight streams once per call either way; the small calls keep the
+# output in cache).
+LARGE_BLOCKS = (2048, 512, 128)
+LARGE_BLOCK_MAX_OUT = 16384  # widest weight given large blocks (a fused gate/up of 2 x 8,192 included)
+
+
+@functools.cache  # once per weight shape, block size and process
+def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int, has_bias: bool) -> bool:
+    """Whether one oneDNN bf16 call over `rows_count` rows on a packed [out, in] weight gives every row
+    bitwise its output in `ROW_BLOCK`-row calls (random rows of mixed scales, a private generator)."""
+    if not bf16_blocks_invariant(in_features, out_features):
+        return False
+    generator, packed = _probe_weight(in_features, out_features, in_features * 13 + out_features + rows_count)
+    bias = torch.randn(out_features, generator=generator).bfloat16() if has_bias else None
+    rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
+    blocks = [_onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
+    return torch.equal(_onednn_linear(rows, packed, bias), torch.cat(blocks))
 
 
 def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
@@ -393,8 +418,41 @@ def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torc
 
 def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
     """bf16 GEMMs of exactly one block's rows each, the last block zero-padded: [M, K] -> [M, N]. The
-    block is ROW_BLOCK rows, or SMALL_BLOCK for a call that fits one where the shape allows it. The loop
-    runs in the engine's C++ library (`blocked_linear`) once it is built, else here (the same calls)."""
+    block is ROW_BLOCK rows, or SMALL_BLOCK for a call that fits one where the shape allows it; a
+    prefill-sized call runs its leading rows in `LARGE_BLOCKS` where the shape's probe allows them."""
+    count = rows.shape[0]
+    large = _large_blocks_for(count, rows.shape[1], pack.packed.shape[0], bias is not None)
+    if large:
+        return _in_large_blocks(rows, pack, bias, large)
+    return _in_fixed_blocks(rows, pack, bias)
+
+
+def _large_blocks_for(count: int, in_features: int, out_features: int, has_bias: bool) -> list[int]:
+    """The large blocks a call of `count` rows starts with, largest first, each bitwise the rows'
+    ROW_BLOCK-row results (probed per shape and size at the first call that could use it)."""
+    if count < LARGE_BLOCKS[-1] or out_features > LARGE_BLOCK_MAX_OUT:
+        return []
+    sizes, left = [], count
+    for size in LARGE_BLOCKS:
+        while left >= size and bf16_large_block_agrees(in_features, out_features, size, has_bias):
+            sizes.append(size)
+            left -= size
+    return sizes
+
+
+def _in_large_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
+    pieces, first = [], 0
+    for size in sizes:  # one oneDNN call each: a large block is one fixed shape too
+        pieces.append(_onednn_linear(rows[first : first + size], pack.packed, bias))
+        first += size
+    if first < rows.shape[0]:
+        pieces.append(_in_fixed_blocks(rows[first:], pack, bias))
+    return torch.cat(pieces)
+
+
+def _in_fixed_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    """The loop of one-block calls: in the engine's C++ library (`blocked_linear`) once it is built,
+    else here (the same calls)."""
     count = rows.shape[0]
     block = SMALL_BLOCK if pack.small_block and count <= SMALL_BLOCK else ROW_BLOCK
     blocked_linear = _blocked_linear_op()
