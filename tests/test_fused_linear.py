@@ -1,4 +1,4 @@
-"""`kernels="invariant"`: linears that read one input run as one GEMM (`fused_linear.py`).
+"""`kernels="invariant"`: bf16 linears that read one input run as one GEMM (`fused_linear.py`).
 
 Oracles: the same forward on unfused packs (bitwise: fusing must never change a value, since the
 trainer's scope runs the linears unfused), the model's own module structure (which weights read one
@@ -24,8 +24,14 @@ pytestmark = [
     pytest.mark.skipif(not onednn_available(torch.float32), reason="no oneDNN on this torch build"),
 ]
 
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not onednn_available(torch.bfloat16), reason="no oneDNN bf16 linear on this CPU"))]  # fmt: skip
+needs_bf16_gemm = pytest.mark.skipif(
+    not (onednn_available(torch.bfloat16) and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="no native oneDNN bf16 GEMM on this CPU (bf16 packs run fp32 GEMMs, which are not fused)",
+)
+
+
+def bf16_model(arch: str) -> torch.nn.Module:
+    return build_tiny_model(arch).to(torch.bfloat16).eval()
 
 
 def batch(model, lengths=(5, 11, 3)) -> dict:
@@ -51,10 +57,10 @@ def grouped_weights(packs: PackedLinears) -> list[tuple[int, ...]]:
     return [tuple(id(ref()) for ref in group.weights) for group in packs.fusion.groups]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@needs_bf16_gemm
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])  # qwen2: q/k/v with biases
-def test_the_linears_reading_one_input_are_fused_and_no_value_changes(arch, dtype):
-    model = build_tiny_model(arch).to(dtype).eval()
+def test_the_linears_reading_one_input_are_fused_and_no_value_changes(arch):
+    model = bf16_model(arch)
     fused, unfused = PackedLinears(fuse=True), PackedLinears()
     assert torch.equal(logits_on(model, fused), logits_on(model, unfused))
     expected = []
@@ -67,8 +73,16 @@ def test_the_linears_reading_one_input_are_fused_and_no_value_changes(arch, dtyp
     assert fused.nbytes == unfused.nbytes  # the fused copy replaces the members' own
 
 
-def test_one_forward_runs_fewer_gemms(monkeypatch):
+def test_fp32_linears_are_not_fused():
     model = build_tiny_model("tiny-llama").eval()
+    packs = PackedLinears(fuse=True)
+    logits_on(model, packs)
+    assert packs.fusion is not None and packs.fusion.fused_calls == 0 and packs.fusion.groups == []
+
+
+@needs_bf16_gemm
+def test_one_forward_runs_fewer_gemms(monkeypatch):
+    model = bf16_model("tiny-llama")
     fused, unfused = PackedLinears(fuse=True), PackedLinears()
     logits_on(model, fused), logits_on(model, unfused)
     calls = []
@@ -83,8 +97,9 @@ def test_one_forward_runs_fewer_gemms(monkeypatch):
     assert counts == [7 * layers + 1, 4 * layers + 1]  # q, k, v, o, gate, up, down + head; fused q/k/v, gate/up
 
 
+@needs_bf16_gemm
 def test_control_a_fusion_handing_out_the_wrong_columns_fails_the_oracle(monkeypatch):
-    model = build_tiny_model("tiny-llama").eval()
+    model = bf16_model("tiny-llama")
     reference = logits_on(model, PackedLinears())
     real = LinearFusion.hand_out
 
@@ -100,11 +115,10 @@ def test_control_a_fusion_handing_out_the_wrong_columns_fails_the_oracle(monkeyp
     assert not torch.equal(logits_on(model, PackedLinears(fuse=True)), reference)
 
 
+@needs_bf16_gemm
 def test_the_probe_refuses_a_fused_gemm_whose_columns_differ(monkeypatch):
     probe = fused_columns_agree.__wrapped__  # uncached
-    assert probe(64, (64, 32, 32), False, True) and probe(256, (1024, 1024), False, False)
-    if onednn_available(torch.bfloat16) and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert probe(256, (256, 128, 128), True, True)
+    assert probe(64, (64, 32, 32), True) and probe(256, (1024, 1024), False) and probe(576, (576, 192, 192), False)
     real = packed_linear._onednn_linear
 
     def off_by_an_ulp_when_fused(rows, packed, bias):
@@ -112,11 +126,12 @@ def test_the_probe_refuses_a_fused_gemm_whose_columns_differ(monkeypatch):
         return torch.nextafter(out, out + 1) if out.shape[-1] == 128 else out
 
     monkeypatch.setattr(packed_linear, "_onednn_linear", off_by_an_ulp_when_fused)
-    assert not probe(64, (64, 32, 32), False, True)
+    assert not probe(64, (64, 32, 32), True)
 
 
+@needs_bf16_gemm
 def test_a_group_the_probe_refuses_runs_unfused_and_is_given_up(monkeypatch):
-    model = build_tiny_model("tiny-llama").eval()
+    model = bf16_model("tiny-llama")
     reference = logits_on(model, PackedLinears())
     monkeypatch.setattr(packed_linear, "fused_columns_agree", lambda *args: False)
     packs = PackedLinears(fuse=True)
@@ -124,8 +139,9 @@ def test_a_group_the_probe_refuses_runs_unfused_and_is_given_up(monkeypatch):
     assert packs.fusion is not None and packs.fusion.groups == [] and packs.fusion.fused_calls == 0
 
 
+@needs_bf16_gemm
 def test_a_members_update_repacks_the_group():
-    model = build_tiny_model("tiny-qwen2").eval()
+    model = bf16_model("tiny-qwen2")
     packs = PackedLinears(fuse=True)
     logits_on(model, packs)
     made = packs.packs_made
@@ -137,11 +153,12 @@ def test_a_members_update_repacks_the_group():
     assert torch.equal(updated, logits_on(model, PackedLinears()))
 
 
+@needs_bf16_gemm
 @torch.no_grad()
 def test_a_member_called_on_another_input_runs_its_own_gemm_and_breaks_the_group():
     generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 32, generator=generator), torch.randn(6, 32, generator=generator)
-    w1, w2 = torch.randn(16, 32, generator=generator), torch.randn(8, 32, generator=generator)
+    x, y = (torch.randn(6, 32, generator=generator).bfloat16() for _ in range(2))
+    w1, w2 = torch.randn(16, 32, generator=generator).bfloat16(), torch.randn(8, 32, generator=generator).bfloat16()
     packs = PackedLinears(fuse=True)
     with packed_linear.packed_linears(packs):
         packs.linear(x, w1, None), packs.linear(x, w2, None)  # learned: w1 and w2 read one input
@@ -150,25 +167,27 @@ def test_a_member_called_on_another_input_runs_its_own_gemm_and_breaks_the_group
         second = packs.linear(y, w2, None)  # another input: its own GEMM
     assert torch.equal(first, PackedLinears().linear(x, w1, None))
     assert torch.equal(second, PackedLinears().linear(y, w2, None))
-    torch.testing.assert_close(second, F.linear(y, w2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, F.linear(y, w2), rtol=2e-2, atol=2e-2)
     assert packs.fusion is not None and packs.fusion.groups == [] and packs.fusion.fused_calls == 1
 
 
+@needs_bf16_gemm
 def test_forwards_done_lets_go_of_the_activations():
     packs = PackedLinears(fuse=True)
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 32).bfloat16()
     with packed_linear.packed_linears(packs), torch.no_grad():
-        packs.linear(x, torch.randn(16, 32), None)
+        packs.linear(x, torch.randn(16, 32).bfloat16(), None)
     assert packs.fusion is not None and packs.fusion._recent == {} and packs.fusion._handed == {}
     assert fused_linear.RECENT_INPUTS >= 3  # q, k, v's lora_B inputs fall between a LoRA layer's calls
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_a_lora_layers_lora_a_joins_its_base_layers_group(dtype):
+@needs_bf16_gemm
+@pytest.mark.parametrize("adapters_fp32", [False, True], ids=["bf16-adapters", "fp32-adapters"])
+def test_a_lora_layers_lora_a_joins_its_base_layers_group(adapters_fp32):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     torch.manual_seed(0)
-    model = peft.get_peft_model(build_tiny_model("tiny-qwen2").to(dtype), config).eval()
+    model = peft.get_peft_model(bf16_model("tiny-qwen2"), config, autocast_adapter_dtype=adapters_fp32).eval()
     fused, unfused = PackedLinears(fuse=True), PackedLinears()
     assert torch.equal(logits_on(model, fused), logits_on(model, unfused))
     attention = model.base_model.model.model.layers[0].self_attn
@@ -177,9 +196,9 @@ def test_a_lora_layers_lora_a_joins_its_base_layers_group(dtype):
     groups = grouped_weights(fused)  # q, k, v have biases and lora_A none: one GEMM each
     assert tuple(id(linear.weight) for linear in (q.base_layer, k, v.base_layer)) in groups
     gate_up = [model.base_model.model.model.layers[0].mlp.gate_proj, up.base_layer]
-    if dtype == torch.float32:
+    if not adapters_fp32:
         assert (id(q.lora_A["default"].weight), id(v.lora_A["default"].weight)) in groups
         gate_up.append(up.lora_A["default"])
-    else:  # peft keeps adapters in fp32 (autocast_adapter_dtype) and casts each one's input: no shared input
+    else:  # peft's default: adapters in fp32, each one's input cast for it, so no input is shared
         assert q.lora_A["default"].weight.dtype == torch.float32
     assert tuple(id(linear.weight) for linear in gate_up) in groups

@@ -24,6 +24,7 @@ from autobucket.engine.generation_setup import ResolvedGeneration, resolve_gener
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
+from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.grad_mode import autograd_off_for
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
@@ -61,6 +62,7 @@ class Rollout:
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
         self.packed_linears = _packed_linears_for(self.model, self.config)
+        self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
 
@@ -146,7 +148,7 @@ class Rollout:
             return
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
-            with invariant_kernels(packs):
+            with invariant_kernels(packs, conv1d=self._conv1d):
                 yield
         finally:
             profile.packs_made += packs.packs_made - made

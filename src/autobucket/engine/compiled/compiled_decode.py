@@ -50,6 +50,7 @@ from autobucket.engine.compiled.dynamo_compat import (
     observed_model_error,
 )
 from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
+from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
@@ -265,7 +266,7 @@ class CompiledDecode:
             return None
         started, graphs_before = time.perf_counter(), _graph_count()
         try:
-            with lifted_graph_limit():
+            with lifted_graph_limit(), compiled_dropout_off(dropout_suppressed()):
                 logits = _compiled_step()(self.model, self.cache_keyword, *self._inputs(inputs, key))
         except torch._dynamo.exc.TorchDynamoException as error:
             self._compile_failed(error)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.kernels.invariant_attention import invariant_attention_shared, kernel_takes
-from autobucket.engine.model_access.attention import dropout_suppressed
+from autobucket.engine.model_access.function_routes import dropout_suppressed
 
 
 @dataclass

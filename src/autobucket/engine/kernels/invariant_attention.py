@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.attention import dropout_suppressed, hf_sdpa
+from autobucket.engine.model_access.attention import hf_sdpa
+from autobucket.engine.model_access.function_routes import dropout_suppressed
 
 _SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 

@@ -7,10 +7,10 @@ M = 1 and M = 2 on a 256 -> 1,024 linear, AMD EPYC). oneDNN on a weight reordere
 1.44 vs 3.3 ms, Intel Xeon) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
 probed; M = 1 took another path on one shape (1,536 -> 576), so a single row runs as a batch of two.
 
-Every linear the engine's forwards run is routed here by `packed_linears` — a `TorchFunctionMode`, so
-only this thread's forwards inside the block see it and the model's modules are never touched (LoRA
-layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike; GPT-2's `Conv1D`
-is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
+Every linear the engine's forwards run is routed here by `packed_linears` (`function_routes.py`: the
+`F.linear` and `Conv1D` addmm calls of this thread's forwards inside the block, the model's modules never
+touched; LoRA layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike;
+GPT-2's `Conv1D` is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
 keyed on the weight's identity, `data_ptr()`, `_version` and the process's optimizer steps
 (`model_access/weight_versions.py`: fused optimizers do not bump `_version`): an `optimizer.step()`, a
 `copy_` under `no_grad` or `load_state_dict` between calls and the next forward repacks; a write
@@ -41,10 +41,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
+from autobucket.engine.model_access.function_routes import linears_routed_to, original_addmm, original_linear
 from autobucket.engine.model_access.weight_versions import tensor_version
 
 ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
@@ -94,27 +93,19 @@ def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     return True
 
 
-# fp32 row counts the fusion probe compares at: every decode batch to 64, then prefill sizes to 4,096
-# (the fp32 GEMM's M-invariance was probed on M = 2 ... 4,096; this makes fusion hold over the same M)
-FUSION_PROBE_ROWS = (*range(2, 65), 96, 127, 128, 129, 255, 256, 257, 511, 512, 1000, 2048, 4096)
-
-
-@functools.cache  # once per group shape and process
-def fused_columns_agree(in_features: int, out_features: tuple[int, ...], row_blocks: bool, has_bias: bool) -> bool:
-    """Whether one oneDNN GEMM on the concatenated [sum N_i, K] weight gives each member's columns
-    bitwise its own GEMM's output: in `ROW_BLOCK`-row bf16 blocks (`row_blocks`, every call is made of
-    those), else in fp32 at every row count of `FUSION_PROBE_ROWS`. Random data, a private generator."""
+@functools.cache  # once per group shape and process: 24 ms for SmolLM2's gate/up
+def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bias: bool) -> bool:
+    """Whether one oneDNN bf16 GEMM block on the concatenated [sum N_i, K] weight gives each member's
+    columns bitwise its own GEMM's output in the same `ROW_BLOCK` rows (every bf16 call is made of such
+    blocks, so one block shape decides it). Random data, a private generator."""
     generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
-    dtype = torch.bfloat16 if row_blocks else torch.float32
-    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).to(dtype) for n in out_features]
-    biases = [torch.randn(n, generator=generator).to(dtype) if has_bias else None for n in out_features]
-    hint = ROW_BLOCK if row_blocks else 64
-    packs = [torch.ops.mkldnn._reorder_linear_weight(weight, hint) for weight in weights]
-    fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), hint)
+    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).bfloat16() for n in out_features]
+    biases = [torch.randn(n, generator=generator).bfloat16() if has_bias else None for n in out_features]
+    packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
+    fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
     fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
-    for rows_count in (ROW_BLOCK,) if row_blocks else FUSION_PROBE_ROWS:
-        scales = 10.0 ** torch.randint(-2, 3, (rows_count, 1), generator=generator)
-        rows = (torch.randn(rows_count, in_features, generator=generator) * scales).to(dtype)
+    for _ in range(2):
+        rows = _probe_rows(generator, in_features)
         alone = [_onednn_linear(rows, pack, bias) for pack, bias in zip(packs, biases, strict=True)]
         if not torch.equal(_onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
             return False
@@ -191,7 +182,7 @@ class PackedLinears:
         self.packs_made = 0  # packs made, first ones and repacks after weight updates
         self.pack_ms = 0.0
         self.unpacked_calls = 0  # GEMMs run on a live weight because the budget was full
-        # `fuse`: linears that read one input run as one GEMM where the values stay bitwise the same
+        # `fuse`: bf16 linears that read one input run as one GEMM where the values stay bitwise the same
         # (`fused_linear.py`); the rollout's forwards fuse, the trainer's scope does not (its forwards
         # need gradients, and alternating both would repack)
         self.fusion = LinearFusion() if fuse else None
@@ -224,12 +215,12 @@ class PackedLinears:
                 return fused
         pack = self._pack_for(weight, x, transposed=False)
         if pack is None:
-            return F.linear(x, weight, bias)
+            return original_linear(x, weight, bias)
         if needs_grad:
             if recompute_safe:
-                return _with_values(F.linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
+                return _with_values(original_linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
-        if self.fusion is not None:
+        if self.fusion is not None and pack.row_blocks:
             self.fusion.observe(x, weight, bias)
         return _packed_matmul(x, pack, bias)
 
@@ -263,24 +254,25 @@ class PackedLinears:
         started = time.perf_counter()
         weights = [weight.detach() for weight, _ in pairs]
         dense, in_features = torch.cat(weights), weights[0].shape[1]  # [sum N_i, K]
-        row_blocks = _bf16_blocks(dense)
+        # bf16 row blocks only: there one block shape decides the probe, and in fp32 (one GEMM at any
+        # row count, so a probe over many counts: 0.4-1.3 s a shape) the decode step gained nothing
+        # measurable (fused / unfused 0.99-1.01, bench-qwen2 and SmolLM2, Intel Xeon)
         has_bias = pairs[0][1] is not None
-        agree = all(_bf16_blocks(weight) == row_blocks for weight in weights) and fused_columns_agree(
-            in_features, tuple(group.out_features), row_blocks, has_bias
+        agree = all(_bf16_blocks(weight) for weight in [dense, *weights]) and fused_columns_agree(
+            in_features, tuple(group.out_features), has_bias
         )
-        source = dense if row_blocks else dense.float()
         own = [self._packs[id(weight)] for weight, _ in pairs if id(weight) in self._packs]
         freed = own + ([fused.pack] if fused else [])
-        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + source.numel() * source.element_size()
+        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + dense.numel() * dense.element_size()
         if not agree or (self.budget_bytes is not None and held_after > self.budget_bytes):
             group.broken = True
             self._drop_fused(group)
             return None
         for weight, _ in pairs:
             self._packs.pop(id(weight), None)  # the members' own copies: the fused one serves them
-        packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
-        small = row_blocks and bf16_small_blocks_agree(in_features, dense.shape[0])
-        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, row_blocks, small)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
+        small = bf16_small_blocks_agree(in_features, dense.shape[0])
+        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
         bias = torch.cat([bias.detach() for _, bias in pairs if bias is not None]) if has_bias else None
         self._fused[id(group)] = fused = _FusedPack(pack, bias, versions)
         self._held_bytes = held_after
@@ -299,10 +291,10 @@ class PackedLinears:
         """bias [N] + x [M, K] @ weight [K, N]: GPT-2's `Conv1D` layers (weights stored transposed)."""
         pack = self._pack_for(weight, x, transposed=True)
         if pack is None:
-            return torch.addmm(bias, x, weight)
+            return original_addmm(bias, x, weight)
         if _needs_grad(x, weight, bias):
             if recompute_safe:
-                return _with_values(torch.addmm(bias, x, weight), _packed_matmul(x.detach(), pack, bias.detach()))
+                return _with_values(original_addmm(bias, x, weight), _packed_matmul(x.detach(), pack, bias.detach()))
             return _PackedLinearFunction.apply(x, weight, bias, pack, True)
         return _packed_matmul(x, pack, bias)
 
@@ -366,7 +358,7 @@ class _WithValues(torch.autograd.Function):
 
 def _with_values(native: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The packed kernel's values on the ordinary linear's graph. Gradient checkpointing recomputes a
-    layer's forward during backward, where no `TorchFunctionMode` is active, and requires the same saved
+    layer's forward during backward, where no linear is routed any more, and requires the same saved
     tensors as the first forward: so the first forward saves what the ordinary linear saves (it runs,
     once more than otherwise) and only the values it passes on are the invariant ones."""
     return _WithValues.apply(native, values)
@@ -474,37 +466,26 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-class _PackedLinearMode(TorchFunctionMode):
+class _Route:
+    """What this thread's routed linear calls run on: `packs`, with the scope's `recompute_safe`."""
+
     def __init__(self, packs: PackedLinears, recompute_safe: bool) -> None:
-        super().__init__()
         self.packs, self.recompute_safe = packs, recompute_safe
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.linear:
-            kwargs = kwargs or {}
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return self.packs.linear(x, weight, bias, self.recompute_safe)
-        if func is torch.addmm and _is_conv1d_call(args, kwargs):
-            return self.packs.addmm(*args, recompute_safe=self.recompute_safe)
-        return func(*args, **(kwargs or {}))
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.packs.linear(x, weight, bias, self.recompute_safe)
 
-
-def _is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
-    """`torch.addmm(bias, x, weight)` as transformers' `Conv1D` calls it: a parameter as the weight,
-    beta = alpha = 1 (other addmm calls are left alone)."""
-    return (
-        not kwargs and len(args) == 3 and isinstance(args[2], torch.nn.Parameter) and args[1].dim() == 2
-        and args[0].dim() == 1
-    )  # fmt: skip
+    def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.packs.addmm(bias, x, weight, self.recompute_safe)
 
 
 @contextmanager
-def packed_linears(packs: PackedLinears, recompute_safe: bool = False) -> Iterator[None]:
-    """This thread's `F.linear` calls inside the block run on `packs` (mode stacks are thread-local);
-    `recompute_safe`: the model recomputes forwards in backward (gradient checkpointing), see `_with_values`."""
+def packed_linears(packs: PackedLinears, recompute_safe: bool = False, conv1d: bool = False) -> Iterator[None]:
+    """This thread's `F.linear` calls inside the block run on `packs` (and `Conv1D` addmm calls where
+    `conv1d`: the model has such layers); `recompute_safe`: the model recomputes forwards in backward
+    (gradient checkpointing), see `_with_values`."""
     try:
-        with _PackedLinearMode(packs, recompute_safe):
+        with linears_routed_to(_Route(packs, recompute_safe), conv1d):
             yield
     finally:
         packs.forwards_done()

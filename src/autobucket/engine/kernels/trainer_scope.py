@@ -24,6 +24,7 @@ import torch
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
+from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 
 _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
@@ -54,5 +55,5 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs = packs_for(inner)
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with invariant_kernels(packs, recompute_safe=checkpointing):
+    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
         yield packs

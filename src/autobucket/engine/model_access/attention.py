@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+
+from autobucket.engine.model_access.function_routes import dropout_off
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
 ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine's attention into a graph
@@ -115,44 +115,16 @@ def kernel_attention(function: AttentionFunction) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ eval semantics on a training model
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
-
-
-class _NoDropout(TorchFunctionMode):
-    """Dropout as in eval mode for the torch calls of this thread (mode stacks are thread-local)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            return args[0] if args else kwargs["input"]
-        if func is F.scaled_dot_product_attention:
-            kwargs = {**kwargs, "dropout_p": 0.0}
-            if len(args) > 4:  # positional dropout_p
-                args = (*args[:4], 0.0, *args[5:])
-        return func(*args, **kwargs)
-
-
-_DROPOUT_SUPPRESSED: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
-
-
-def dropout_suppressed() -> bool:
-    """Whether this thread's forwards run under `eval_semantics` (attention kernels then skip dropout)."""
-    return _DROPOUT_SUPPRESSED.get()
-
-
 @contextmanager
 def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
-    """Forwards inside the block behave as in `model.eval()` (no dropout), without writing `model.training`.
-    A model already in eval mode pays nothing."""
+    """Forwards inside the block behave as in `model.eval()` (no dropout: this thread's dropout calls
+    routed to their input, `function_routes.dropout_off`), without writing `model.training`. A model
+    already in eval mode pays nothing."""
     if not any(module.training for module in model.modules()):
         yield
         return
-    token = _DROPOUT_SUPPRESSED.set(True)
-    try:
-        with _NoDropout():
-            yield
-    finally:
-        _DROPOUT_SUPPRESSED.reset(token)
+    with dropout_off():
+        yield
 
 
 # ------------------------------------------------------------------ gradient checkpointing in train mode

@@ -1,0 +1,200 @@
+"""How this thread's forwards reach the engine's linears and eval-mode dropout: a few `torch.nn.functional`
+functions (and `torch.addmm`) replaced, while an engine call is in flight, by routers that read context
+variables.
+
+- `F.linear` goes to the scope's `LinearRoute` (the packed, batch-invariant linears of
+  `kernels="invariant"` and `autobucket.invariant`); so does transformers' `Conv1D` (`torch.addmm` on a
+  transposed parameter) for models that have one, through `Conv1dAddmmMode`, a `TorchFunctionMode`:
+  `torch.addmm` itself is not replaced, since inductor binds `torch.addmm` as an extern kernel when it
+  is first imported;
+- dropout (`F.dropout` and its kin) returns its input, and `F.scaled_dot_product_attention` runs with
+  `dropout_p = 0`, under `eval_semantics` (a model handed over in train mode, `training` untouched).
+
+Why not a `TorchFunctionMode`: a mode sees every torch call of the thread, not only these, and cost
+7 us a call on this VM: 2.4 ms of a 28.8 ms bench-qwen2 decode step (B = 32, context 512, 323 torch
+calls, Intel Xeon), more than every linear's wrapper together. A router costs a context-variable read,
+and only on its own function's calls.
+
+What the routers reach: calls that look the function up when they run — `nn.Linear.forward`
+(`F.linear(...)`, so LoRA layers' base and adapter linears too), `nn.Dropout.forward`, attention and
+dropout calls through `nn.functional.`, and
+`torch.nn.functional`'s own callers. Code that bound one of these names before the routers went in
+keeps the builtin (for a linear: the model's own kernel, not batch-invariant; the zero-mismatch tests
+check the architectures it runs). Nothing on the model changes; other threads get the builtins (one
+context-variable read more while the routers are in). The routers go in when the first scope of the
+process opens and come out when the last one closes; a replacement someone else made meanwhile is left
+alone. Under torch.compile's tracing (dynamo cannot read a context variable) the linear router calls
+the builtin and the dropout routers read `_traced_dropout_off`, a module global dynamo guards on, which
+the engine's compiled decode step sets around its graph call (`compiled_dropout_off`): the graph is
+traced without dropout and costs nothing per op at run time. (A `TorchFunctionMode` around the graph
+call, what this replaced, was not consulted for a dropout reached through a router, measured.)"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# the builtins, for the engine's own calls and for every call outside a routed scope
+original_linear: Callable[..., torch.Tensor] = F.linear
+original_addmm: Callable[..., torch.Tensor] = torch.addmm  # never replaced: the name stays the builtin
+_DROPOUT_NAMES = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+_ORIGINAL_DROPOUTS = {name: getattr(F, name) for name in _DROPOUT_NAMES}
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+class LinearRoute(Protocol):
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+_LINEAR_ROUTE: contextvars.ContextVar[LinearRoute | None] = contextvars.ContextVar("autobucket_linears", default=None)
+_NO_DROPOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
+_LOCK = threading.Lock()
+_OPEN_SCOPES = 0
+_traced_dropout_off = False  # what the dropout routers do while dynamo traces (`compiled_dropout_off`)
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    route = None if _tracing() else _LINEAR_ROUTE.get()
+    if route is None:
+        return original_linear(input, weight, bias)
+    return route.linear(input, weight, bias)
+
+
+class Conv1dAddmmMode(TorchFunctionMode):
+    """The `Conv1D` addmm calls of this thread's forwards to `route` (models with `Conv1D` layers only:
+    a mode sees every torch call, see the module docstring)."""
+
+    def __init__(self, route: LinearRoute) -> None:
+        super().__init__()
+        self.route = route
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is original_addmm and is_conv1d_call(args, kwargs):
+            return self.route.addmm(*args)
+        return func(*args, **(kwargs or {}))
+
+
+def _dropout_router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def routed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+            return args[0] if args else kwargs["input"]
+        return original(*args, **kwargs)
+
+    routed.__name__ = routed.__qualname__ = f"routed_{original.__name__}"
+    return routed
+
+
+def _without_dropout_p(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if len(args) > 4:  # positional dropout_p
+        return (*args[:4], 0.0, *args[5:]), kwargs
+    return args, {**kwargs, "dropout_p": 0.0}
+
+
+def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+        args, kwargs = _without_dropout_p(args, kwargs)
+    return _ORIGINAL_SDPA(*args, **kwargs)
+
+
+_ROUTERS: list[tuple[Any, str, Callable, Callable]] = [  # (module, name, builtin, router)
+    (F, "linear", original_linear, _routed_linear),
+    (F, "scaled_dot_product_attention", _ORIGINAL_SDPA, _routed_sdpa),
+    *((F, name, builtin, _dropout_router(builtin)) for name, builtin in _ORIGINAL_DROPOUTS.items()),
+]
+
+
+def is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
+    """`torch.addmm(bias, x, weight)` as transformers' `Conv1D` calls it: a parameter as the weight,
+    beta = alpha = 1 (other addmm calls are left alone)."""
+    return (
+        not kwargs and len(args) == 3 and isinstance(args[2], torch.nn.Parameter) and args[1].dim() == 2
+        and args[0].dim() == 1
+    )  # fmt: skip
+
+
+def routers_installed() -> bool:
+    return F.linear is _routed_linear
+
+
+@contextmanager
+def _routers_in() -> Iterator[None]:
+    global _OPEN_SCOPES
+    with _LOCK:
+        if _OPEN_SCOPES == 0:
+            for module, name, _, router in _ROUTERS:
+                setattr(module, name, router)
+        _OPEN_SCOPES += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _OPEN_SCOPES -= 1
+            if _OPEN_SCOPES == 0:
+                for module, name, builtin, router in _ROUTERS:
+                    if getattr(module, name) is router:
+                        setattr(module, name, builtin)
+
+
+@contextmanager
+def linears_routed_to(route: LinearRoute, conv1d: bool = False) -> Iterator[None]:
+    """This thread's (and context's) linear calls inside the block run on `route`; `conv1d`: the model
+    has transformers `Conv1D` layers, whose addmm calls go there too."""
+    with _routers_in(), Conv1dAddmmMode(route) if conv1d else contextlib.nullcontext():
+        token = _LINEAR_ROUTE.set(route)
+        try:
+            yield
+        finally:
+            _LINEAR_ROUTE.reset(token)
+
+
+def has_conv1d(model: torch.nn.Module) -> bool:
+    """Whether `model` has transformers `Conv1D` layers (GPT-2's family)."""
+    return any(type(module).__name__ == "Conv1D" for module in model.modules())
+
+
+@contextmanager
+def dropout_off() -> Iterator[None]:
+    """This thread's dropout calls inside the block return their input, and SDPA runs without dropout."""
+    with _routers_in():
+        token = _NO_DROPOUT.set(True)
+        try:
+            yield
+        finally:
+            _NO_DROPOUT.reset(token)
+
+
+@contextmanager
+def compiled_dropout_off(off: bool) -> Iterator[None]:
+    """Around a compiled graph's call: trace (or pick the graph traced) with dropout off where `off`.
+    A process global, because dynamo reads no context variable; so that two threads' compiled steps
+    never see each other's answer, the lock runs them one at a time (compiled steps of concurrent
+    engine calls in one process are serialised)."""
+    global _traced_dropout_off
+    with _COMPILE_LOCK:
+        before, _traced_dropout_off = _traced_dropout_off, off
+        try:
+            yield
+        finally:
+            _traced_dropout_off = before
+
+
+_COMPILE_LOCK = threading.RLock()
+
+
+def dropout_suppressed() -> bool:
+    """Whether this thread's forwards run with dropout off (`dropout_off`)."""
+    return _NO_DROPOUT.get()

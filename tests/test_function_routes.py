@@ -1,0 +1,131 @@
+"""How the engine's forwards reach its linears and eval dropout (`function_routes.py`): `F.linear` and
+dropout replaced by routers only while a scope is open, routing only the scope's own thread; `Conv1D`
+addmm calls through a mode for models that have such layers (`torch.addmm` itself never replaced).
+
+Oracles: the builtins themselves (identity before and after, the other thread's values bitwise the
+builtin's), and the packs' own counters (which calls reached them). Negative control: a layer whose
+module bound `linear` before the routers went in is not routed (documented: such code keeps the builtin)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
+from autobucket.engine.model_access import function_routes
+from autobucket.engine.model_access.function_routes import original_addmm, original_linear, routers_installed
+
+
+class Counting(PackedLinears):
+    """PackedLinears that counts the calls reaching it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def linear(self, *args, **kwargs):  # type: ignore[override]
+        self.calls += 1
+        return super().linear(*args, **kwargs)
+
+    def addmm(self, *args, **kwargs):  # type: ignore[override]
+        self.calls += 1
+        return super().addmm(*args, **kwargs)
+
+
+def test_the_routers_are_in_only_while_a_scope_is_open_and_nest():
+    assert F.linear is original_linear and torch.addmm is original_addmm
+    outer, inner = Counting(), Counting()
+    layer, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    with torch.no_grad(), packed_linears(outer):
+        assert routers_installed()
+        layer(x)
+        with packed_linears(inner):
+            layer(x)
+        layer(x)
+    assert (outer.calls, inner.calls) == (2, 1)
+    assert F.linear is original_linear and torch.addmm is original_addmm
+    assert not routers_installed()
+
+
+@torch.no_grad()
+def test_dropout_off_routes_this_threads_dropout_to_its_input():
+    x = torch.randn(64, 64)
+    drop = torch.nn.Dropout(0.5).train()
+    assert not torch.equal(drop(x), x)  # control: dropout is live outside the scope
+    q = k = v = torch.randn(1, 2, 8, 16)
+    with function_routes.dropout_off():
+        assert torch.equal(drop(x), x) and torch.equal(F.dropout(x, 0.5, True), x)
+        with_p = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        torch.testing.assert_close(with_p, F.scaled_dot_product_attention(q, k, v))
+    assert F.dropout is function_routes._ORIGINAL_DROPOUTS["dropout"] and not routers_installed()
+
+
+def test_an_error_inside_the_scope_takes_the_routers_out():
+    try:
+        with packed_linears(PackedLinears()):
+            raise KeyError("model error")
+    except KeyError:
+        pass
+    assert F.linear is original_linear and torch.addmm is original_addmm
+
+
+@torch.no_grad()
+def test_another_threads_linears_run_the_builtin_while_a_scope_is_open():
+    packs, layer = Counting(), torch.nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    inside, done = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def other_thread():
+        inside.wait()
+        seen["routers in"] = routers_installed()
+        seen["out"] = layer(x)
+        done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with packed_linears(packs):
+        inside.set()
+        done.wait(timeout=30)
+    thread.join()
+    assert seen["routers in"] and packs.calls == 0
+    assert torch.equal(seen["out"], original_linear(x, layer.weight, layer.bias))
+
+
+def test_a_conv1d_addmm_is_routed_and_other_addmm_calls_are_not():
+    from transformers.pytorch_utils import Conv1D
+
+    packs, conv = Counting(), Conv1D(16, 8)  # weight [8, 16] stored transposed: y = x @ W + b
+    x, a, b = torch.randn(4, 8), torch.randn(4, 3), torch.randn(3, 16)
+    with torch.no_grad(), packed_linears(packs, conv1d=True):
+        assert torch.addmm is original_addmm
+        routed = conv(x)
+        torch.addmm(torch.zeros(16), a, b)  # not a Conv1D call: a plain tensor as the weight
+    assert packs.calls == 1
+    with torch.no_grad(), packed_linears(packs):  # a model without Conv1D layers: no mode
+        conv(x)
+    assert packs.calls == 1
+    assert function_routes.has_conv1d(torch.nn.Sequential(conv)) and not function_routes.has_conv1d(torch.nn.Linear(2, 2))
+    torch.testing.assert_close(routed, original_addmm(conv.bias, x, conv.weight), rtol=1e-5, atol=1e-6)
+
+
+def test_someone_elses_replacement_made_meanwhile_is_left_alone():
+    theirs = lambda *args, **kwargs: original_linear(*args, **kwargs)  # noqa: E731
+    try:
+        with packed_linears(PackedLinears()):
+            F.linear = theirs  # type: ignore[assignment]
+        assert F.linear is theirs and torch.addmm is original_addmm
+    finally:
+        F.linear = original_linear  # type: ignore[assignment]
+
+
+def test_control_a_linear_bound_before_the_routers_is_not_routed():
+    bound = F.linear  # what `from torch.nn.functional import linear` at import time holds
+    packs, weight, x = Counting(), torch.randn(4, 8), torch.randn(3, 8)
+    with torch.no_grad(), packed_linears(packs):
+        bound(x, weight)
+        F.linear(x, weight)
+    assert packs.calls == 1
+    assert function_routes._OPEN_SCOPES == 0
