@@ -24,7 +24,7 @@ wherever it sat and whatever the other rows were, on every shape probed. So ever
 32-row blocks (the last zero-padded), and each weight shape is probed once per process
 (`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
 block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
-and a prefill-sized call runs its leading rows as single calls of 2,048, 512 or 128 rows where a probe
+and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
 per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster). A shape that fails, or a CPU without a native
 bf16 GEMM, gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on
 every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
@@ -113,12 +113,12 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
 
 
 # Row counts of one bf16 call for prefill-sized inputs, largest first. On bench-qwen2's and SmolLM2's
-# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX), and gave the
-# rows bitwise their 32-row results on some shapes and sizes, not others (576 -> 1,536: only 2,048):
-# hence a probe per shape and size. Output heads are left out: on 256 -> 32,000 the one call was 1.7x
-# slower than the 32-row calls (its weight streams once per call either way; the small calls keep the
-# output in cache).
-LARGE_BLOCKS = (2048, 512, 128)
+# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX). Whether it
+# gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
+# multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
+# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape. Output heads are left out:
+# on 256 -> 32,000 the one call was 1.7x slower than the 32-row calls.
+LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
 LARGE_BLOCK_MAX_OUT = 16384  # widest weight given large blocks (a fused gate/up of 2 x 8,192 included)
 
 
