@@ -439,7 +439,7 @@ def _in_large_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None,
         first += size
     if first < rows.shape[0]:
         pieces.append(_in_fixed_blocks(rows[first:], pack, bias))
-    return torch.cat(pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _in_fixed_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
