@@ -25,9 +25,9 @@ wherever it sat and whatever the other rows were, on every shape probed. So ever
 (`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
 block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
 and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
-per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster). A shape that fails, or a CPU without a native
-bf16 GEMM, gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on
-every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
+per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster).
+A shape that fails, or a CPU without a native bf16 GEMM, gets its weight packed as fp32 (exact) and the
+fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
 
 from __future__ import annotations
