@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from autobucket.engine.kernels import fused_linear, packed_linear
 from autobucket.engine.kernels.fused_linear import LinearFusion
-from autobucket.engine.kernels.packed_linear import PackedLinears, fused_columns_agree, onednn_available
+from autobucket.engine.kernels.packed_linear import (
+    PackedLinears,
+    bf16_blocks_invariant,
+    fused_columns_agree,
+    onednn_available,
+)
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
@@ -24,9 +29,25 @@ pytestmark = [
     pytest.mark.skipif(not onednn_available(torch.float32), reason="no oneDNN on this torch build"),
 ]
 
+BF16_GEMM = onednn_available(torch.bfloat16) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_bf16_gemm = pytest.mark.skipif(
-    not (onednn_available(torch.bfloat16) and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="no native oneDNN bf16 GEMM on this CPU (bf16 packs run fp32 GEMMs, which are not fused)",
+    not BF16_GEMM, reason="no native oneDNN bf16 GEMM on this CPU (bf16 packs run fp32 GEMMs, which are not fused)"
+)
+# (K, member widths, bias) of the tiny models' groups: q/k/v (qwen2's with biases), gate/up, LoRA's
+FUSED_SHAPES = [(64, (64, 32, 32), False), (64, (64, 32, 32), True), (64, (128, 128), False),
+                (64, (8, 8), False), (64, (128, 128, 8), False), (32, (16, 8), False)]  # fmt: skip
+
+
+def _fusion_agrees_here() -> bool:
+    """Whether this CPU's probes let the tiny models' groups fuse (where they do not, nothing fuses)."""
+    return BF16_GEMM and all(
+        fused_columns_agree(k, widths, bias) and all(bf16_blocks_invariant(k, n) for n in (*widths, sum(widths)))
+        for k, widths, bias in FUSED_SHAPES
+    )
+
+
+needs_fusion = pytest.mark.skipif(
+    not _fusion_agrees_here(), reason="this CPU's fused bf16 GEMM differs from its members' on the tiny shapes"
 )
 
 
@@ -57,7 +78,7 @@ def grouped_weights(packs: PackedLinears) -> list[tuple[int, ...]]:
     return [tuple(id(ref()) for ref in group.weights) for group in packs.fusion.groups]
 
 
-@needs_bf16_gemm
+@needs_fusion
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])  # qwen2: q/k/v with biases
 def test_the_linears_reading_one_input_are_fused_and_no_value_changes(arch):
     model = bf16_model(arch)
@@ -80,7 +101,7 @@ def test_fp32_linears_are_not_fused():
     assert packs.fusion is not None and packs.fusion.fused_calls == 0 and packs.fusion.groups == []
 
 
-@needs_bf16_gemm
+@needs_fusion
 def test_one_forward_runs_fewer_gemms(monkeypatch):
     model = bf16_model("tiny-llama")
     fused, unfused = PackedLinears(fuse=True), PackedLinears()
@@ -97,7 +118,7 @@ def test_one_forward_runs_fewer_gemms(monkeypatch):
     assert counts == [7 * layers + 1, 4 * layers + 1]  # q, k, v, o, gate, up, down + head; fused q/k/v, gate/up
 
 
-@needs_bf16_gemm
+@needs_fusion
 def test_control_a_fusion_handing_out_the_wrong_columns_fails_the_oracle(monkeypatch):
     model = bf16_model("tiny-llama")
     reference = logits_on(model, PackedLinears())
@@ -115,10 +136,10 @@ def test_control_a_fusion_handing_out_the_wrong_columns_fails_the_oracle(monkeyp
     assert not torch.equal(logits_on(model, PackedLinears(fuse=True)), reference)
 
 
-@needs_bf16_gemm
+@needs_fusion
 def test_the_probe_refuses_a_fused_gemm_whose_columns_differ(monkeypatch):
     probe = fused_columns_agree.__wrapped__  # uncached
-    assert probe(64, (64, 32, 32), True) and probe(256, (1024, 1024), False) and probe(576, (576, 192, 192), False)
+    assert probe(64, (64, 32, 32), True)
     real = packed_linear._onednn_linear
 
     def off_by_an_ulp_when_fused(rows, packed, bias):
@@ -139,7 +160,7 @@ def test_a_group_the_probe_refuses_runs_unfused_and_is_given_up(monkeypatch):
     assert packs.fusion is not None and packs.fusion.groups == [] and packs.fusion.fused_calls == 0
 
 
-@needs_bf16_gemm
+@needs_fusion
 def test_a_members_update_repacks_the_group():
     model = bf16_model("tiny-qwen2")
     packs = PackedLinears(fuse=True)
@@ -153,7 +174,7 @@ def test_a_members_update_repacks_the_group():
     assert torch.equal(updated, logits_on(model, PackedLinears()))
 
 
-@needs_bf16_gemm
+@needs_fusion
 @torch.no_grad()
 def test_a_member_called_on_another_input_runs_its_own_gemm_and_breaks_the_group():
     generator = torch.Generator().manual_seed(0)
@@ -181,7 +202,7 @@ def test_forwards_done_lets_go_of_the_activations():
     assert fused_linear.RECENT_INPUTS >= 3  # q, k, v's lora_B inputs fall between a LoRA layer's calls
 
 
-@needs_bf16_gemm
+@needs_fusion
 @pytest.mark.parametrize("adapters_fp32", [False, True], ids=["bf16-adapters", "fp32-adapters"])
 def test_a_lora_layers_lora_a_joins_its_base_layers_group(adapters_fp32):
     peft = pytest.importorskip("peft")
