@@ -1,6 +1,5 @@
 """How this thread's forwards reach the engine's linears and eval-mode dropout: a few `torch.nn.functional`
-functions (and `torch.addmm`) replaced, while an engine call is in flight, by routers that read context
-variables.
+functions replaced, while an engine call is in flight, by routers that read context variables.
 
 - `F.linear` goes to the scope's `LinearRoute` (the packed, batch-invariant linears of
   `kernels="invariant"` and `autobucket.invariant`); so does transformers' `Conv1D` (`torch.addmm` on a
@@ -17,8 +16,7 @@ and only on its own function's calls.
 
 What the routers reach: calls that look the function up when they run — `nn.Linear.forward`
 (`F.linear(...)`, so LoRA layers' base and adapter linears too), `nn.Dropout.forward`, attention and
-dropout calls through `nn.functional.`, and
-`torch.nn.functional`'s own callers. Code that bound one of these names before the routers went in
+dropout calls through `nn.functional.`, and `torch.nn.functional`'s own callers. Code that bound one of these names before the routers went in
 keeps the builtin (for a linear: the model's own kernel, not batch-invariant; the zero-mismatch tests
 check the architectures it runs). Nothing on the model changes; other threads get the builtins (one
 context-variable read more while the routers are in). The routers go in when the first scope of the
