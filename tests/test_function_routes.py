@@ -94,6 +94,27 @@ def test_another_threads_linears_run_the_builtin_while_a_scope_is_open():
     assert torch.equal(seen["out"], original_linear(x, layer.weight, layer.bias))
 
 
+@torch.no_grad()
+def test_another_threads_dropout_stays_live_while_this_thread_has_it_off():
+    x, drop = torch.ones(256), torch.nn.Dropout(0.5).train()
+    inside, done = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def other_thread():
+        inside.wait()
+        seen["out"] = drop(x)
+        done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with function_routes.dropout_off():
+        inside.set()
+        done.wait(timeout=30)
+        assert torch.equal(drop(x), x)  # this thread: eval dropout
+    thread.join()
+    assert (seen["out"] == 0).any()  # the other thread: dropout applied (half the entries zeroed)
+
+
 def test_a_conv1d_addmm_is_routed_and_other_addmm_calls_are_not():
     from transformers.pytorch_utils import Conv1D
 

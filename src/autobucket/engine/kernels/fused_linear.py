@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autobucket.engine.model_access.weight_versions import in_place_version as _version
+
 RECENT_INPUTS = 4  # inputs watched at once: a LoRA layer's lora_B reads another input between q, k and v
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
 
 
 def _same(ref: weakref.ref | None, tensor: torch.Tensor | None) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 from autobucket.engine.model_access.attention import hf_sdpa
 from autobucket.engine.model_access.function_routes import dropout_suppressed
+from autobucket.engine.model_access.weight_versions import in_place_version
 
 _SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 
@@ -75,7 +76,7 @@ class _AllowedMemo(threading.local):
     bool form of the last mask seen on this thread is kept (keyed on the object and its version)."""
 
     mask: weakref.ref | None = None
-    version: int = -1
+    version: int | None = None
     columns: int = -1
     allowed: torch.Tensor | None = None
 
@@ -123,10 +124,9 @@ def _allowed_or_none(mask: torch.Tensor, rows: int, columns: int) -> torch.Tenso
     return allowed
 
 
-def _version(tensor: torch.Tensor) -> int:
-    # Inference tensors keep no version counter; every caller builds a new mask object per forward
-    # (the static cache hands out a new view per step), so identity alone is the key there.
-    return -1 if tensor.is_inference() else tensor._version
+# Inference tensors keep no version counter (None); every caller builds a new mask object per forward
+# (the static cache hands out a new view per step), so identity alone is the key there.
+_version = in_place_version
 
 
 def invariant_attention(

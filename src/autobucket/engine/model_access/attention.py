@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.function_routes import dropout_off
+from autobucket.engine.model_access.function_routes import context_value, dropout_off
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
 ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine's attention into a graph
@@ -95,11 +95,8 @@ def dispatches(model: torch.nn.Module) -> bool:
 def engine_attention(function: AttentionFunction) -> Iterator[None]:
     """Run this thread's (task's) forwards inside the block through `function`; other threads are untouched."""
     install_dispatcher()
-    token = _ENGINE_ATTENTION.set(function)
-    try:
+    with context_value(_ENGINE_ATTENTION, function):
         yield
-    finally:
-        _ENGINE_ATTENTION.reset(token)
 
 
 @contextmanager
@@ -107,11 +104,8 @@ def kernel_attention(function: AttentionFunction) -> Iterator[None]:
     """This thread's forwards inside the block run their attention on `function` (the invariant kernel),
     including the engine's own attention (packed segments) built on `base_attention()`."""
     install_dispatcher()
-    token = _KERNEL_ATTENTION.set(function)
-    try:
+    with context_value(_KERNEL_ATTENTION, function):
         yield
-    finally:
-        _KERNEL_ATTENTION.reset(token)
 
 
 # ------------------------------------------------------------------ eval semantics on a training model

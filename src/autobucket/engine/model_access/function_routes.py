@@ -56,9 +56,10 @@ class LinearRoute(Protocol):
 
 _LINEAR_ROUTE: contextvars.ContextVar[LinearRoute | None] = contextvars.ContextVar("autobucket_linears", default=None)
 _NO_DROPOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # guards _OPEN_SCOPES and the replacements
 _OPEN_SCOPES = 0
 _traced_dropout_off = False  # what the dropout routers do while dynamo traces (`compiled_dropout_off`)
+_COMPILE_LOCK = threading.RLock()  # one compiled step at a time while it sets _traced_dropout_off
 
 
 def _tracing() -> bool:
@@ -148,15 +149,22 @@ def _routers_in() -> Iterator[None]:
 
 
 @contextmanager
+def context_value(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """`variable` set to `value` for this thread's (task's) code inside the block, restored after."""
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
+
+
+@contextmanager
 def linears_routed_to(route: LinearRoute, conv1d: bool = False) -> Iterator[None]:
     """This thread's (and context's) linear calls inside the block run on `route`; `conv1d`: the model
     has transformers `Conv1D` layers, whose addmm calls go there too."""
-    with _routers_in(), Conv1dAddmmMode(route) if conv1d else contextlib.nullcontext():
-        token = _LINEAR_ROUTE.set(route)
-        try:
-            yield
-        finally:
-            _LINEAR_ROUTE.reset(token)
+    conv1d_mode = Conv1dAddmmMode(route) if conv1d else contextlib.nullcontext()
+    with _routers_in(), conv1d_mode, context_value(_LINEAR_ROUTE, route):
+        yield
 
 
 def has_conv1d(model: torch.nn.Module) -> bool:
@@ -167,12 +175,8 @@ def has_conv1d(model: torch.nn.Module) -> bool:
 @contextmanager
 def dropout_off() -> Iterator[None]:
     """This thread's dropout calls inside the block return their input, and SDPA runs without dropout."""
-    with _routers_in():
-        token = _NO_DROPOUT.set(True)
-        try:
-            yield
-        finally:
-            _NO_DROPOUT.reset(token)
+    with _routers_in(), context_value(_NO_DROPOUT, True):
+        yield
 
 
 @contextmanager
@@ -188,9 +192,6 @@ def compiled_dropout_off(off: bool) -> Iterator[None]:
             yield
         finally:
             _traced_dropout_off = before
-
-
-_COMPILE_LOCK = threading.RLock()
 
 
 def dropout_suppressed() -> bool:

@@ -43,10 +43,15 @@ def optimizer_steps() -> int:
     return _STEPS
 
 
+def in_place_version(tensor: torch.Tensor) -> int | None:
+    """A tensor's `_version`; None for inference tensors, which keep no version counter (they cannot be
+    changed outside inference mode)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def tensor_version(tensor: torch.Tensor) -> tuple[int, int | None, int]:
-    """(data_ptr, _version, optimizer steps) of one weight; inference tensors keep no version counter
-    (they cannot be changed outside inference mode)."""
-    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version, optimizer_steps()
+    """(data_ptr, _version, optimizer steps) of one weight."""
+    return tensor.data_ptr(), in_place_version(tensor), optimizer_steps()
 
 
 def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
@@ -54,6 +59,6 @@ def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
     in-place version, dtype and shape, the optimizer steps taken, plus `extra` (attention backend, kernels)."""
     steps = optimizer_steps()
     parameters = tuple(
-        (p.data_ptr(), None if p.is_inference() else p._version, p.dtype, tuple(p.shape)) for p in model.parameters()
+        (p.data_ptr(), in_place_version(p), p.dtype, tuple(p.shape)) for p in model.parameters()
     )
     return (*extra, steps, parameters)
