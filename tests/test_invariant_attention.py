@@ -81,7 +81,7 @@ VALUE_CASES = {
 }
 
 
-@pytest.mark.parametrize("head_dim", (8, 32, 48))
+@pytest.mark.parametrize("head_dim", (8, 32, 48, 64))
 @pytest.mark.parametrize("kv_heads", (2, 4), ids=("gqa group 2", "group 1"))
 @pytest.mark.parametrize("case", list(VALUE_CASES))
 def test_the_kernel_equals_sdpa(case, kv_heads, head_dim):
@@ -176,18 +176,54 @@ def differing_layouts(outputs: dict[str, torch.Tensor]) -> list[str]:
     return failures
 
 
+# AVX-512 builds run the vector forms for head_dim a multiple of 16 (a prefill's many queries the tiled
+# one, a decode's few the per-key one), the portable loop otherwise; (heads, kv_heads) = (6, 2): SmolLM2's
+# group of 3.
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("length", (64, 150))
-@pytest.mark.parametrize("dim", (48, 40), ids=("vector path", "portable path"))  # AVX-512: multiples of 16
-def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype, dim):
+@pytest.mark.parametrize(
+    "dim, heads", ((48, 4), (64, 6), (128, 4), (40, 4)), ids=("vector 48", "vector 64 group 3", "vector 128", "portable 40")
+)
+def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype, dim, heads):
     generator = torch.Generator().manual_seed(length)
-    query, key, value = sequence(generator, length, dtype, dim=dim)
+    query, key, value = sequence(generator, length, dtype, heads=heads, dim=dim)
     with torch.inference_mode():
         outputs = token_outputs(kernel, query, key, value, generator)
         want = sdpa(query[None].float(), key[None].float(), value[None].float(), None, True)[0]
     assert differing_layouts(outputs) == []
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
     torch.testing.assert_close(outputs["prefill"].float(), want, **tolerance)
+
+
+PACKED_LENGTHS = (5, 17, 3, 40, 30, 1, 60)  # 156 queries: chunks of 64 queries span several sequences
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
+@pytest.mark.parametrize("layout", ("packed sequences", "random masks", "padded causal"))
+def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
+    """Many queries in one call (the tiled form: each key list transposed once, queries taken in tiles,
+    several lists per chunk of a packed row, a list per query under random masks) against each query in
+    a call of its own (the per-key form), bitwise."""
+    generator = torch.Generator().manual_seed(dim)
+    total = sum(PACKED_LENGTHS)
+    query = torch.randn(2, 6, total, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(2, 2, total, dim, generator=generator).to(dtype) for _ in range(2))
+    if layout == "packed sequences":
+        mask = torch.block_diag(*(torch.ones(n, n, dtype=torch.bool).tril() for n in PACKED_LENGTHS))
+        mask = mask.expand(2, 1, total, total).contiguous()
+    elif layout == "random masks":
+        mask = random_mask(generator, (2, 1, total, total))
+    else:  # left padding of 9 and 30 columns, then causal
+        mask = torch.ones(total, total, dtype=torch.bool).tril().expand(2, 1, total, total).clone()
+        mask[0, :, :, :9], mask[1, :, :, :30] = False, False
+        mask[0, :, :9, 0], mask[1, :, :30, 0] = True, True  # padding rows attend somewhere
+    with torch.inference_mode():
+        together = kernel(query, key, value, mask, False)
+        alone = torch.cat([kernel(query[:, :, i : i + 1], key, value, mask[:, :, i : i + 1], False) for i in range(total)], 1)
+    assert together.shape == alone.shape
+    differing = (together != alone).flatten(2).any(-1).nonzero().tolist()
+    assert differing == [], f"(row, query) pairs that differ: {differing[:8]}"
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))

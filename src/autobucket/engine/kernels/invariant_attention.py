@@ -51,7 +51,9 @@ def load_invariant_kernels() -> None:
 
     Raises ValueError naming the fix when no C++ toolchain can build it."""
     source = _SOURCE.read_text()
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math"]  # never reassociate a sum
+    # never reassociate a sum, never fuse a multiply into an add the source did not write (both score
+    # forms of the AVX-512 kernel must round the same sums the same way)
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math", "-ffp-contract=off"]
     digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
     from torch.utils import cpp_extension
 

@@ -14,14 +14,19 @@
 // Grouped-query attention reads each K/V head once for all query heads that share it (no repeat_kv).
 //
 // Two forms of that algorithm, one per build (so one per machine, and a model's every call runs the same
-// one): AVX-512 builds with head_dim a multiple of 16 (up to 128) run `attend_query` (intrinsics, the
-// query and output in registers, a bf16 cache widened to fp32 once per work item); every other build or
+// one): AVX-512 builds with head_dim a multiple of 16 (up to 128) run the vector form; every other build or
 // head_dim runs the portable `attend_one`. Each is invariant; they differ from each other in the last bits.
-// Measured (Intel Xeon, one core, bench-qwen2 fp32 decode step at 32 rows x 512 keys): the vector form 8.1 ms
-// per step over 4 layers vs 12.5 ms for the portable one and 12.3 ms for SDPA's flash kernel.
+// The vector form has two ways of forming the same scores, bitwise equal by construction (and tested):
+// `attend_query` for work items of few queries (decode: one dot product per key, the cache read in place)
+// and `attend_queries_tiled` for many (prefill, chunks: each key list transposed once, 16 keys' scores per
+// vector, the queries of a tile sharing each key block in L1). Both end in the same softmax_block and
+// add_values, which run the P.V of several heads together without changing any head's sums.
+// Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
+// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill.
 //
 // Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
-// compiler never reassociates a sum.
+// compiler never reassociates a sum, and -ffp-contract=off, so it never fuses a multiply and an add
+// the source wrote apart (the two score forms must round alike).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -92,13 +97,12 @@ inline float dot(const float* q, const T* k, int64_t head_dim) {
 
 #if defined(__AVX512F__)
 // The AVX-512 form of the same algorithm (the build's choice, fixed per machine: a model's every call runs
-// the same code). head_dim = 16 * C: the query and the output accumulator live in C
-// registers; a dot product is one FMA chain over the C chunks then _mm512_reduce_add_ps (a fixed tree);
-// the block's exponentials and their sum run as 16-lane vectors, unused lanes exactly zero. keys[j] /
-// values[j] point at fp32 vectors, or at bf16 ones widened as they are loaded (exact: a bf16 is the top
-// half of its fp32, so both give the kernel the same fp32 values and the same bits out). A bf16 cache is
-// read in place by work items of few queries (decode) and widened once per item for many (prefill), see
-// attend_all. head_dim up to 128 (query_kernel_for).
+// the same code). head_dim = 16 * C: a dot product is 16 lanes' partial sums, one FMA chain over the C
+// chunks each, then a fixed halving tree over the lanes (sum_lanes); the block's exponentials and their
+// sum run as 16-lane vectors, unused lanes exactly zero. keys[j] / values[j] point at fp32 vectors, or at
+// bf16 ones widened as they are loaded (exact: a bf16 is the top half of its fp32, so both give the
+// kernel the same fp32 values and the same bits out). A bf16 cache is read in place by work items of few
+// queries (decode) and widened once per key list for many (prefill), see attend_all. head_dim up to 128.
 
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -126,56 +130,269 @@ inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> fp32, exactly: eac
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// q.k of one key: the 16 lanes' partial sums over head_dim's C chunks, then a fixed halving tree over the
+// lanes (l + l+8, l + l+4, l + l+2, l + l+1). Written out rather than _mm512_reduce_add_ps, whose tree is
+// the header's choice: the tiled form below forms exactly these sums for 16 keys at once.
+inline float sum_lanes(__m512 x) {
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// One head's online-softmax state over its blocks.
+template <int C>
+struct HeadState {
+  alignas(64) float acc[16 * C];
+  float max, sum;
+  void reset() {
+    std::fill(acc, acc + 16 * C, 0.0f);
+    max = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  }
+};
+
+// Merge one block's scaled scores (scores[0, n), 64-byte aligned) into a head's running max and sum:
+// scores become the block's exponentials, and the factor its accumulator must be scaled by is returned.
+// Every score form ends here and in add_values, so forms can differ only in how they form q.k, and they
+// form it identically.
+template <int C>
+inline float softmax_block(float* scores, int64_t n, bool first_block, HeadState<C>& head) {
+  __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v * 16 < n; ++v) {  // max is exact: any order gives the same value
+    maxv = _mm512_max_ps(maxv, _mm512_mask_load_ps(maxv, lanes_below(n - v * 16), scores + v * 16));
+  }
+  const float new_max = std::max(head.max, _mm512_reduce_max_ps(maxv));
+  const float rescale = first_block ? 0.0f : exp_nonpositive_scalar(head.max - new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v * 16 < n; ++v) {
+    const __mmask16 live = lanes_below(n - v * 16);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_load_ps(live, scores + v * 16), _mm512_set1_ps(new_max));
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
+    _mm512_store_ps(scores + v * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  head.sum = head.sum * rescale + _mm512_reduce_add_ps(sum);
+  head.max = new_max;
+  return rescale;
+}
+
+// One block's P.V for R heads' rows at once: row r's accumulator times rescale[r], then + p[r][j] * v_j
+// for its keys j < n[r] in key order. Each row's sums are exactly those it would get alone; together,
+// one load of a value vector feeds R rows and R * C FMA chains run side by side (one row's C chains
+// alone wait on the FMA latency). values[j]: key j's value vector (fp32, or bf16 read in place).
+template <int C, int R, typename KV>
+inline void add_values(const float* const* p, const int64_t* n, const float* rescale, const KV* const* values,
+                       HeadState<C>* const* head) {
+  __m512 av[R][C];
+  for (int r = 0; r < R; ++r) {
+    const __m512 scale = _mm512_set1_ps(rescale[r]);
+    for (int c = 0; c < C; ++c) av[r][c] = _mm512_mul_ps(_mm512_load_ps(head[r]->acc + 16 * c), scale);
+  }
+  int64_t common = n[0];
+  for (int r = 1; r < R; ++r) common = std::min(common, n[r]);
+  for (int64_t j = 0; j < common; ++j) {
+    const KV* v = values[j];
+    for (int c = 0; c < C; ++c) {
+      const __m512 x = load16(v + 16 * c);
+      for (int r = 0; r < R; ++r) av[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), x, av[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // the rows' keys past the shortest one's, each row alone
+    for (int64_t j = common; j < n[r]; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int c = 0; c < C; ++c) av[r][c] = _mm512_fmadd_ps(pj, load16(values[j] + 16 * c), av[r][c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_store_ps(head[r]->acc + 16 * c, av[r][c]);
+  }
+}
+
+// Rows taken together by add_values: enough FMA chains to hide the latency (R * C >= 8), few enough
+// accumulators to stay in registers.
+constexpr int rows_together(int C) { return std::max(1, std::min(8, 12 / C)); }
+
+// Rows of one block waiting for their P.V: collected by `add`, run rows_together(C) at a time.
+template <int C, typename KV>
+struct PendingRows {
+  static constexpr int kMax = rows_together(C);
+  alignas(64) float probs[kMax][kBlockKeys];
+  const float* p[kMax];
+  int64_t n[kMax];
+  float rescale[kMax];
+  HeadState<C>* head[kMax];
+  int count = 0;
+  const KV* const* values = nullptr;  // the block's first key's value vector
+
+  PendingRows() {
+    for (int r = 0; r < kMax; ++r) p[r] = probs[r];
+  }
+  // A block's rows: start(the block's first value vector), then per row its scores into next_scores(),
+  // then add(the row); flush() once the block's rows are in.
+  void start(const KV* const* block_values) { values = block_values; }
+  float* next_scores() { return probs[count]; }
+  void add(int64_t keys, float factor, HeadState<C>* state) {
+    n[count] = keys, rescale[count] = factor, head[count] = state;
+    if (++count == kMax) flush();
+  }
+  void flush() {
+    switch (count) {
+      case 0: break;
+      case 1: add_values<C, 1>(p, n, rescale, values, head); break;
+      case 2: add_values<C, std::min(2, kMax)>(p, n, rescale, values, head); break;
+      case 3: add_values<C, std::min(3, kMax)>(p, n, rescale, values, head); break;
+      case 4: add_values<C, std::min(4, kMax)>(p, n, rescale, values, head); break;
+      case 5: add_values<C, std::min(5, kMax)>(p, n, rescale, values, head); break;
+      case 6: add_values<C, std::min(6, kMax)>(p, n, rescale, values, head); break;
+      case 7: add_values<C, std::min(7, kMax)>(p, n, rescale, values, head); break;
+      default: add_values<C, std::min(8, kMax)>(p, n, rescale, values, head); break;
+    }
+    count = 0;
+  }
+};
+
+template <int C>
+inline void write_normalized(const HeadState<C>& head, int64_t count, float* out) {
+  for (int64_t d = 0; d < 16 * C; ++d) out[d] = count == 0 ? 0.0f : head.acc[d] / head.sum;
+}
+
 // One query's group of heads over its keys; q [group][16 C] fp32 in, out [group][16 C] fp32 (normalized);
-// KV: the keys' and values' element type (float, or bf16 read in place).
+// KV: the keys' and values' element type (float, or bf16 read in place). The form for few queries (decode).
 template <int C, typename KV>
 void attend_query(const float* q, int64_t group, const KV* const* keys, const KV* const* values,
                   int64_t count, float scale, float* out) {
-  alignas(64) float acc[kMaxGroup][16 * C];
-  alignas(64) float scores[kBlockKeys];
-  float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    std::fill(acc[g], acc[g] + 16 * C, 0.0f);
-    running_max[g] = -std::numeric_limits<float>::infinity();
-    running_sum[g] = 0.0f;
-  }
+  HeadState<C> heads[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) heads[g].reset();
+  PendingRows<C, KV> pending;
   for (int64_t first = 0; first < count; first += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, count - first);
+    pending.start(values + first);
     for (int64_t g = 0; g < group; ++g) {  // the block's keys stay in L1 across the group's heads
-      __m512 qv[C], av[C];
+      __m512 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * 16 * C + 16 * c);
-      float block_max = -std::numeric_limits<float>::infinity();
+      float* scores = pending.next_scores();
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = keys[first + j];
         __m512 dot = _mm512_mul_ps(qv[0], load16(k));
         for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), dot);
-        scores[j] = _mm512_reduce_add_ps(dot) * scale;
-        block_max = std::max(block_max, scores[j]);
+        scores[j] = sum_lanes(dot) * scale;
       }
-      const float new_max = std::max(running_max[g], block_max);
-      const float rescale = first == 0 ? 0.0f : exp_nonpositive_scalar(running_max[g] - new_max);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t v = 0; v * 16 < n; ++v) {
-        const __mmask16 live = lanes_below(n - v * 16);
-        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + v * 16), _mm512_set1_ps(new_max));
-        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
-        _mm512_store_ps(scores + v * 16, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(sum);
-      running_max[g] = new_max;
-      const __m512 rescale_v = _mm512_set1_ps(rescale);
-      for (int c = 0; c < C; ++c) av[c] = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), rescale_v);
-      for (int64_t j = 0; j < n; ++j) {  // P.V in key order
-        const KV* v = values[first + j];
-        const __m512 p = _mm512_set1_ps(scores[j]);
-        for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), av[c]);
-      }
-      for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g] + 16 * c, av[c]);
+      pending.add(n, softmax_block<C>(scores, n, first == 0, heads[g]), &heads[g]);
     }
+    pending.flush();
   }
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < 16 * C; ++d) out[g * 16 * C + d] = count == 0 ? 0.0f : acc[g][d] / running_sum[g];
+  for (int64_t g = 0; g < group; ++g) write_normalized(heads[g], count, out + g * 16 * C);
+}
+
+// The same for many queries over one key list (prefill, chunks). The keys are transposed once per list
+// into tiles of 16 ([tile][head_dim][16 keys] fp32), so 16 keys' scores are formed as vectors, one per
+// lane l of attend_query's dot product (vector l holds lane l's partial sum over head_dim's C chunks, in
+// the same chunk order, for each of the 16 keys), added by sum_lanes' halving tree as vector adds: no
+// horizontal sum per key, and bitwise attend_query's scores. RS rows (query heads) at a time share each
+// tile load. lane_sums .. tree_sum evaluate that tree depth first, so few vectors are live at once.
+constexpr int kScoreRows = 4;
+
+template <int C, int RS>
+inline void lane_sums(const float* const* q, const float* tile, int l, __m512* out) {
+  const __m512 first = _mm512_loadu_ps(tile + l * 16);  // tile row d: the 16 keys' element d
+  for (int r = 0; r < RS; ++r) out[r] = _mm512_mul_ps(_mm512_set1_ps(q[r][l]), first);
+  for (int c = 1; c < C; ++c) {
+    const __m512 t = _mm512_loadu_ps(tile + (16 * c + l) * 16);
+    for (int r = 0; r < RS; ++r) out[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][16 * c + l]), t, out[r]);
+  }
+}
+
+// The sum of lanes l, l + step, l + 2 step, ... below 16, by the tree of sum_lanes (pairs step 8 apart
+// first): tree_sum(0, 1) is the whole score.
+template <int C, int RS>
+inline void tree_sum(const float* const* q, const float* tile, int l, int step, __m512* out) {
+  if (step == 8) {
+    __m512 high[RS];
+    lane_sums<C, RS>(q, tile, l, out);
+    lane_sums<C, RS>(q, tile, l + 8, high);
+    for (int r = 0; r < RS; ++r) out[r] = _mm512_add_ps(out[r], high[r]);
+    return;
+  }
+  __m512 other[RS];
+  tree_sum<C, RS>(q, tile, l, step * 2, out);
+  tree_sum<C, RS>(q, tile, l + step, step * 2, other);
+  for (int r = 0; r < RS; ++r) out[r] = _mm512_add_ps(out[r], other[r]);
+}
+
+// RS rows' scaled scores for the block's keys [0, n): scores[r][0, n) (64-byte aligned rows).
+template <int C, int RS>
+inline void tile_scores(const float* const* q, const float* block_tiles, int64_t n, float scale, float* const* scores) {
+  constexpr int64_t kTile = 16 * 16 * C;  // floats per tile
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t v = 0; v * 16 < n; ++v) {
+    __m512 sums[RS];
+    tree_sum<C, RS>(q, block_tiles + v * kTile, 0, 1, sums);
+    for (int r = 0; r < RS; ++r) _mm512_store_ps(scores[r] + v * 16, _mm512_mul_ps(sums[r], scale_v));
+  }
+}
+
+// q [queries][group][16 C] fp32, counts[queries] (each a prefix of the list), out like q; values: fp32
+// value vectors in list order; states: room for queries * group HeadStates. The queries take each key
+// block in turn, so a block's keys and values are read from L1 by all of them, not streamed from L2 per
+// query; each row's own arithmetic is unchanged by its neighbours.
+template <int C>
+void attend_queries_tiled(const float* q, int64_t queries, int64_t group, const float* tile_keys,
+                          const float* const* values, const int64_t* counts, float scale, float* out,
+                          void* states) {
+  constexpr int64_t kTile = 16 * 16 * C;
+  static_assert(sizeof(HeadState<C>) == 64 * (C + 1), "attend_all sizes the states as C + 1 vectors each");
+  HeadState<C>* heads = static_cast<HeadState<C>*>(states);
+  for (int64_t r = 0; r < queries * group; ++r) heads[r].reset();
+  PendingRows<C, float> pending;
+  alignas(64) float scores[kScoreRows][kBlockKeys];
+  float* score_rows[kScoreRows];
+  for (int r = 0; r < kScoreRows; ++r) score_rows[r] = scores[r];
+  const int64_t rows = queries * group;
+  const int64_t longest = *std::max_element(counts, counts + queries);
+  for (int64_t first = 0; first < longest; first += kBlockKeys) {
+    pending.start(values + first);
+    const float* block_tiles = tile_keys + first / 16 * kTile;
+    for (int64_t row = 0; row < rows;) {
+      // up to kScoreRows rows with keys in this block; a short chunk repeats its first row (scores unused)
+      int64_t taken[kScoreRows], n[kScoreRows];
+      int used = 0;
+      for (; row < rows && used < kScoreRows; ++row) {
+        const int64_t keys = std::min(kBlockKeys, counts[row / group] - first);
+        if (keys > 0) taken[used] = row, n[used++] = keys;
+      }
+      if (used == 0) break;
+      const float* q_rows[kScoreRows];
+      int64_t widest = 0;
+      for (int r = 0; r < kScoreRows; ++r) {
+        q_rows[r] = q + taken[r < used ? r : 0] * 16 * C;
+        if (r < used) widest = std::max(widest, n[r]);
+      }
+      tile_scores<C, kScoreRows>(q_rows, block_tiles, widest, scale, score_rows);
+      for (int r = 0; r < used; ++r) {
+        HeadState<C>& head = heads[taken[r]];
+        float* dst = pending.next_scores();
+        std::copy(scores[r], scores[r] + n[r], dst);
+        pending.add(n[r], softmax_block<C>(dst, n[r], first == 0, head), &head);
+      }
+    }
+    pending.flush();
+  }
+  for (int64_t r = 0; r < rows; ++r) write_normalized(heads[r], counts[r / group], out + r * 16 * C);
+}
+
+using TiledKernel = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, const int64_t*, float,
+                            float*, void*);
+
+inline TiledKernel tiled_kernel_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_queries_tiled<1>;
+    case 32: return attend_queries_tiled<2>;
+    case 48: return attend_queries_tiled<3>;
+    case 64: return attend_queries_tiled<4>;
+    case 80: return attend_queries_tiled<5>;
+    case 96: return attend_queries_tiled<6>;
+    case 112: return attend_queries_tiled<7>;
+    case 128: return attend_queries_tiled<8>;
+    default: return nullptr;
   }
 }
 
@@ -269,40 +486,50 @@ struct Shared {
   const int64_t* group = nullptr;   // [rows], -1: no shared keys
 };
 
-// Queries of one (row, K/V head) handled by one work item: a bf16 cache's keys are widened to fp32 once
-// per item, not once per query (a prefill's queries read the same keys).
+// Queries of one (row, K/V head) handled by one work item: a prefill's queries share one transposed copy
+// of their keys (attend_queries_tiled), taken in tiles of kQueryTile queries per key block.
 constexpr int64_t kQueryChunk = 64;
-// Items of at most this many queries read a bf16 cache in place instead (a decode step's one query per
-// row: widening would write and read every key once more for one use). bench-qwen2 bf16 decode step at
-// 32 rows x 512 keys: 8.9 -> 5.7 ms of attention per step (SDPA flash 6.6), Intel Xeon.
+constexpr int64_t kQueryTile = 16;
+// Items of at most this many queries run attend_query on the cache in place (a decode step's one query per
+// row: transposing would write and read every key once more for one use). bench-qwen2 bf16 decode step
+// at 32 rows x 512 keys: 8.9 -> 5.7 ms of attention per step (SDPA flash 6.6), Intel Xeon.
 constexpr int64_t kInPlaceQueries = 4;
 
-// A key/value head_dim vector as the AVX-512 kernel reads it: fp32 in place, or bf16 widened (exactly)
-// into `scratch`, each cache column at most once per item (slot[c] remembers where).
+// One key list transposed for attend_queries_tiled: tiles [ceil(count / 16)][head_dim][16] fp32 (lanes past
+// count zero), and the values as fp32 vectors in list order (a bf16 list widened, exactly, into `widened`).
 template <typename T>
-struct Widened {
-  std::vector<float> scratch;  // [slots][head_dim]
-  std::vector<int32_t> slot;   // per column of one source, -1: not widened yet
-  int64_t used = 0, head_dim = 0;
+struct TiledList {
+  std::vector<const T*> keys, values;  // the list the tiles hold
+  int64_t count = -1;                  // -1: none yet
+  std::vector<float> tiles, widened;
+  std::vector<const float*> value_fp32;
 
-  void reset(int64_t columns, int64_t capacity, int64_t dim) {
-    if constexpr (std::is_same_v<T, float>) return;  // read in place
-    head_dim = dim;
-    used = 0;
-    slot.assign(static_cast<size_t>(columns), -1);
-    scratch.resize(static_cast<size_t>(capacity * dim));
+  // Does a query whose own list is (keys, values)[0, n) read a prefix of this one? Then its blocks are
+  // this list's first blocks, counted from the same first key.
+  bool holds_prefix(const std::vector<const T*>& k, const std::vector<const T*>& v, int64_t n) const {
+    return n <= count && std::equal(k.begin(), k.begin() + n, keys.begin()) &&
+           std::equal(v.begin(), v.begin() + n, values.begin());
   }
-  const float* at(const T* source, int64_t column) {
+
+  void take(std::vector<const T*>& k, std::vector<const T*>& v, int64_t n, int64_t head_dim) {
+    std::swap(keys, k), std::swap(values, v);
+    count = n;
+    const int64_t tile_count = (n + 15) / 16;
+    tiles.assign(static_cast<size_t>(tile_count * 16 * head_dim), 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = tiles.data() + (j / 16) * 16 * head_dim + j % 16;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d * 16] = as_float(keys[j][d]);
+    }
+    value_fp32.resize(static_cast<size_t>(n));
     if constexpr (std::is_same_v<T, float>) {
-      return source;
+      std::copy(values.begin(), values.begin() + n, value_fp32.begin());
     } else {
-      int32_t& s = slot[static_cast<size_t>(column)];
-      if (s < 0) {
-        s = static_cast<int32_t>(used++);
-        float* dst = scratch.data() + s * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(source[d]);
+      widened.resize(static_cast<size_t>(n * head_dim));
+      for (int64_t j = 0; j < n; ++j) {
+        float* dst = widened.data() + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(values[j][d]);
+        value_fp32[j] = dst;
       }
-      return scratch.data() + s * head_dim;
     }
   }
 };
@@ -326,18 +553,20 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const int64_t shared_max = shared.key != nullptr ? shared.key->size(2) : 0;
   const int64_t chunks = (queries + kQueryChunk - 1) / kQueryChunk;
 #if defined(__AVX512F__)
-  const QueryKernel<float> simd = query_kernel_for<float>(head_dim);
-  const QueryKernel<T> in_place = std::is_same_v<T, float> ? nullptr : query_kernel_for<T>(head_dim);
-#else
-  const void* simd = nullptr;
-  const void* in_place = nullptr;
+  const QueryKernel<T> in_place = query_kernel_for<T>(head_dim);
+  const TiledKernel tiled = tiled_kernel_for(head_dim);
 #endif
   at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
-    std::vector<const T*> value_ptrs(static_cast<size_t>(shared_max + columns));
-    std::vector<const float*> key_fp32(simd ? key_ptrs.size() : 0), value_fp32(simd ? value_ptrs.size() : 0);
+    std::vector<const T*> value_ptrs(key_ptrs.size());
     std::vector<float> work, q_fp32(static_cast<size_t>(group * head_dim)), out_fp32(q_fp32.size());
-    Widened<T> own_keys, own_values, shared_keys, shared_values;
+    TiledList<T> list;
+    // a tile's queries, outputs and per-head states (one HeadState<C>: C + 1 vectors)
+    std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
+    std::vector<int64_t> tile_counts(kQueryTile);
+#if defined(__AVX512F__)
+    std::vector<__m512> states(tiled ? static_cast<size_t>(kQueryTile * group * (head_dim / 16 + 1)) : 0);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / (kv_heads * chunks);
       const int64_t kv_head = (item / chunks) % kv_heads;
@@ -345,11 +574,6 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       const int64_t g = shared.group != nullptr ? shared.group[row] : -1;
       const int64_t shared_count = g >= 0 ? shared.length[g] : 0;
       const int64_t first_query = chunk * kQueryChunk, end_query = std::min(queries, first_query + kQueryChunk);
-      const bool widen = simd && !(in_place && end_query - first_query <= kInPlaceQueries);
-      if (widen) {
-        own_keys.reset(columns, columns, head_dim), own_values.reset(columns, columns, head_dim);
-        shared_keys.reset(shared_count, shared_count, head_dim), shared_values.reset(shared_count, shared_count, head_dim);
-      }
       const T* k_row = k + row * ks.row + kv_head * ks.head;
       const T* v_row = v + row * vs.row + kv_head * vs.head;
       const T* sk = nullptr;
@@ -360,12 +584,12 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
         sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
         sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
       }
-      for (int64_t qi = first_query; qi < end_query; ++qi) {
+      // query qi's keys in order (a cascade's shared keys first) into key_ptrs / value_ptrs; their count
+      const auto list_keys = [&](int64_t qi) {
         int64_t count = 0;
         for (int64_t j = 0; j < shared_count; ++j, ++count) {
           key_ptrs[count] = sk + j * sks.token;
           value_ptrs[count] = sv + j * svs.token;
-          if (widen) key_fp32[count] = shared_keys.at(key_ptrs[count], j), value_fp32[count] = shared_values.at(value_ptrs[count], j);
         }
         const bool* m = has_mask ? mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns : nullptr;
         const int64_t visible = has_mask ? columns : (causal ? columns - queries + qi + 1 : columns);
@@ -373,33 +597,73 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           if (m == nullptr || m[c]) {
             key_ptrs[count] = k_row + c * ks.token;
             value_ptrs[count] = v_row + c * vs.token;
-            if (widen) key_fp32[count] = own_keys.at(key_ptrs[count], c), value_fp32[count] = own_values.at(value_ptrs[count], c);
             ++count;
           }
         }
+        return count;
+      };
 #if defined(__AVX512F__)
-        if (simd) {
+      if (in_place != nullptr) {
+        const auto load_query = [&](int64_t qi) {
           for (int64_t h = 0; h < group; ++h) {
             const T* src = q + row * qs.row + (kv_head * group + h) * qs.head + qi * qs.token;
             for (int64_t d = 0; d < head_dim; ++d) q_fp32[h * head_dim + d] = as_float(src[d]);
           }
-          if (widen) {
-            simd(q_fp32.data(), group, key_fp32.data(), value_fp32.data(), count, static_cast<float>(scale),
-                 out_fp32.data());
-          } else if constexpr (std::is_same_v<T, float>) {
-            simd(q_fp32.data(), group, key_ptrs.data(), value_ptrs.data(), count, static_cast<float>(scale),
-                 out_fp32.data());
-          } else {
-            in_place(q_fp32.data(), group, key_ptrs.data(), value_ptrs.data(), count, static_cast<float>(scale),
-                     out_fp32.data());
-          }
+        };
+        const auto store_output = [&](int64_t qi) {
           for (int64_t h = 0; h < group; ++h) {
             T* dst = o + row * os.row + qi * os.token + (kv_head * group + h) * os.head;
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out_fp32[h * head_dim + d]);
           }
-          continue;
+        };
+        if (end_query - first_query <= kInPlaceQueries) {
+          for (int64_t qi = first_query; qi < end_query; ++qi) {
+            const int64_t count = list_keys(qi);
+            load_query(qi);
+            in_place(q_fp32.data(), group, key_ptrs.data(), value_ptrs.data(), count, static_cast<float>(scale),
+                     out_fp32.data());
+            store_output(qi);
+          }
+        } else {
+          // Last query first: under a causal mask every earlier query's list is a prefix of a later one's,
+          // so the item transposes one list per sequence it holds (a packed row's chunk may hold several),
+          // and runs the queries reading a prefix of it in tiles.
+          list.count = -1;
+          std::vector<int64_t> tile_queries;
+          const auto run_tile = [&]() {
+            const int64_t n = static_cast<int64_t>(tile_queries.size());
+            if (n == 0) return;
+            for (int64_t t = 0; t < n; ++t) {
+              load_query(tile_queries[t]);
+              std::copy(q_fp32.begin(), q_fp32.end(), tile_q.begin() + t * group * head_dim);
+            }
+            tiled(tile_q.data(), n, group, list.tiles.data(), list.value_fp32.data(), tile_counts.data(),
+                  static_cast<float>(scale), tile_out.data(), states.data());
+            for (int64_t t = 0; t < n; ++t) {
+              std::copy(tile_out.begin() + t * group * head_dim, tile_out.begin() + (t + 1) * group * head_dim,
+                        out_fp32.begin());
+              store_output(tile_queries[t]);
+            }
+            tile_queries.clear();
+          };
+          for (int64_t qi = end_query - 1; qi >= first_query; --qi) {
+            const int64_t count = list_keys(qi);
+            if (!list.holds_prefix(key_ptrs, value_ptrs, count)) {
+              run_tile();
+              list.take(key_ptrs, value_ptrs, count, head_dim);
+              key_ptrs.resize(list.keys.size()), value_ptrs.resize(list.values.size());
+            }
+            tile_counts[tile_queries.size()] = count;
+            tile_queries.push_back(qi);
+            if (static_cast<int64_t>(tile_queries.size()) == kQueryTile) run_tile();
+          }
+          run_tile();
         }
+        continue;
+      }
 #endif
+      for (int64_t qi = first_query; qi < end_query; ++qi) {
+        const int64_t count = list_keys(qi);
         attend_one<T>(q, qs, o, os, row, kv_head, group, qi, key_ptrs.data(), value_ptrs.data(), count, head_dim,
                       static_cast<float>(scale), work);
       }
