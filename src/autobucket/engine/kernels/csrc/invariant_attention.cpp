@@ -207,9 +207,28 @@ inline void add_values(const float* const* p, const int64_t* n, const float* res
   }
 }
 
-// Rows taken together by add_values: enough FMA chains to hide the latency (R * C >= 8), few enough
-// accumulators to stay in registers.
-constexpr int rows_together(int C) { return std::max(1, std::min(8, 12 / C)); }
+// Rows taken together by add_values: enough FMA chains to hide the latency (R * C >= 8), one value load
+// shared by several rows, and at most 16 accumulators in registers. Interleaved against 12 / C and
+// 24 / C on the Xeon (benchmarks/prefill_attention.py shapes): within noise at head_dim 64, 2-5%
+// faster than one row at head_dim 128.
+constexpr int rows_together(int C) { return std::max(1, std::min(8, 16 / C)); }
+
+// add_values for `rows` <= rows_together(C) rows (the min only keeps templates of more rows than C
+// allows from being built).
+template <int C, typename KV>
+inline void add_values_of(int rows, const float* const* p, const int64_t* n, const float* rescale,
+                          const KV* const* values, HeadState<C>* const* head) {
+  switch (rows) {
+    case 1: add_values<C, 1>(p, n, rescale, values, head); break;
+    case 2: add_values<C, std::min(2, rows_together(C))>(p, n, rescale, values, head); break;
+    case 3: add_values<C, std::min(3, rows_together(C))>(p, n, rescale, values, head); break;
+    case 4: add_values<C, std::min(4, rows_together(C))>(p, n, rescale, values, head); break;
+    case 5: add_values<C, std::min(5, rows_together(C))>(p, n, rescale, values, head); break;
+    case 6: add_values<C, std::min(6, rows_together(C))>(p, n, rescale, values, head); break;
+    case 7: add_values<C, std::min(7, rows_together(C))>(p, n, rescale, values, head); break;
+    default: add_values<C, std::min(8, rows_together(C))>(p, n, rescale, values, head); break;
+  }
+}
 
 // Rows of one block waiting for their P.V: collected by `add`, run rows_together(C) at a time.
 template <int C, typename KV>
@@ -235,17 +254,7 @@ struct PendingRows {
     if (++count == kMax) flush();
   }
   void flush() {
-    switch (count) {
-      case 0: break;
-      case 1: add_values<C, 1>(p, n, rescale, values, head); break;
-      case 2: add_values<C, std::min(2, kMax)>(p, n, rescale, values, head); break;
-      case 3: add_values<C, std::min(3, kMax)>(p, n, rescale, values, head); break;
-      case 4: add_values<C, std::min(4, kMax)>(p, n, rescale, values, head); break;
-      case 5: add_values<C, std::min(5, kMax)>(p, n, rescale, values, head); break;
-      case 6: add_values<C, std::min(6, kMax)>(p, n, rescale, values, head); break;
-      case 7: add_values<C, std::min(7, kMax)>(p, n, rescale, values, head); break;
-      default: add_values<C, std::min(8, kMax)>(p, n, rescale, values, head); break;
-    }
+    if (count > 0) add_values_of<C>(count, p, n, rescale, values, head);
     count = 0;
   }
 };
@@ -331,56 +340,66 @@ inline void tile_scores(const float* const* q, const float* block_tiles, int64_t
 }
 
 // q [queries][group][16 C] fp32, counts[queries] (each a prefix of the list), out like q; values: fp32
-// value vectors in list order; states: room for queries * group HeadStates. The queries take each key
-// block in turn, so a block's keys and values are read from L1 by all of them, not streamed from L2 per
-// query; each row's own arithmetic is unchanged by its neighbours.
+// value vectors in list order; states: room for queries * group HeadStates; probs: room for queries *
+// group rows of kBlockKeys floats (64-byte aligned). The queries take each key block in turn, in three
+// passes: every row's scores (the block's keys in L1), their softmax, every row's P.V (the block's
+// values in L1); so a block's keys and values are read from L1 by all the queries, not streamed from
+// L2 per query. Each row's own arithmetic is unchanged by its neighbours.
 template <int C>
 void attend_queries_tiled(const float* q, int64_t queries, int64_t group, const float* tile_keys,
                           const float* const* values, const int64_t* counts, float scale, float* out,
-                          void* states) {
+                          void* states, float* probs) {
   constexpr int64_t kTile = 16 * 16 * C;
   static_assert(sizeof(HeadState<C>) == 64 * (C + 1), "attend_all sizes the states as C + 1 vectors each");
   HeadState<C>* heads = static_cast<HeadState<C>*>(states);
-  for (int64_t r = 0; r < queries * group; ++r) heads[r].reset();
-  PendingRows<C, float> pending;
-  alignas(64) float scores[kScoreRows][kBlockKeys];
-  float* score_rows[kScoreRows];
-  for (int r = 0; r < kScoreRows; ++r) score_rows[r] = scores[r];
   const int64_t rows = queries * group;
+  for (int64_t r = 0; r < rows; ++r) heads[r].reset();
+  std::vector<int64_t> live;  // this block's rows with keys in it
+  std::vector<int64_t> n(static_cast<size_t>(rows));
+  std::vector<float> rescale(static_cast<size_t>(rows));
   const int64_t longest = *std::max_element(counts, counts + queries);
   for (int64_t first = 0; first < longest; first += kBlockKeys) {
-    pending.start(values + first);
     const float* block_tiles = tile_keys + first / 16 * kTile;
-    for (int64_t row = 0; row < rows;) {
-      // up to kScoreRows rows with keys in this block; a short chunk repeats its first row (scores unused)
-      int64_t taken[kScoreRows], n[kScoreRows];
-      int used = 0;
-      for (; row < rows && used < kScoreRows; ++row) {
-        const int64_t keys = std::min(kBlockKeys, counts[row / group] - first);
-        if (keys > 0) taken[used] = row, n[used++] = keys;
-      }
-      if (used == 0) break;
+    live.clear();
+    for (int64_t r = 0; r < rows; ++r) {
+      n[r] = std::min(kBlockKeys, counts[r / group] - first);
+      if (n[r] > 0) live.push_back(r);
+    }
+    const int64_t count = static_cast<int64_t>(live.size());
+    for (int64_t i = 0; i < count; i += kScoreRows) {  // scores; a short chunk repeats its first row
       const float* q_rows[kScoreRows];
+      float* score_rows[kScoreRows];
+      alignas(64) float unused[kScoreRows][kBlockKeys];
       int64_t widest = 0;
       for (int r = 0; r < kScoreRows; ++r) {
-        q_rows[r] = q + taken[r < used ? r : 0] * 16 * C;
-        if (r < used) widest = std::max(widest, n[r]);
+        const bool real = i + r < count;
+        const int64_t row = live[real ? i + r : i];
+        q_rows[r] = q + row * 16 * C;
+        score_rows[r] = real ? probs + row * kBlockKeys : unused[r];
+        widest = std::max(widest, n[row]);
       }
       tile_scores<C, kScoreRows>(q_rows, block_tiles, widest, scale, score_rows);
-      for (int r = 0; r < used; ++r) {
-        HeadState<C>& head = heads[taken[r]];
-        float* dst = pending.next_scores();
-        std::copy(scores[r], scores[r] + n[r], dst);
-        pending.add(n[r], softmax_block<C>(dst, n[r], first == 0, head), &head);
-      }
     }
-    pending.flush();
+    for (const int64_t row : live) rescale[row] = softmax_block<C>(probs + row * kBlockKeys, n[row], first == 0, heads[row]);
+    constexpr int kTogether = rows_together(C);
+    for (int64_t i = 0; i < count; i += kTogether) {  // P.V, kTogether rows at a time
+      const int taken = static_cast<int>(std::min<int64_t>(kTogether, count - i));
+      const float* p[kTogether];
+      int64_t keys[kTogether];
+      float factor[kTogether];
+      HeadState<C>* state[kTogether];
+      for (int r = 0; r < taken; ++r) {
+        const int64_t row = live[i + r];
+        p[r] = probs + row * kBlockKeys, keys[r] = n[row], factor[r] = rescale[row], state[r] = &heads[row];
+      }
+      add_values_of<C>(taken, p, keys, factor, values + first, state);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) write_normalized(heads[r], counts[r / group], out + r * 16 * C);
 }
 
 using TiledKernel = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, const int64_t*, float,
-                            float*, void*);
+                            float*, void*, float*);
 
 inline TiledKernel tiled_kernel_for(int64_t head_dim) {
   switch (head_dim) {
@@ -566,6 +585,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     std::vector<int64_t> tile_counts(kQueryTile);
 #if defined(__AVX512F__)
     std::vector<__m512> states(tiled ? static_cast<size_t>(kQueryTile * group * (head_dim / 16 + 1)) : 0);
+    std::vector<__m512> probs(tiled ? static_cast<size_t>(kQueryTile * group * kBlockKeys / 16) : 0);
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / (kv_heads * chunks);
@@ -638,7 +658,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
               std::copy(q_fp32.begin(), q_fp32.end(), tile_q.begin() + t * group * head_dim);
             }
             tiled(tile_q.data(), n, group, list.tiles.data(), list.value_fp32.data(), tile_counts.data(),
-                  static_cast<float>(scale), tile_out.data(), states.data());
+                  static_cast<float>(scale), tile_out.data(), states.data(), reinterpret_cast<float*>(probs.data()));
             for (int64_t t = 0; t < n; ++t) {
               std::copy(tile_out.begin() + t * group * head_dim, tile_out.begin() + (t + 1) * group * head_dim,
                         out_fp32.begin());
