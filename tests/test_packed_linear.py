@@ -140,6 +140,26 @@ def test_a_prefill_sized_bf16_call_in_large_blocks_gives_each_row_its_decode_res
 
 
 @needs_bf16_gemm
+def test_an_output_head_runs_prefill_rows_in_head_blocks_with_each_rows_decode_result():
+    """bench-qwen2's head (256 -> 32,000, wider than LARGE_BLOCK_MAX_OUT): 1,100 rows take only the
+    probed sizes of the head ladder (at most 512 rows a call), the rest in 32-row blocks. Oracle: every
+    row run alone, bitwise."""
+    k, n = 256, 32000
+    generator = torch.Generator().manual_seed(7)
+    x = (torch.randn(1100, k, generator=generator) * 10.0 ** torch.randint(-2, 3, (1100, 1), generator=generator))
+    x, weight = x.bfloat16(), (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+    packs = PackedLinears()
+    with torch.inference_mode():
+        whole = packs.linear(x, weight, None)
+        rows = [0, 1, 511, 512, 1023, 1024, 1099]
+        alone = torch.cat([packs.linear(x[i : i + 1], weight, None) for i in rows])
+        assert torch.equal(whole[rows], alone)
+    sizes = packed_linear._large_blocks_for(1100, k, n, False)
+    assert set(sizes) <= set(packed_linear.HEAD_BLOCKS) and sum(sizes) <= 1100
+    assert all(packed_linear.bf16_large_block_agrees(k, n, size, False) for size in sizes)
+
+
+@needs_bf16_gemm
 def test_control_large_blocks_the_probe_refuses_would_break_the_oracle(monkeypatch):
     """Why the probe: forced on a shape and size it refuses, a large block changes rows against their
     alone results (skipped where this CPU's GEMM passes every size on every shape)."""

@@ -116,10 +116,14 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
 # projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX). Whether it
 # gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
 # multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
-# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape. Output heads are left out:
-# on 256 -> 32,000 the one call was 1.7x slower than the 32-row calls.
+# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape.
 LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
-LARGE_BLOCK_MAX_OUT = 16384  # widest weight given large blocks (a fused gate/up of 2 x 8,192 included)
+LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up of 2 x 8,192 included)
+# Wider weights (output heads) get a shorter ladder: on 256 -> 32,000 one 2,048-row call was 1.7x slower
+# than 32-row calls, while on SmolLM2's 576 -> 49,152 1,024 rows took 405 ms in 32-row calls, 203 ms in
+# 512-row calls, 149 ms in 256- or 128-row calls and 232 ms in one (MKL's F.linear: 233 ms); the probe
+# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX).
+HEAD_BLOCKS = (512, 384, 256, 128)
 
 
 @functools.cache  # once per weight shape, block size and process
@@ -422,10 +426,11 @@ def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -
 def _large_blocks_for(count: int, in_features: int, out_features: int, has_bias: bool) -> list[int]:
     """The large blocks a call of `count` rows starts with, largest first, each bitwise the rows'
     ROW_BLOCK-row results (probed per shape and size at the first call that could use it)."""
-    if count < LARGE_BLOCKS[-1] or out_features > LARGE_BLOCK_MAX_OUT:
+    ladder = LARGE_BLOCKS if out_features <= LARGE_BLOCK_MAX_OUT else HEAD_BLOCKS
+    if count < ladder[-1]:
         return []
     sizes, left = [], count
-    for size in LARGE_BLOCKS:
+    for size in ladder:
         while left >= size and bf16_large_block_agrees(in_features, out_features, size, has_bias):
             sizes.append(size)
             left -= size
