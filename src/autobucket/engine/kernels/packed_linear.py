@@ -122,8 +122,10 @@ LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up
 # Wider weights (output heads) get a shorter ladder: on 256 -> 32,000 one 2,048-row call was 1.7x slower
 # than 32-row calls, while on SmolLM2's 576 -> 49,152 1,024 rows took 405 ms in 32-row calls, 203 ms in
 # 512-row calls, 149 ms in 256- or 128-row calls and 232 ms in one (MKL's F.linear: 233 ms); the probe
-# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX).
-HEAD_BLOCKS = (512, 384, 256, 128)
+# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX). Two
+# sizes only: each probe builds a random weight of the head's shape, once per process (Qwen2.5-0.5B's:
+# 4.7 s at 512 rows, 2.1 s at 256), paid by the first call of at least that many rows.
+HEAD_BLOCKS = (512, 256)
 
 
 @functools.cache  # once per weight shape, block size and process
