@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from interleave import interleaved
 
 from autobucket.engine.batching.packed_prefill import bounds_of, prefill_packed
 from autobucket.engine.model_access.hf_compat import forward_spec
@@ -28,18 +29,6 @@ from autobucket.planning.forms import SEGMENTS
 from autobucket.prompts import random_prompts
 
 LENGTHS = list(range(16, 513, 16))
-
-
-def interleaved(functions: dict, repeats: int) -> dict[str, list[float]]:
-    for function in functions.values():
-        function()
-    samples = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            started = time.perf_counter()
-            function()
-            samples[name].append((time.perf_counter() - started) * 1e3)
-    return samples
 
 
 def attention_section(repeats: int) -> dict:

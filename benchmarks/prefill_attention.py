@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from interleave import interleaved
 
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 
@@ -29,18 +29,6 @@ SHAPES = {  # name -> (query heads, K/V heads, head_dim)
     "qwen2.5-0.5b": (14, 2, 64),
     "llama-head128": (8, 2, 128),
 }
-
-
-def interleaved(functions: dict, repeats: int) -> dict[str, list[float]]:
-    for function in functions.values():
-        function()
-    samples: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            started = time.perf_counter()
-            function()
-            samples[name].append((time.perf_counter() - started) * 1000)
-    return samples
 
 
 def contenders(heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype):

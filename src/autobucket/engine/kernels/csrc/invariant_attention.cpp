@@ -579,11 +579,12 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
     std::vector<const T*> value_ptrs(key_ptrs.size());
     std::vector<float> work, q_fp32(static_cast<size_t>(group * head_dim)), out_fp32(q_fp32.size());
-    TiledList<T> list;
-    // a tile's queries, outputs and per-head states (one HeadState<C>: C + 1 vectors)
-    std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
-    std::vector<int64_t> tile_counts(kQueryTile);
 #if defined(__AVX512F__)
+    // the tiled form's key list, and a tile's queries, counts, outputs, per-head states (one HeadState<C>:
+    // C + 1 vectors) and block probabilities
+    TiledList<T> list;
+    std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
+    std::vector<int64_t> tile_queries, tile_counts(kQueryTile);
     std::vector<__m512> states(tiled ? static_cast<size_t>(kQueryTile * group * (head_dim / 16 + 1)) : 0);
     std::vector<__m512> probs(tiled ? static_cast<size_t>(kQueryTile * group * kBlockKeys / 16) : 0);
 #endif
@@ -624,46 +625,40 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       };
 #if defined(__AVX512F__)
       if (in_place != nullptr) {
-        const auto load_query = [&](int64_t qi) {
+        // query qi's group of heads as fp32 into fp32 [group][head_dim]; its output back from it
+        const auto load_query = [&](int64_t qi, float* fp32) {
           for (int64_t h = 0; h < group; ++h) {
             const T* src = q + row * qs.row + (kv_head * group + h) * qs.head + qi * qs.token;
-            for (int64_t d = 0; d < head_dim; ++d) q_fp32[h * head_dim + d] = as_float(src[d]);
+            for (int64_t d = 0; d < head_dim; ++d) fp32[h * head_dim + d] = as_float(src[d]);
           }
         };
-        const auto store_output = [&](int64_t qi) {
+        const auto store_output = [&](int64_t qi, const float* fp32) {
           for (int64_t h = 0; h < group; ++h) {
             T* dst = o + row * os.row + qi * os.token + (kv_head * group + h) * os.head;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out_fp32[h * head_dim + d]);
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(fp32[h * head_dim + d]);
           }
         };
         if (end_query - first_query <= kInPlaceQueries) {
           for (int64_t qi = first_query; qi < end_query; ++qi) {
             const int64_t count = list_keys(qi);
-            load_query(qi);
+            load_query(qi, q_fp32.data());
             in_place(q_fp32.data(), group, key_ptrs.data(), value_ptrs.data(), count, static_cast<float>(scale),
                      out_fp32.data());
-            store_output(qi);
+            store_output(qi, out_fp32.data());
           }
         } else {
           // Last query first: under a causal mask every earlier query's list is a prefix of a later one's,
           // so the item transposes one list per sequence it holds (a packed row's chunk may hold several),
           // and runs the queries reading a prefix of it in tiles.
           list.count = -1;
-          std::vector<int64_t> tile_queries;
+          tile_queries.clear();
           const auto run_tile = [&]() {
             const int64_t n = static_cast<int64_t>(tile_queries.size());
             if (n == 0) return;
-            for (int64_t t = 0; t < n; ++t) {
-              load_query(tile_queries[t]);
-              std::copy(q_fp32.begin(), q_fp32.end(), tile_q.begin() + t * group * head_dim);
-            }
+            for (int64_t t = 0; t < n; ++t) load_query(tile_queries[t], tile_q.data() + t * group * head_dim);
             tiled(tile_q.data(), n, group, list.tiles.data(), list.value_fp32.data(), tile_counts.data(),
                   static_cast<float>(scale), tile_out.data(), states.data(), reinterpret_cast<float*>(probs.data()));
-            for (int64_t t = 0; t < n; ++t) {
-              std::copy(tile_out.begin() + t * group * head_dim, tile_out.begin() + (t + 1) * group * head_dim,
-                        out_fp32.begin());
-              store_output(tile_queries[t]);
-            }
+            for (int64_t t = 0; t < n; ++t) store_output(tile_queries[t], tile_out.data() + t * group * head_dim);
             tile_queries.clear();
           };
           for (int64_t qi = end_query - 1; qi >= first_query; --qi) {
