@@ -93,9 +93,11 @@ def test_bf16_packs_are_batch_invariant_across_row_blocks_and_close_to_f_linear(
 
 @needs_bf16_gemm
 def test_control_one_bf16_gemm_over_all_rows_depends_on_the_batch():
-    """Why the row blocks: oneDNN's bf16 GEMM over M rows at once picks its kernel by M, so on
-    bench-qwen2's down projection ([M, 1024] x [1024, 256]) three rows run alone differ from the same
-    rows inside 114 somewhere; in row blocks they never do."""
+    """Why the row blocks: on the Intel Xeon (AMX) oneDNN's bf16 GEMM over M rows at once picks its
+    kernel by M, so on bench-qwen2's down projection ([M, 1024] x [1024, 256]) three rows run alone
+    differ from the same rows inside 114 somewhere; in row blocks they never do. On an AMD EPYC with
+    AVX512-BF16 and no AMX, one GEMM was bitwise invariant over M on every shape probed: there the
+    control has nothing to show and skips, after the blocked half has run."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(114, 1024, generator=generator).bfloat16()
     weight = (torch.randn(256, 1024, generator=generator) / 32).bfloat16()
@@ -108,8 +110,10 @@ def test_control_one_bf16_gemm_over_all_rows_depends_on_the_batch():
     with torch.inference_mode():
         whole, blocked = one_gemm(x), packs.linear(x, weight, None)
         starts = range(0, 114, 3)
-        assert any(not torch.equal(one_gemm(x[i : i + 3]), whole[i : i + 3]) for i in starts)
         assert all(torch.equal(packs.linear(x[i : i + 3], weight, None), blocked[i : i + 3]) for i in starts)
+        one_gemm_differs = any(not torch.equal(one_gemm(x[i : i + 3]), whole[i : i + 3]) for i in starts)
+    if not one_gemm_differs:
+        pytest.skip("oneDNN's bf16 GEMM is batch-invariant over M on this CPU; the control has nothing to show")
 
 
 # (K, N): bench-qwen2's projections and fused q/k/v, SmolLM2's fused q/k/v, fused gate/up and down
