@@ -48,6 +48,7 @@ from autobucket.engine.model_access.weight_versions import tensor_version
 
 ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
 SMALL_BLOCK = 16  # rows of a call of at most 16 rows, where the shape's probe found them equal to 32's
+FIXED_ORDER_PANEL = 32  # output columns per panel of `fixed_order_linear` (csrc/fixed_order_linear.cpp)
 
 
 @functools.cache  # read on every linear call of a forward: the answer is fixed for the process
@@ -162,9 +163,11 @@ def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
 class _Pack:
     owner: weakref.ref  # the weight this copy was made from
     version: tuple[int, int | None, int]  # (data_ptr, _version, optimizer steps) when packed
-    packed: torch.Tensor  # oneDNN-blocked copy of the weight: bf16 when `row_blocks`, else fp32
+    packed: torch.Tensor  # oneDNN-blocked copy of the weight (bf16 when `row_blocks`), or fixed-order panels
     row_blocks: bool  # a bf16 GEMM run in ROW_BLOCK-row blocks (else one fp32 GEMM over all rows)
     small_block: bool = False  # calls of <= SMALL_BLOCK rows run as one SMALL_BLOCK-row block
+    fixed_order: bool = False  # fp32 panels [ceil(N / 32), K, 32] for `fixed_order_linear` (else oneDNN)
+    out_features: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -315,18 +318,25 @@ class PackedLinears:
         row_blocks = _bf16_blocks(dense)
         # the GEMM's weight: bf16 for the row blocks; fp32, or bf16 as fp32 (exact): see the module docstring
         source = dense if row_blocks else dense.float()
+        fixed_order = not row_blocks and _fixed_order_op() is not None
         if pack is not None:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes
         size = source.numel() * source.element_size()
         small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
+        shape = {"fixed_order": fixed_order, "out_features": dense.shape[0]}
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
-            if row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
+            if fixed_order:  # panels for this call (the kernel reads no other layout): the same values
+                source = fixed_order_panels(source)
+            elif row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
-            return _Pack(weakref.ref(weight), version, source, row_blocks, small)  # this call only, never kept
-        packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
-        pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small)
+            return _Pack(weakref.ref(weight), version, source, row_blocks, small, **shape)  # this call only
+        if fixed_order:
+            packed = fixed_order_panels(source)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
+        pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small, **shape)
         self._packs[id(weight)] = pack
         self._held_bytes += pack.nbytes
         self.packs_made += 1
@@ -411,7 +421,9 @@ def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torc
     widened = rows.dtype != torch.float32  # fp32 inputs skip the conversions: ~6 us a call of ~45
     rows_fp32 = rows.float() if widened else rows
     bias_fp32 = None if bias is None else (bias.float() if bias.dtype != torch.float32 else bias)
-    if rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
+    if pack.fixed_order:
+        out = torch.ops.autobucket.fixed_order_linear(rows_fp32, pack.packed, bias_fp32, pack.out_features)
+    elif rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
         out = _onednn_linear(rows_fp32.expand(2, -1), pack.packed, bias_fp32)[:1]
     else:
         out = _onednn_linear(rows_fp32, pack.packed, bias_fp32)
@@ -512,6 +524,26 @@ def check_fp32_precision() -> None:
             f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
             "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
         )
+
+
+def fixed_order_panels(dense: torch.Tensor) -> torch.Tensor:
+    """An fp32 [N, K] weight as `fixed_order_linear`'s panels [ceil(N / 32), K, 32], columns past N zero."""
+    out_features, in_features = dense.shape
+    padded = torch.nn.functional.pad(dense, (0, 0, 0, -out_features % FIXED_ORDER_PANEL))
+    return padded.view(-1, FIXED_ORDER_PANEL, in_features).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _fixed_order_op():
+    """The fixed-order fp32 linear where the kernel library builds with AVX-512, else None (oneDNN's fp32
+    GEMM instead: see the module docstring)."""
+    from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+
+    try:
+        load_invariant_kernels()
+    except ValueError:  # oneDNN serves; the build error reaches the attention's callers
+        return None
+    return torch.ops.autobucket.fixed_order_linear if torch.ops.autobucket.fixed_order_linear_vectorized() else None
 
 
 @functools.cache

@@ -1,0 +1,172 @@
+// The fp32 linear of kernels="invariant": every output is one fused multiply-add chain over k = 0 .. K-1
+// in order, then + bias. So a row's output depends on that row and the weight alone: never on how many
+// rows ride along, where the row sits, how the rows are tiled, how many threads run, or which vector
+// width computes it (a lane of a 16-wide FMA and a scalar std::fma round the same product-sum alike).
+// oneDNN's and MKL's GEMMs choose their blocking by M, which is why they needed probes and workarounds.
+//
+// The weight is packed once per version (packed_linear.py) as panels of 32 output columns,
+// [panels, K, 32]: one k step of a panel is two 16-float vectors. A tile of R rows x 32 columns keeps
+// 2R accumulators in registers; the rows' inputs are first copied into [K][R] micro-panels so each
+// k step broadcasts R consecutive floats. Loops, outermost first: blocks of kRowBlock rows (their
+// micro-panels stay in L2), panels (split across threads), kDepth-long slices of K (a panel slice,
+// 32 KB, stays in L1 for the block's tiles), tiles. A tile that continues a slice reloads its partial
+// sums from the output: an fp32 store and load are exact, so the chain is unbroken.
+//
+// Measured (AMD EPYC Zen 5, one core, GFLOPS): 32 x 256 x 256: 185 (oneDNN packed 131, MKL 87);
+// 32 x 576 x 1,536: 220 (195, 86); 2,048 x 256 x 1,024: 160 (219, 93); see docs/benchmarks.md.
+//
+// Built with invariant_attention.cpp (same flags: -ffp-contract=off, so the compiler never fuses or
+// splits an operation the source did not write).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;      // output columns per packed panel
+constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the 32 vector registers
+constexpr int64_t kDepth = 256;     // k per slice: a panel slice is 32 KB (L1)
+constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles
+
+// One tile: out[r, c] (+)= sum_k rows[k][r] * panel[k][c] for R rows, `columns` <= 32 valid columns.
+// `rows` is the tile's micro-panel [depth][R]; `panel` a [depth][32] slice; `out` row-major with `ld`.
+#if defined(__AVX512F__)
+template <int R>
+void tile(const float* rows, const float* panel, int64_t depth, float* out, int64_t ld, bool first,
+          const float* bias, int64_t columns) {
+  const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  __m512 left[R], right[R];
+  for (int r = 0; r < R; ++r) {
+    left[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(low, out + r * ld);
+    right[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(high, out + r * ld + 16);
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 w_left = _mm512_loadu_ps(panel + k * kPanel), w_right = _mm512_loadu_ps(panel + k * kPanel + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(rows[k * R + r]);
+      left[r] = _mm512_fmadd_ps(x, w_left, left[r]);
+      right[r] = _mm512_fmadd_ps(x, w_right, right[r]);
+    }
+  }
+  if (bias != nullptr) {
+    const __m512 b_left = _mm512_maskz_loadu_ps(low, bias), b_right = _mm512_maskz_loadu_ps(high, bias + 16);
+    for (int r = 0; r < R; ++r) {
+      left[r] = _mm512_add_ps(left[r], b_left);
+      right[r] = _mm512_add_ps(right[r], b_right);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out + r * ld, low, left[r]);
+    _mm512_mask_storeu_ps(out + r * ld + 16, high, right[r]);
+  }
+}
+#else
+// The same chains with std::fma on 32 columns at a time; the compiler vectorizes the column loop.
+template <int R>
+void tile(const float* rows, const float* panel, int64_t depth, float* out, int64_t ld, bool first,
+          const float* bias, int64_t columns) {
+  float sums[R][kPanel];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = first || c >= columns ? 0.f : out[r * ld + c];
+  for (int64_t k = 0; k < depth; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float x = rows[k * R + r];
+      for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = std::fma(x, panel[k * kPanel + c], sums[r][c]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < columns; ++c) out[r * ld + c] = bias != nullptr ? sums[r][c] + bias[c] : sums[r][c];
+}
+#endif
+
+using TileFunction = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, const float*, int64_t);
+
+template <int... R>
+constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1>...};
+}
+
+// rows [count, K] from `first_row` -> micro-panels: tile t of the block is [K][rows in tile t].
+void copy_micro_panels(const float* rows, int64_t in_features, int64_t first_row, int64_t end_row, float* panels) {
+  for (int64_t start = first_row; start < end_row; start += kRowTile) {
+    const int64_t count = std::min(kRowTile, end_row - start);
+    float* to = panels + (start - first_row) * in_features;
+    for (int64_t k = 0; k < in_features; ++k)
+      for (int64_t r = 0; r < count; ++r) to[k * count + r] = rows[(start + r) * in_features + k];
+  }
+}
+
+at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear takes fp32 rows [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == input.size(1) && panels.size(2) == kPanel &&
+                  panels.size(0) * kPanel >= out_features && panels.is_contiguous(),
+              "fixed_order_linear takes panels [ceil(N / 32), K, 32]");
+  const at::Tensor rows = input.contiguous();
+  const int64_t count = rows.size(0), in_features = rows.size(1);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  if (count == 0 || out_features == 0) return out;
+  const at::Tensor bias_values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias_values.defined() || (bias_values.numel() == out_features && bias_values.scalar_type() == at::kFloat),
+              "fixed_order_linear takes an fp32 bias [N]");
+  const float* rows_data = rows.data_ptr<float>();
+  const float* panel_data = panels.data_ptr<float>();
+  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  static const auto tiles = tile_table(std::make_integer_sequence<int, kRowTile>{});
+  const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
+  at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
+    std::vector<float> micro(static_cast<size_t>(std::min(kRowBlock, count) * in_features));
+    for (int64_t block = 0; block < count; block += kRowBlock) {
+      const int64_t block_end = std::min(count, block + kRowBlock);
+      copy_micro_panels(rows_data, in_features, block, block_end, micro.data());
+      for (int64_t p = first_panel; p < end_panel; ++p) {
+        const int64_t columns = std::min(kPanel, out_features - p * kPanel);
+        for (int64_t k0 = 0; k0 < in_features; k0 += kDepth) {
+          const int64_t depth = std::min(kDepth, in_features - k0);
+          const bool first = k0 == 0, last = k0 + depth == in_features;
+          const float* slice = panel_data + (p * in_features + k0) * kPanel;
+          for (int64_t start = block; start < block_end; start += kRowTile) {
+            const int64_t tile_rows = std::min(kRowTile, block_end - start);
+            const float* micro_slice = micro.data() + (start - block) * in_features + k0 * tile_rows;
+            tiles[tile_rows - 1](micro_slice, slice, depth, out_data + start * out_features + p * kPanel, out_features,
+                                 first, last && bias_data != nullptr ? bias_data + p * kPanel : nullptr, columns);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Whether this build runs the AVX-512 tiles (else the portable ones: the same values, slower).
+bool fixed_order_linear_vectorized() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(autobucket, m) {
+  m.def("fixed_order_linear(Tensor rows, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("fixed_order_linear_vectorized() -> bool", &fixed_order_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(autobucket, CPU, m) { m.impl("fixed_order_linear", &fixed_order_linear); }

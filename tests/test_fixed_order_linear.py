@@ -1,0 +1,97 @@
+"""`fixed_order_linear`, the fp32 linear of `kernels="invariant"` on AVX-512 builds.
+
+Its contract: every output is one fused multiply-add chain over k = 0 .. K-1 in order, then + bias. The
+oracle computes exactly that chain in float64 (a product of two fp32 values is exact there, and the
+sum is rounded to fp32 after each step, as an fp32 FMA rounds it), so any other order of the sum, a
+split of K, a lost partial sum between K slices or a wrong column of a panel fails it. A negative
+control shows the oracle tells orders apart: K summed as two halves added at the end differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autobucket.engine.kernels.packed_linear import PackedLinears, _fixed_order_op, fixed_order_panels
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _kernel():
+    op = _fixed_order_op()
+    if op is None:
+        pytest.skip("the kernel library has no AVX-512 build here (oneDNN's fp32 GEMM serves)")
+    return op
+
+
+def fma_chain(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, order=None) -> torch.Tensor:
+    """out[m, n] = fl(... fl(fl(x[m,0] w[n,0]) + x[m,1] w[n,1]) ...) + bias[n], each step one rounding.
+    `order`: the k indices in the order summed (default 0 .. K-1)."""
+    rows64, weight64 = rows.double(), weight.double()
+    acc = torch.zeros(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in order if order is not None else range(rows.shape[1]):
+        acc = (rows64[:, k : k + 1] * weight64[:, k] + acc.double()).float()
+    return acc if bias is None else acc + bias
+
+
+def _case(rows: int, in_features: int, out_features: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    scales = 10.0 ** torch.randint(-2, 3, (rows, 1), generator=generator)
+    x = torch.randn(rows, in_features, generator=generator) * scales
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    return x, weight, torch.randn(out_features, generator=generator)
+
+
+# rows across tiles (12) and blocks (120); K across the 256-long slices; N with a partial last panel
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_features, with_bias):
+    kernel = _kernel()
+    x, weight, bias = _case(rows, in_features, out_features, seed=rows + in_features + out_features)
+    bias = bias if with_bias else None
+    out = kernel(x, fixed_order_panels(weight), bias, out_features)
+    assert torch.equal(out, fma_chain(x, weight, bias))
+
+
+def test_control_another_order_of_the_same_sum_differs():
+    kernel = _kernel()
+    x, weight, _ = _case(13, 300, 70, seed=3)
+    halves = list(range(150, 300)) + list(range(150))  # the same products, summed from the middle
+    out = kernel(x, fixed_order_panels(weight), None, 70)
+    assert not torch.equal(out, fma_chain(x, weight, None, order=halves))
+
+
+def test_a_row_gets_the_same_output_alone_anywhere_in_any_batch_and_thread_count():
+    kernel = _kernel()
+    x, weight, bias = _case(200, 256, 1000, seed=11)
+    panels = fixed_order_panels(weight)
+    together = kernel(x, panels, bias, 1000)
+    shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernel(x[shuffled], panels, bias, 1000), together[shuffled])
+    for row in (0, 11, 12, 119, 120, 199):
+        assert torch.equal(kernel(x[row : row + 1], panels, bias, 1000), together[row : row + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernel(x, panels, bias, 1000), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_fp32_linears_run_it_and_follow_a_weight_update():
+    _kernel()
+    packs = PackedLinears()
+    x, weight, bias = _case(9, 96, 40, seed=5)
+    with torch.inference_mode():
+        first = packs.linear(x, weight, bias)
+        pack = packs._packs[id(weight)]
+        assert pack.fixed_order and pack.packed.shape == (2, 96, 32)
+        assert torch.equal(first, fma_chain(x, weight, bias))
+        weight.mul_(0.5)  # an in-place update: the next call repacks
+        assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
+
+
+def test_bad_panels_are_refused_with_the_expected_layout():
+    kernel = _kernel()
+    x, weight, _ = _case(4, 64, 40, seed=1)
+    with pytest.raises(RuntimeError, match=r"panels \[ceil\(N / 32\), K, 32\]"):
+        kernel(x, weight, None, 40)
