@@ -8,8 +8,10 @@ compiled steps interleaved. Also timed: the output head's GEMM alone (`F.linear`
 vocab), which bounds the step on this model, and the eager step's top operators (torch.profiler).
 `eager` runs transformers' SDPA; `default` is the default kernels' step (its attention on the engine's kernel);
 `invariant` is the eager step on the engine's own kernels (`kernels="invariant"`: every linear on
-oneDNN-prepacked weights, the linears that read one input fused into one GEMM, attention on the
-batch-invariant kernel), `invariant_unfused` the same without fusing (what the trainer's scope runs);
+prepacked weights, fp32 ones on the fixed-order kernel where it is vectorized, bf16 ones on oneDNN, the
+linears that read one input fused into one GEMM, attention on the batch-invariant kernel),
+`invariant_unfused` the same without fusing (what the trainer's scope runs), `invariant_onednn` with
+fp32 GEMMs on oneDNN's packed kernel instead of the fixed-order one;
 `--dtype bfloat16` runs the model in bf16;
 `repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
 
@@ -68,6 +70,7 @@ def measure(args) -> dict:
     hidden = torch.randn(args.rows, model.config.hidden_size, dtype=model.dtype)
     head = model.lm_head.weight
     packs, unfused_packs = PackedLinears(fuse=True), PackedLinears()
+    onednn_packs = PackedLinears(fuse=True, fixed_order=False)  # fp32 GEMMs on oneDNN, as before the fixed order
 
     def invariant_step(packs: PackedLinears = packs):
         with invariant_kernels(packs):
@@ -75,17 +78,19 @@ def measure(args) -> dict:
 
     invariant_difference = (step_at_context(eager) - invariant_step()).abs().max().item()
     fusion_difference = (invariant_step(unfused_packs) - invariant_step()).abs().max().item()
+    onednn_difference = (invariant_step(onednn_packs) - invariant_step()).abs().max().item()
     samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "invariant_unfused": [],
-               "head_gemm": [], "repack": []}  # fmt: skip
+               "invariant_onednn": [], "head_gemm": [], "repack": []}  # fmt: skip
     for _ in range(args.warmup):
         step_at_context(eager), step_at_context(default), step_at_context(compiled), invariant_step()
-        invariant_step(unfused_packs)
+        invariant_step(unfused_packs), invariant_step(onednn_packs)
     for _ in range(args.repeats):
         samples["eager"].append(timed(lambda: step_at_context(eager)))
         samples["default"].append(timed(lambda: step_at_context(default)))
         samples["compiled"].append(timed(lambda: step_at_context(compiled)))
         samples["invariant"].append(timed(invariant_step))
         samples["invariant_unfused"].append(timed(lambda: invariant_step(unfused_packs)))
+        samples["invariant_onednn"].append(timed(lambda: invariant_step(onednn_packs)))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
         packs.refresh()
         before = packs.pack_ms
@@ -94,7 +99,7 @@ def measure(args) -> dict:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
             "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
-            "dtype": args.dtype, "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
+            "onednn_max_logit_difference": onednn_difference, "fixed_order": packs.fixed_order, "dtype": args.dtype, "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs)}  # fmt: skip
 
@@ -136,6 +141,10 @@ def main() -> None:
     print(f"invariant kernels unfused {m['invariant_unfused']:.2f} ms (fused / unfused "
           f"{m['invariant'] / m['invariant_unfused']:.3f}, {result['fused_groups']} fused groups, max |logit "
           f"difference| {result['fusion_max_logit_difference']:.1e})")
+    if result["fixed_order"]:
+        print(f"invariant kernels with fp32 GEMMs on oneDNN {m['invariant_onednn']:.2f} ms (fixed order / oneDNN "
+              f"{m['invariant'] / m['invariant_onednn']:.3f}, max |logit difference| "
+              f"{result['onednn_max_logit_difference']:.1e})")
     for label, key in (("eager", "top_ops"), ("invariant", "invariant_top_ops")):
         for name, ms in result[key]:
             print(f"  {label} step, self time per step: {name:55s} {ms:7.2f} ms")

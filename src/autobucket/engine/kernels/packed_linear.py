@@ -183,7 +183,7 @@ class PackedLinears:
     every shape of `tests/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM. Weights
     are packed in the order the forward first meets them (the layers, then the output head)."""
 
-    def __init__(self, budget_bytes: int | None = None, fuse: bool = False) -> None:
+    def __init__(self, budget_bytes: int | None = None, fuse: bool = False, fixed_order: bool | None = None) -> None:
         self._packs: dict[int, _Pack] = {}
         self._fused: dict[int, _FusedPack] = {}  # id(group) -> its concatenated weight's pack
         self._held_bytes = 0
@@ -195,6 +195,9 @@ class PackedLinears:
         # (`fused_linear.py`); the rollout's forwards fuse, the trainer's scope does not (its forwards
         # need gradients, and alternating both would repack)
         self.fusion = LinearFusion() if fuse else None
+        # fp32 GEMMs on `fixed_order_linear` (None: wherever it is vectorized) or on oneDNN (False: the
+        # benchmarks' comparison)
+        self.fixed_order = _fixed_order_op() is not None if fixed_order is None else fixed_order
 
     @property
     def nbytes(self) -> int:
@@ -318,7 +321,7 @@ class PackedLinears:
         row_blocks = _bf16_blocks(dense)
         # the GEMM's weight: bf16 for the row blocks; fp32, or bf16 as fp32 (exact): see the module docstring
         source = dense if row_blocks else dense.float()
-        fixed_order = not row_blocks and _fixed_order_op() is not None
+        fixed_order = not row_blocks and self.fixed_order
         if pack is not None:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes

@@ -10,7 +10,8 @@
 // k step broadcasts R consecutive floats. Loops, outermost first: blocks of kRowBlock rows (their
 // micro-panels stay in L2), panels (split across threads), kDepth-long slices of K (a panel slice,
 // 32 KB, stays in L1 for the block's tiles), tiles. A tile that continues a slice reloads its partial
-// sums from the output: an fp32 store and load are exact, so the chain is unbroken.
+// sums from the output: an fp32 store and load are exact, so the chain is unbroken. The first tile of
+// a slice prefetches the next panel's slice.
 //
 // Measured (AMD EPYC Zen 5, one core, GFLOPS): 32 x 256 x 256: 185 (oneDNN packed 131, MKL 87);
 // 32 x 576 x 1,536: 220 (195, 86); 2,048 x 256 x 1,024: 160 (219, 93); see docs/benchmarks.md.
@@ -39,13 +40,14 @@ constexpr int64_t kPanel = 32;      // output columns per packed panel
 constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the 32 vector registers
 constexpr int64_t kDepth = 256;     // k per slice: a panel slice is 32 KB (L1)
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles
+constexpr int64_t kStagedStride = 48;  // floats per row of a block's staged outputs (not a multiple of 4 KB)
 
 // One tile: out[r, c] (+)= sum_k rows[k][r] * panel[k][c] for R rows, `columns` <= 32 valid columns.
 // `rows` is the tile's micro-panel [depth][R]; `panel` a [depth][32] slice; `out` row-major with `ld`.
 #if defined(__AVX512F__)
 template <int R>
 void tile(const float* rows, const float* panel, int64_t depth, float* out, int64_t ld, bool first,
-          const float* bias, int64_t columns) {
+          const float* bias, int64_t columns, const float* next_panel) {
   const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
   const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 left[R], right[R];
@@ -55,6 +57,10 @@ void tile(const float* rows, const float* panel, int64_t depth, float* out, int6
   }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < depth; ++k) {
+    if (next_panel != nullptr) {  // the next panel's slice into L2 while this one computes (heads stream from DRAM)
+      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel + 16), _MM_HINT_T1);
+    }
     const __m512 w_left = _mm512_loadu_ps(panel + k * kPanel), w_right = _mm512_loadu_ps(panel + k * kPanel + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
@@ -79,7 +85,7 @@ void tile(const float* rows, const float* panel, int64_t depth, float* out, int6
 // The same chains with std::fma on 32 columns at a time; the compiler vectorizes the column loop.
 template <int R>
 void tile(const float* rows, const float* panel, int64_t depth, float* out, int64_t ld, bool first,
-          const float* bias, int64_t columns) {
+          const float* bias, int64_t columns, const float* /* next_panel */) {
   float sums[R][kPanel];
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = first || c >= columns ? 0.f : out[r * ld + c];
@@ -93,7 +99,8 @@ void tile(const float* rows, const float* panel, int64_t depth, float* out, int6
 }
 #endif
 
-using TileFunction = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, const float*, int64_t);
+using TileFunction = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, const float*, int64_t,
+                             const float*);
 
 template <int... R>
 constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
@@ -129,24 +136,36 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   float* out_data = out.data_ptr<float>();
   static const auto tiles = tile_table(std::make_integer_sequence<int, kRowTile>{});
   const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
+  // Output rows a multiple of 4 KB apart share L1 sets, so a tile's 12 rows evict its own inputs: a
+  // block of many rows then computes into a staging buffer and copies out (2,048 x 256 x 1,024: 158 ->
+  // 177 GFLOPS); a decode step's few rows store directly (staging cost a head 5%).
+  const bool staged = (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
+    std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
     std::vector<float> micro(static_cast<size_t>(std::min(kRowBlock, count) * in_features));
     for (int64_t block = 0; block < count; block += kRowBlock) {
       const int64_t block_end = std::min(count, block + kRowBlock);
       copy_micro_panels(rows_data, in_features, block, block_end, micro.data());
       for (int64_t p = first_panel; p < end_panel; ++p) {
         const int64_t columns = std::min(kPanel, out_features - p * kPanel);
+        float* target = staged ? staging.data() : out_data + block * out_features + p * kPanel;
+        const int64_t ld = staged ? kStagedStride : out_features;
         for (int64_t k0 = 0; k0 < in_features; k0 += kDepth) {
           const int64_t depth = std::min(kDepth, in_features - k0);
           const bool first = k0 == 0, last = k0 + depth == in_features;
           const float* slice = panel_data + (p * in_features + k0) * kPanel;
+          const float* next_slice = p + 1 < end_panel ? slice + in_features * kPanel : nullptr;
           for (int64_t start = block; start < block_end; start += kRowTile) {
             const int64_t tile_rows = std::min(kRowTile, block_end - start);
             const float* micro_slice = micro.data() + (start - block) * in_features + k0 * tile_rows;
-            tiles[tile_rows - 1](micro_slice, slice, depth, out_data + start * out_features + p * kPanel, out_features,
-                                 first, last && bias_data != nullptr ? bias_data + p * kPanel : nullptr, columns);
+            tiles[tile_rows - 1](micro_slice, slice, depth, target + (start - block) * ld, ld, first,
+                                 last && bias_data != nullptr ? bias_data + p * kPanel : nullptr, columns,
+                                 start == block ? next_slice : nullptr);
           }
         }
+        if (staged)
+          for (int64_t r = block; r < block_end; ++r)
+            std::copy_n(staging.data() + (r - block) * kStagedStride, columns, out_data + r * out_features + p * kPanel);
       }
     }
   });
