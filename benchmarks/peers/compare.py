@@ -99,6 +99,20 @@ def contenders(model, max_new_tokens: int) -> dict:
     return runs
 
 
+def first_flip(model, prompts: list[list[int]], reference: list[list[int]], tokens: list[list[int]]) -> dict | None:
+    """Where `tokens` first leave HF greedy's: the prompt, the step, both tokens, and the gap between
+    their logits in a forward of that prompt and HF's tokens so far (a near tie: ~1e-5 in fp32)."""
+    for index, (want, got) in enumerate(zip(reference, tokens, strict=True)):
+        step = next((s for s, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+        if step is None:
+            continue
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompts[index] + want[:step]])).logits[0, -1].double()
+        return {"prompt": index, "step": step, "hf_token": want[step], "token": got[step],
+                "logit_gap": (logits[want[step]] - logits[got[step]]).item()}  # fmt: skip
+    return None
+
+
 def run_workload(model, vllm, workload: Workload, args) -> dict:
     prompts = random_prompts(workload.lengths, model.config.vocab_size, seed=args.seed)
     runs_by_name = contenders(model, args.max_new_tokens)
@@ -131,22 +145,32 @@ def run_workload(model, vllm, workload: Workload, args) -> dict:
         row[name] = {"median_ms": run.median_ms, "samples_ms": run.samples_ms, "tokens_equal_hf": run.tokens == reference,
                      "peak_memory_bytes": (run.profile or {}).get("peak_memory_bytes"),
                      "route": (run.profile or {}).get("route"), "compiled_steps": (run.profile or {}).get("compiled_steps")}  # fmt: skip
+        if run.tokens != reference:
+            row[name]["first_flip"] = first_flip(model, prompts, reference, run.tokens)
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     names = [n for n in ENGINES if n in rows[0]]
-    head = "| workload | " + " | ".join(f"{n} ms" for n in names) + " | compiled / vllm | auto / vllm | auto / HF | tokens = HF | compile_ms |"
+    head = "| workload | " + " | ".join(f"{n} ms" for n in names) + (
+        " | compiled / vllm | auto / vllm | invariant / vllm | auto / HF | tokens = HF | compile_ms |"
+    )
     print(head)
-    print("|" + "---|" * (len(names) + 6))
+    print("|" + "---|" * (len(names) + 7))
     for row in rows:
         med = {n: row[n]["median_ms"] for n in names}
         vllm = med.get("vllm")
         ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
         equal = " ".join(f"{n}:{'yes' if row[n]['tokens_equal_hf'] else 'NO'}" for n in names if n != "hf_generate")
         print(f"| {row['workload']} | " + " | ".join(f"{med[n]:.0f}" for n in names)
-              + f" | {ratio(med['auto_compiled'], vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto'], med['hf_generate'])}"
-              f" | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
+              + f" | {ratio(med['auto_compiled'], vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto_invariant'], vllm)}"
+              f" | {ratio(med['auto'], med['hf_generate'])} | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
+    for row in rows:
+        for name in names:
+            flip = row[name].get("first_flip")
+            if flip:
+                print(f"{row['workload']}, {name}: first differing token at prompt {flip['prompt']} step {flip['step']}: "
+                      f"{flip['token']} instead of HF's {flip['hf_token']}, HF logit gap {flip['logit_gap']:.2e}")
 
 
 def main(argv: list[str] | None = None) -> None:
