@@ -232,7 +232,7 @@ class PackedLinears:
             if recompute_safe:
                 return _with_values(original_linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
-        if self.fusion is not None and pack.row_blocks:
+        if self.fusion is not None and (pack.row_blocks or pack.fixed_order):
             self.fusion.observe(x, weight, bias)
         return _packed_matmul(x, pack, bias)
 
@@ -266,25 +266,30 @@ class PackedLinears:
         started = time.perf_counter()
         weights = [weight.detach() for weight, _ in pairs]
         dense, in_features = torch.cat(weights), weights[0].shape[1]  # [sum N_i, K]
-        # bf16 row blocks only: there one block shape decides the probe, and in fp32 (one GEMM at any
-        # row count, so a probe over many counts: 0.4-1.3 s a shape) the decode step gained nothing
-        # measurable (fused / unfused 0.99-1.01, bench-qwen2 and SmolLM2, Intel Xeon)
         has_bias = pairs[0][1] is not None
-        agree = all(_bf16_blocks(weight) for weight in [dense, *weights]) and fused_columns_agree(
-            in_features, tuple(group.out_features), has_bias
-        )
+        row_blocks = [_bf16_blocks(weight) for weight in [dense, *weights]]
+        # fixed-order packs: each output column is its own FMA chain, so the members' columns of one
+        # GEMM are bitwise their own GEMMs' (no probe). oneDNN's: bf16 row blocks only, where one block
+        # shape decides the probe (its fp32 GEMM would need a probe per row count: 0.4-1.3 s a shape)
+        fixed_order = self.fixed_order and not any(row_blocks)
+        agree = fixed_order or (all(row_blocks) and fused_columns_agree(in_features, tuple(group.out_features), has_bias))
         own = [self._packs[id(weight)] for weight, _ in pairs if id(weight) in self._packs]
         freed = own + ([fused.pack] if fused else [])
-        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + dense.numel() * dense.element_size()
+        fused_bytes = _panel_bytes(*dense.shape) if fixed_order else dense.numel() * dense.element_size()
+        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + fused_bytes
         if not agree or (self.budget_bytes is not None and held_after > self.budget_bytes):
             group.broken = True
             self._drop_fused(group)
             return None
         for weight, _ in pairs:
             self._packs.pop(id(weight), None)  # the members' own copies: the fused one serves them
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
-        small = bf16_small_blocks_agree(in_features, dense.shape[0])
-        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
+        if fixed_order:
+            pack = _Pack(weakref.ref(pairs[0][0]), versions[0], fixed_order_panels(dense.float()), False,
+                         fixed_order=True, out_features=dense.shape[0])  # fmt: skip
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
+            small = bf16_small_blocks_agree(in_features, dense.shape[0])
+            pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
         bias = torch.cat([bias.detach() for _, bias in pairs if bias is not None]) if has_bias else None
         self._fused[id(group)] = fused = _FusedPack(pack, bias, versions)
         self._held_bytes = held_after
@@ -325,7 +330,7 @@ class PackedLinears:
         if pack is not None:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes
-        size = source.numel() * source.element_size()
+        size = _panel_bytes(*source.shape) if fixed_order else source.numel() * source.element_size()
         small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
         shape = {"fixed_order": fixed_order, "out_features": dense.shape[0]}
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
@@ -527,6 +532,10 @@ def check_fp32_precision() -> None:
             f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
             "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
         )
+
+
+def _panel_bytes(out_features: int, in_features: int) -> int:
+    return -(-out_features // FIXED_ORDER_PANEL) * FIXED_ORDER_PANEL * in_features * 4
 
 
 def fixed_order_panels(dense: torch.Tensor) -> torch.Tensor:
