@@ -1,5 +1,4 @@
-"""`kernels="invariant"`: linears that read one input run as one GEMM (`fused_linear.py`): bf16 ones on
-oneDNN after a probe, fp32 ones on the fixed-order kernel.
+"""`kernels="invariant"`: bf16 linears that read one input run as one GEMM (`fused_linear.py`).
 
 Oracles: the same forward on unfused packs (bitwise: fusing must never change a value, since the
 trainer's scope runs the linears unfused), the model's own module structure (which weights read one
@@ -95,28 +94,11 @@ def test_the_linears_reading_one_input_are_fused_and_no_value_changes(arch):
     assert fused.nbytes == unfused.nbytes  # the fused copy replaces the members' own
 
 
-def test_fp32_linears_on_onednn_are_not_fused():
+def test_fp32_linears_are_not_fused():
     model = build_tiny_model("tiny-llama").eval()
-    packs = PackedLinears(fuse=True, fixed_order=False)
+    packs = PackedLinears(fuse=True)
     logits_on(model, packs)
     assert packs.fusion is not None and packs.fusion.fused_calls == 0 and packs.fusion.groups == []
-
-
-@pytest.mark.skipif(packed_linear._fixed_order_op() is None, reason="no vectorized fixed-order fp32 linear here")
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])  # qwen2: q/k/v with biases
-def test_fp32_linears_on_the_fixed_order_kernel_are_fused_without_a_probe_and_no_value_changes(arch):
-    """Each column of a fixed-order GEMM is its own FMA chain, so fusing cannot change a value: the
-    oracle is the unfused forward, bitwise, and the groups are the module structure's."""
-    model = build_tiny_model(arch).eval()
-    fused, unfused = PackedLinears(fuse=True), PackedLinears()
-    assert torch.equal(logits_on(model, fused), logits_on(model, unfused))
-    expected = []
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        expected += [tuple(id(p.weight) for p in (attention.q_proj, attention.k_proj, attention.v_proj))]
-        expected += [(id(mlp.gate_proj.weight), id(mlp.up_proj.weight))]
-    assert grouped_weights(fused) == expected
-    assert fused.fusion is not None and fused.fusion.fused_calls == 2 * len(model.model.layers)
 
 
 @needs_fusion

@@ -8,9 +8,8 @@ two or three times: the three 256 -> 256, 128, 128 projections of bench-qwen2 at
 names: the engine watches which weights each input tensor meets (`observe`), and a weight that met
 the same input as the ones before it becomes a member of that input's group. From the next forward
 on, the group's first weight runs the fused GEMM (`PackedLinears`) and hands its members their
-columns (`take`), which are bitwise what their own GEMMs give, so fusing never changes a value: the
-trainer's scope runs them unfused. On the fixed-order fp32 kernel that holds by construction (each
-column is its own FMA chain); oneDNN's bf16 GEMM is probed per group shape (`fused_columns_agree`).
+columns (`take`), which are bitwise what their own GEMMs give (`fused_columns_agree` probes each
+group's shapes first), so fusing never changes a value: the trainer's scope runs them unfused.
 
 If a forward calls a member with another input than its group's first weight got (a model whose
 calls differ from the forward it was learned on), the member runs its own GEMM and the group is

@@ -232,7 +232,7 @@ class PackedLinears:
             if recompute_safe:
                 return _with_values(original_linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
-        if self.fusion is not None and (pack.row_blocks or pack.fixed_order):
+        if self.fusion is not None and pack.row_blocks:
             self.fusion.observe(x, weight, bias)
         return _packed_matmul(x, pack, bias)
 
@@ -267,29 +267,26 @@ class PackedLinears:
         weights = [weight.detach() for weight, _ in pairs]
         dense, in_features = torch.cat(weights), weights[0].shape[1]  # [sum N_i, K]
         has_bias = pairs[0][1] is not None
-        row_blocks = [_bf16_blocks(weight) for weight in [dense, *weights]]
-        # fixed-order packs: each output column is its own FMA chain, so the members' columns of one
-        # GEMM are bitwise their own GEMMs' (no probe). oneDNN's: bf16 row blocks only, where one block
-        # shape decides the probe (its fp32 GEMM would need a probe per row count: 0.4-1.3 s a shape)
-        fixed_order = self.fixed_order and not any(row_blocks)
-        agree = fixed_order or (all(row_blocks) and fused_columns_agree(in_features, tuple(group.out_features), has_bias))
+        # bf16 row blocks only: there one block shape decides the probe. fp32 GEMMs are not fused: on
+        # oneDNN a probe would need every row count (0.4-1.3 s a shape) and the decode step gained nothing
+        # measurable (fused / unfused 0.99-1.01, Intel Xeon); on the fixed-order kernel fusing is exact by
+        # construction (each column its own chain) but made the bench-qwen2 step 3.5% slower (9.58 vs
+        # 9.24 ms, AMD EPYC: its per-call cost is small, and the members' column views cost downstream)
+        agree = all(_bf16_blocks(weight) for weight in [dense, *weights]) and fused_columns_agree(
+            in_features, tuple(group.out_features), has_bias
+        )
         own = [self._packs[id(weight)] for weight, _ in pairs if id(weight) in self._packs]
         freed = own + ([fused.pack] if fused else [])
-        fused_bytes = _panel_bytes(*dense.shape) if fixed_order else dense.numel() * dense.element_size()
-        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + fused_bytes
+        held_after = self._held_bytes - sum(pack.nbytes for pack in freed) + dense.numel() * dense.element_size()
         if not agree or (self.budget_bytes is not None and held_after > self.budget_bytes):
             group.broken = True
             self._drop_fused(group)
             return None
         for weight, _ in pairs:
             self._packs.pop(id(weight), None)  # the members' own copies: the fused one serves them
-        if fixed_order:
-            pack = _Pack(weakref.ref(pairs[0][0]), versions[0], fixed_order_panels(dense.float()), False,
-                         fixed_order=True, out_features=dense.shape[0])  # fmt: skip
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
-            small = bf16_small_blocks_agree(in_features, dense.shape[0])
-            pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
+        small = bf16_small_blocks_agree(in_features, dense.shape[0])
+        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
         bias = torch.cat([bias.detach() for _, bias in pairs if bias is not None]) if has_bias else None
         self._fused[id(group)] = fused = _FusedPack(pack, bias, versions)
         self._held_bytes = held_after
