@@ -27,7 +27,14 @@ block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_
 and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
 per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster).
 A shape that fails, or a CPU without a native bf16 GEMM, gets its weight packed as fp32 (exact) and the
-fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
+fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower.
+
+fp32 GEMMs (fp32 weights, and those bf16-as-fp32 packs) run the engine's own fixed-order kernel where
+its library builds with AVX-512 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in
+order, so invariant by construction, no probe and no M = 1 workaround), else oneDNN's fp32 GEMM. On an
+AMD EPYC (Zen 5) it took 0.36-0.84x oneDNN's time at a decode step's 8-32 rows and 1.02-1.10x at
+1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x slower than both
+(`benchmarks/fp32_linears.py`). Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
 
 from __future__ import annotations
@@ -177,10 +184,11 @@ class _Pack:
 class PackedLinears:
     """The packed copies of one model's weights (kept across calls) and what packing cost.
 
-    `budget_bytes` bounds the copies (None: every linear packed). Past it, a weight is not copied: its
+    `budget_bytes` bounds the copies (None: every linear packed). Past it, a weight is not kept: its
     GEMM reads the live weight in oneDNN's plain layout, which oneDNN reorders per call into the same
     blocked layout and runs on the same kernel, so the values are bitwise the packed ones (probed on
-    every shape of `tests/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM. Weights
+    every shape of `tests/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM; a
+    fixed-order weight gets its panels made for the call (the same values by construction). Weights
     are packed in the order the forward first meets them (the layers, then the output head)."""
 
     def __init__(self, budget_bytes: int | None = None, fuse: bool = False, fixed_order: bool | None = None) -> None:
@@ -221,7 +229,8 @@ class PackedLinears:
         """x [..., K], weight [N, K], bias [N] | None -> [..., N], like `F.linear`. Under autograd the
         gradients are ordinary GEMMs'; `recompute_safe` (gradient checkpointing on): see `_with_values`."""
         needs_grad = _needs_grad(x, weight, bias)
-        if self.fusion is not None and not needs_grad and _eligible(weight, x):
+        # fusion is for bf16 row blocks only (see `_fused_pack_for`): fp32 calls skip its bookkeeping
+        if self.fusion is not None and weight.dtype == torch.bfloat16 and not needs_grad and _eligible(weight, x):
             fused = self._fused_linear(x, weight, bias, self.fusion)
             if fused is not None:
                 return fused
