@@ -8,9 +8,12 @@ control shows the oracle tells orders apart: K summed as two halves added at the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from autobucket.engine.kernels import packed_linear
 from autobucket.engine.kernels.packed_linear import PackedLinears, _fixed_order_op, fixed_order_panels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -95,3 +98,30 @@ def test_bad_panels_are_refused_with_the_expected_layout():
     x, weight, _ = _case(4, 64, 40, seed=1)
     with pytest.raises(RuntimeError, match=r"panels \[ceil\(N / 32\), K, 32\]"):
         kernel(x, weight, None, 40)
+
+
+def test_the_portable_build_gives_the_vectorized_builds_values(tmp_path):
+    """The contract holds across builds: the portable `std::fma` loop, compiled without AVX-512, gives
+    bitwise the AVX-512 tiles' outputs (so a rollout and a trainer on CPUs of different kinds agree on
+    these linears). Builds the portable form under its own library name (~20 s once, then cached)."""
+    import hashlib
+
+    from torch.utils import cpp_extension
+
+    kernel = _kernel()
+    source = (Path(packed_linear.__file__).parent / "csrc" / "fixed_order_linear.cpp").read_text()
+    namespace = "autobucket_portable_check"
+    source = source.replace("TORCH_LIBRARY_FRAGMENT(autobucket,", f"TORCH_LIBRARY({namespace},")
+    source = source.replace("TORCH_LIBRARY_IMPL(autobucket,", f"TORCH_LIBRARY_IMPL({namespace},")
+    path = tmp_path / "portable.cpp"
+    path.write_text(source)
+    flags = ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off"]
+    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "fixed_order_linear"):
+        cpp_extension.load(name=f"{namespace}_{digest}", sources=[str(path)], extra_cflags=flags,
+                           is_python_module=False, verbose=False)  # fmt: skip
+    portable = getattr(torch.ops, namespace)
+    assert not portable.fixed_order_linear_vectorized()
+    x, weight, bias = _case(29, 300, 70, seed=9)
+    panels = fixed_order_panels(weight)
+    assert torch.equal(portable.fixed_order_linear(x, panels, bias, 70), kernel(x, panels, bias, 70))
