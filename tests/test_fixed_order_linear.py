@@ -44,8 +44,11 @@ def _case(rows: int, in_features: int, out_features: int, seed: int):
     return x, weight, torch.randn(out_features, generator=generator)
 
 
-# rows across tiles (12) and blocks (120); K across the 256-long slices; N with a partial last panel
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96)])
+# rows across tiles (12, and pair tiles of 6 from 65 rows on) and blocks (120); K across the 256-long
+# slices; N with a partial last panel; (100, 300, 100): pair tiles, then a single one for the partial panel
+@pytest.mark.parametrize(
+    "rows,in_features,out_features", [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96), (100, 300, 100)]
+)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_features, with_bias):
     kernel = _kernel()
