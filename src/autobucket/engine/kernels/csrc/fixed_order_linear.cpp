@@ -14,8 +14,9 @@
 // sums from the output: an fp32 store and load are exact, so the chain is unbroken. The first tile of
 // a slice prefetches the next panel's slice.
 //
-// Measured (AMD EPYC Zen 5, one core, GFLOPS): 32 x 256 x 256: 185 (oneDNN packed 131, MKL 87);
-// 32 x 576 x 1,536: 220 (195, 86); 2,048 x 256 x 1,024: 160 (219, 93); see docs/benchmarks.md.
+// Measured (AMD EPYC Zen 5, one core, weights from DRAM, benchmarks/fp32_linears.py): 0.35-0.84x oneDNN
+// packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
+// both there (its AVX2 code). See docs/benchmarks.md.
 //
 // Built with invariant_attention.cpp (same flags: -ffp-contract=off, so the compiler never fuses or
 // splits an operation the source did not write).
