@@ -32,7 +32,7 @@ fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower
 fp32 GEMMs (fp32 weights, and those bf16-as-fp32 packs) run the engine's own fixed-order kernel where
 its library builds with AVX-512 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in
 order, so invariant by construction, no probe and no M = 1 workaround), else oneDNN's fp32 GEMM. On an
-AMD EPYC (Zen 5) it took 0.36-0.84x oneDNN's time at a decode step's 8-32 rows and 1.02-1.10x at
+AMD EPYC (Zen 5) it took 0.35-0.84x oneDNN's time at a decode step's 8-32 rows and 1.00-1.11x at
 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x slower than both
 (`benchmarks/fp32_linears.py`). Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""

@@ -10,9 +10,9 @@
 // rows into [K][R] micro-panels first was slower on every shape: 140 vs 198 GFLOPS at 2,048 x 256 x
 // 128). Loops, outermost first: blocks of kRowBlock rows (in L2), panels (split across threads),
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
-// many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile that continues a slice reloads its partial
-// sums from the output: an fp32 store and load are exact, so the chain is unbroken. The first tile of
-// a slice prefetches the next panel's slice.
+// many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
+// that continues a slice reloads its partial sums from the output: an fp32 store and load are exact, so
+// the chain is unbroken. The first tile of a slice prefetches the next panel's slice.
 //
 // Measured (AMD EPYC Zen 5, one core, weights from DRAM, benchmarks/fp32_linears.py): 0.35-0.84x oneDNN
 // packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
@@ -157,6 +157,7 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   const at::Tensor bias_values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!bias_values.defined() || (bias_values.numel() == out_features && bias_values.scalar_type() == at::kFloat),
               "fixed_order_linear takes an fp32 bias [N]");
+  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
   const float* rows_data = rows.data_ptr<float>();
   const float* panel_data = panels.data_ptr<float>();
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
