@@ -1,10 +1,11 @@
 """`fixed_order_linear`, the fp32 linear of `kernels="invariant"` on AVX-512 builds.
 
 Its contract: every output is one fused multiply-add chain over k = 0 .. K-1 in order, then + bias. The
-oracle computes exactly that chain in float64 (a product of two fp32 values is exact there, and the
-sum is rounded to fp32 after each step, as an fp32 FMA rounds it), so any other order of the sum, a
-split of K, a lost partial sum between K slices or a wrong column of a panel fails it. A negative
-control shows the oracle tells orders apart: K summed as two halves added at the end differs."""
+oracle computes that chain in float64: a product of two fp32 values is exact there, and each step's sum
+is rounded to fp32, as an fp32 FMA rounds it (up to double rounding, a ~2^-29 chance per step that the
+fixed seeds here do not meet). So any other order of the sum, a split of K, a lost partial sum between
+K slices or a wrong column of a panel fails it. A negative control shows the oracle tells orders
+apart: the same products summed starting from the middle of K differ."""
 
 from __future__ import annotations
 
