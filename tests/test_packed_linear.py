@@ -52,9 +52,15 @@ def invariance_failures(
     return failures
 
 
+# fp32 GEMMs on the default kernel (the fixed-order one where it is vectorized) and on oneDNN's, the
+# fallback of builds without AVX-512, so both stay covered on any CPU
+FP32_KERNELS = pytest.mark.parametrize("fixed_order", [None, False], ids=["default-fp32-kernel", "onednn-fp32"])
+
+
+@FP32_KERNELS
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_a_packed_linear_is_batch_invariant_and_equals_f_linear(k, n):
-    packs = PackedLinears()
+def test_a_packed_linear_is_batch_invariant_and_equals_f_linear(k, n, fixed_order):
+    packs = PackedLinears(fixed_order=fixed_order)
     with torch.inference_mode():
         assert invariance_failures(packs.linear, k, n) == []
         x, weight = torch.randn(5, 3, k), torch.randn(n, k) / k**0.5
@@ -317,14 +323,15 @@ def test_a_bad_kernels_value_names_the_choices():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_gemm)], ids=["fp32", "bf16"])
+@FP32_KERNELS
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_a_live_weight_gives_bitwise_the_packed_result(k, n, dtype):
+def test_a_live_weight_gives_bitwise_the_packed_result(k, n, dtype, fixed_order):
     """What `packed_weights_mb` relies on: oneDNN's linear on the plain weight (reordered per call) is
     bitwise its linear on the packed copy, for one row, a block and many rows."""
     generator = torch.Generator().manual_seed(k + n)
     weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
     x = torch.randn(70, k, generator=generator).to(dtype)
-    packed, unpacked = PackedLinears(), PackedLinears(budget_bytes=0)
+    packed, unpacked = PackedLinears(fixed_order=fixed_order), PackedLinears(budget_bytes=0, fixed_order=fixed_order)
     with torch.inference_mode():
         for rows in (x[:1], x[:32], x):
             assert torch.equal(packed.linear(rows, weight, None), unpacked.linear(rows, weight, None))

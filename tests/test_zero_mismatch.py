@@ -174,3 +174,16 @@ def test_bf16_down_projection_shape_stays_bitwise():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
     logps = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
     assert logps.tolist() == [[float(v) for v in row] for row in result.logprobs]
+
+
+def test_the_onednn_fp32_fallback_keeps_the_equality(tiny_models, monkeypatch):
+    """Builds without AVX-512 run fp32 linears on oneDNN instead of the fixed-order kernel: the rollout
+    and the scoped trainer still agree bitwise (both sides choose the kernel the same way)."""
+    from autobucket.engine.kernels import packed_linear, trainer_scope
+
+    monkeypatch.setattr(packed_linear, "_fixed_order_op", lambda: None)
+    model = model_in("tiny-qwen2", torch.float32, tiny_models)
+    prompts, completions, logprobs = sample(model, "invariant", "bucketed", 16, 1)
+    assert max_abs_diff(trainer_side(model, prompts, completions, True), completions, logprobs) == 0.0
+    packs = trainer_scope._PACKS[model]
+    assert packs.fixed_order is False and packs._packs and not any(p.fixed_order for p in packs._packs.values())
