@@ -99,7 +99,8 @@ def measure(args) -> dict:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
             "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
-            "onednn_max_logit_difference": onednn_difference, "fixed_order": packs.fixed_order, "dtype": args.dtype, "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
+            "onednn_max_logit_difference": onednn_difference, "fixed_order": packs.fixed_order, "dtype": args.dtype,
+            "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs)}  # fmt: skip
 

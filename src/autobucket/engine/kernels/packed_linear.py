@@ -338,19 +338,19 @@ class PackedLinears:
             self._held_bytes -= pack.nbytes
         size = _panel_bytes(*source.shape) if fixed_order else source.numel() * source.element_size()
         small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
-        shape = {"fixed_order": fixed_order, "out_features": dense.shape[0]}
+        fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the _Pack fields of the fp32 GEMM
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
             if fixed_order:  # panels for this call (the kernel reads no other layout): the same values
                 source = fixed_order_panels(source)
             elif row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
-            return _Pack(weakref.ref(weight), version, source, row_blocks, small, **shape)  # this call only
+            return _Pack(weakref.ref(weight), version, source, row_blocks, small, **fp32_kernel)  # this call only
         if fixed_order:
             packed = fixed_order_panels(source)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
-        pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small, **shape)
+        pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small, **fp32_kernel)
         self._packs[id(weight)] = pack
         self._held_bytes += pack.nbytes
         self.packs_made += 1
