@@ -76,6 +76,73 @@ def test_chi_square_detects_a_wrong_distribution():
     assert chisquare(counts, expected_counts(target, counts.sum())).pvalue < 1e-6
 
 
+def exact_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: float64 softmax, its cumulative sum, the first token whose CDF exceeds the draw, and
+    the CDF on both sides of every token (to tell a rounding flip at a boundary from a wrong token)."""
+    cdf = torch.softmax(scores.double(), dim=-1).cumsum(dim=-1)
+    draws = uniforms.double()[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, draws, right=True).clamp(max=scores.shape[1] - 1).squeeze(-1)
+    return tokens, cdf
+
+
+def assert_inverse_cdf(tokens: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Every token is the exact inverse CDF's, or one a draw within 1e-6 of probability mass of its
+    boundary moved by rounding; a filtered token is never chosen. Returns which rows are exact."""
+    exact, cdf = exact_inverse_cdf(scores, uniforms)
+    assert torch.isfinite(scores.gather(1, tokens[:, None])).all(), "a filtered token was sampled"
+    draws = uniforms.double() * cdf[:, -1]
+    rows = torch.arange(len(tokens))
+    below = torch.where(tokens > 0, cdf[rows, (tokens - 1).clamp(min=0)], torch.zeros_like(draws))
+    near = (draws - below).abs().minimum((cdf[rows, tokens] - draws).abs())
+    differs = tokens != exact
+    assert (near[differs] < 1e-6).all(), (tokens[differs], exact[differs], near[differs])
+    inside = (below - 1e-6 <= draws) & (draws < cdf[rows, tokens] + 1e-6)
+    assert inside.all(), "a token whose CDF interval does not hold the draw"
+    return ~differs
+
+
+@pytest.mark.parametrize("vocab", [7, 128, 1000, 32_000, 50_257])
+def test_sampler_is_the_exact_inverse_cdf_up_to_rounding(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(300, vocab, generator=generator) * 4
+    scores[::3, vocab // 2 :] = float("-inf")  # filtered tails, as top-k / top-p leave them
+    scores[1::7, 1:] = float("-inf")  # one token left
+    uniforms = torch.rand(300, dtype=torch.float64, generator=generator)
+    uniforms[:20] = 1.0 - 2.0**-53  # the largest draw: lands in the last kept token's block
+    uniforms[20:30] = 0.0
+    tokens, logprobs = sample_inverse_cdf(scores, uniforms)
+    exact = assert_inverse_cdf(tokens, scores, uniforms)
+    assert exact[30:].double().mean() > 0.99  # the random draws (the largest draw sits on a boundary)
+    expected = torch.log_softmax(scores.double(), dim=-1).gather(1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_inverse_cdf_check_rejects_a_shifted_sampler():
+    """Negative control: the check above fails a sampler that picks the token after the right one."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(200, 1000, generator=generator) * 4
+    uniforms = torch.rand(200, dtype=torch.float64, generator=generator)
+    tokens, _ = sample_inverse_cdf(scores, uniforms)
+    with pytest.raises(AssertionError):
+        assert_inverse_cdf((tokens + 1).clamp(max=999), scores, uniforms)
+
+
+def test_a_rows_sample_does_not_depend_on_the_other_rows():
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.randn(64, 32_000, generator=generator) * 3
+    uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
+    tokens, logprobs = sample_inverse_cdf(scores, uniforms)
+    for row in (0, 17, 63):
+        alone_tokens, alone_logprobs = sample_inverse_cdf(scores[row : row + 1], uniforms[row : row + 1])
+        assert alone_tokens.item() == tokens[row].item()
+        assert alone_logprobs.item() == logprobs[row].item()  # bitwise
+
+
+def test_temperature_one_warps_to_the_logits_values():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(warp_logits(logits, 1.0, 0, 1.0), logits / 1.0)
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.8, 5, 1.0), (1.0, 0, 0.75), (1.2, 20, 0.6), (1.0, 1, 1.0)])
 def test_warp_equals_hf_warpers(temperature, top_k, top_p):
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
