@@ -40,7 +40,7 @@ def measure(rows: int, vocab: int, repeats: int, seed: int) -> dict:
     scores = torch.randn(rows, vocab, generator=generator) * 3
     uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
     samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for name, sampler in CONTENDERS.items():  # warm-up
+    for sampler in CONTENDERS.values():  # warm-up
         sampler(scores, uniforms)
     for _ in range(repeats):
         for name, sampler in CONTENDERS.items():

@@ -150,6 +150,15 @@ def run_workload(model, vllm, workload: Workload, args) -> dict:
     return row
 
 
+def round_ratios(row: dict, name: str, baseline: str) -> list[float]:
+    """`name` / `baseline` in each interleaved round (the rounds run the contenders back to back, so a
+    ratio's spread over rounds shows how far the machine's drift moves it; empty without `baseline`)."""
+    if name not in row or baseline not in row:
+        return []
+    pairs = zip(row[name]["samples_ms"], row[baseline]["samples_ms"], strict=False)
+    return [a / b for a, b in pairs if b]
+
+
 def print_table(rows: list[dict]) -> None:
     names = [n for n in ENGINES if n in rows[0]]
     head = "| workload | " + " | ".join(f"{n} ms" for n in names) + (
@@ -165,6 +174,11 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {row['workload']} | " + " | ".join(f"{med[n]:.0f}" for n in names)
               + f" | {ratio(med['auto_compiled'], vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto_invariant'], vllm)}"
               f" | {ratio(med['auto'], med['hf_generate'])} | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
+    for row in rows:
+        spread = round_ratios(row, "auto_invariant", "vllm")
+        if spread:
+            print(f"{row['workload']}: invariant / vllm round by round {min(spread):.2f}-{max(spread):.2f} "
+                  f"({len(spread)} interleaved rounds)")  # fmt: skip
     for row in rows:
         for name in names:
             flip = row[name].get("first_flip")
