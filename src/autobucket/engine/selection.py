@@ -168,9 +168,10 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
     and are never chosen, and the draw is kept strictly below the total.
 
     Why in blocks: torch's `cumsum` over a row is one sequential loop (2.0 ms for [64, 32000], one
-    thread; 4.1 ms with the softmax before it, AMD EPYC Zen 4). So the cumulative probability runs over
-    `SAMPLE_BLOCK`-entry block sums (vectorized), and only the block the draw lands in is scanned entry
-    by entry: 1.9 ms (a GRPO-like call's 63 steps at 64 rows: 249 -> 166 ms in the sampler). Every
+    thread, AMD EPYC Zen 4). So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
+    (vectorized), and only the block the draw lands in is scanned entry by entry: 0.51-0.73x the
+    full-row form's time with the softmax included (`benchmarks/sampler.py`; a GRPO-like call's 63
+    steps at 64 rows: 249 -> 166 ms in the sampler). Every
     value is a function of the row alone (the same on every route and batch); rounding moves token
     boundaries by ~1e-7 of probability mass against the exact CDF.
     """
