@@ -130,3 +130,48 @@ def test_persist_costs_false_neither_reads_nor_writes(model, seeded):
     assert [r.profile.costs_source for r in results] == ["probe", "online"]
     assert seeded.read_bytes() == before
     assert sorted(p.name for p in seeded.parent.iterdir()) == [seeded.name]
+
+
+# ------------------------------------------------------------------------------------ what an entry is keyed on
+XEON = "Intel(R) Xeon(R) Processor family 6 model 143 avx2 avx512f avx512_bf16 amx_tile"
+
+
+def test_each_kernel_set_learns_in_its_own_entry(model, seeded):
+    """The seeded entry was learned with the default kernels; the invariant kernels' calls cost up to 2x
+    less (AMD EPYC), so they start from a probe of their own and keep their own entry."""
+    (default,) = generate_exactly(model, RolloutConfig(route="auto"))
+    (invariant,) = generate_exactly(model, RolloutConfig(route="auto", kernels="invariant"))
+    assert (default.profile.costs_source, invariant.profile.costs_source) == ("stored", "probe")
+    assert len(list(seeded.parent.iterdir())) == 2
+    (again,) = generate_exactly(model, RolloutConfig(route="auto", kernels="invariant"))
+    assert again.profile.costs_source == "stored"
+
+
+def test_negative_control_a_store_keyed_without_the_kernels_serves_the_other_kernels_costs(model, seeded, monkeypatch):
+    import autobucket.engine.cost_source as cost_source
+
+    monkeypatch.setattr(cost_source, "store_metadata", lambda model, kernels: store_metadata(model))
+    (invariant,) = generate_exactly(model, RolloutConfig(route="auto", kernels="invariant"))
+    assert invariant.profile.costs_source == "stored"  # the default kernels' costs, planning the invariant ones
+
+
+def test_an_entry_learned_on_another_cpu_kind_is_not_used(model, cache, monkeypatch):
+    import autobucket.coefficients.store as store
+
+    with monkeypatch.context() as on_a_xeon:
+        on_a_xeon.setattr(store, "host_cpu", lambda: XEON)
+        assert store_metadata(model)["cpu"] == XEON
+        save_entry(store_metadata(model), CostCoefficients(), [], "online")
+    assert store_metadata(model)["cpu"] != XEON
+    (result,) = generate_exactly(model, RolloutConfig(route="auto"))
+    assert result.profile.costs_source == "probe"
+    assert len(list((cache / "online-costs").iterdir())) == 2  # the Xeon's entry is left as it was
+
+
+def test_host_cpu_names_the_kind_not_only_the_model_name():
+    from autobucket.coefficients.file import host_cpu
+
+    described = host_cpu()
+    if Path("/proc/cpuinfo").is_file():
+        assert " family " in described and " model " in described
+    assert described == host_cpu()

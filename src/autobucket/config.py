@@ -55,8 +55,8 @@ class RolloutConfig:
       can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     persist_costs: keep what online learning learns between processes (the only switch for it). True
-      (default): start from this model's entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
-      `~/.cache/autobucket`) and save it after every call. Only one process writes: rank 0 of
+      (default): start from the entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
+      `~/.cache/autobucket`) for this model, kernels and CPU kind, and save it after every call. Only one process writes: rank 0 of
       `torch.distributed` when it is initialised, else the process whose `RANK` environment variable
       (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
       cache folder that cannot be written gets one warning and the call goes on. False: the cache

@@ -14,9 +14,11 @@ nothing about it could be validated.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,6 +70,29 @@ def source_fingerprint() -> str:
     for name in FINGERPRINT_SOURCES:
         digest.update(name.encode("utf-8") + b"\0" + (folder / name).read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+@functools.cache  # read once per process: the CPU does not change under it
+def host_cpu() -> str:
+    """This machine's CPU kind: `/proc/cpuinfo`'s model name, family and model, and the vector
+    extensions that change which kernels are fastest (e.g. "AMD EPYC family 25 model 17 avx512f
+    avx512_bf16"); `platform.processor()` where there is no `/proc/cpuinfo`. Model names alone do not
+    tell CPU kinds apart on cloud VMs (two AMD EPYC generations both report "AMD EPYC")."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    fields: dict[str, str] = {}
+    for line in lines:
+        if not line.strip():
+            break  # the first processor's block describes them all
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if flag in flags]
+    described = [fields.get("model name", "unknown"), f"family {fields.get('cpu family', '?')}",
+                 f"model {fields.get('model', '?')}", *extensions]  # fmt: skip
+    return " ".join(described)
 
 
 def device_name(device: torch.device) -> str:

@@ -1,4 +1,5 @@
-"""What online learning learned, kept per model/device/dtype/attention backend/threads in the cache folder.
+"""What online learning learned, kept per model/device/dtype/attention backend/kernels/host CPU/threads in
+the cache folder.
 
 One JSON file per fingerprint: ``$AUTOBUCKET_CACHE_DIR/online-costs/<sha256[:16]>.json`` (default root
 ``~/.cache/autobucket``), holding the coefficients, the observation window they were fitted to (so the next
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from autobucket.coefficients.file import model_metadata, source_fingerprint
+from autobucket.coefficients.file import host_cpu, model_metadata, source_fingerprint
 from autobucket.models import CACHE_DIR_ENV
 from autobucket.planning.costs import CostCoefficients
 from autobucket.profile import Timing
@@ -39,18 +40,27 @@ RANK_ENV = "RANK"  # the global rank that torchrun, accelerate and deepspeed lau
 _UNWRITABLE: set[Path] = set()  # entries whose save failed in this process: warned once, not retried
 
 
-def store_metadata(model: torch.nn.Module) -> dict[str, Any]:
-    """Everything an entry must match to be trusted for `model` in this process."""
+def store_metadata(model: torch.nn.Module, kernels: str = "hf") -> dict[str, Any]:
+    """Everything an entry must match to be trusted for `model` in this process, with `kernels`
+    (`RolloutConfig.kernels`). The kernel set and the host CPU are part of the key: the same call took
+    0.45-0.68x the time on the invariant kernels on an AMD EPYC, and 2-5x less on an Intel Xeon than on
+    an AMD EPYC, so costs learned for one must not plan the other (a home folder shared by a cluster's
+    nodes, or two Rollouts of one model with different kernels, would otherwise overwrite each other's)."""
     return {
         **model_metadata(model),
+        "kernels": kernels,
+        "cpu": host_cpu(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "source_fingerprint": source_fingerprint(),
     }
 
 
+ENTRY_KEY_FIELDS = ("config_hash", "dtype", "device", "attn_implementation", "kernels", "cpu", "threads")
+
+
 def entry_path(metadata: dict[str, Any]) -> Path:
-    keyed = {name: metadata[name] for name in ("config_hash", "dtype", "device", "attn_implementation", "threads")}
+    keyed = {name: metadata[name] for name in ENTRY_KEY_FIELDS}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()[:16]
     root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "autobucket"
     return Path(root).expanduser() / _FOLDER / f"{key}.json"

@@ -57,7 +57,7 @@ class CostSource:
             self.fixed, self.source = costs, "defaults" if costs == CostCoefficients() else "given"
         else:
             self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
-        self.metadata = store_metadata(model) if self.online else {}
+        self.metadata = store_metadata(model, config.kernels) if self.online else {}
 
     def current(self, run: RunRoute | None) -> CostCoefficients | None:
         """Coefficients to plan with; online without a prior, `run` probes (None: do not probe)."""
