@@ -51,9 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peers.vllm_client import VllmProcess, cpu_model, start_vllm
+from peers.vllm_client import VllmProcess, start_vllm
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.coefficients.file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if vllm is not None:
             vllm.close()
-    print(f"\nbench-qwen2 fp32, {threads} thread(s), {cpu_model()}, medians of {args.repeats} (warm-up {args.warmup})")
+    print(f"\nbench-qwen2 fp32, {threads} thread(s), {host_cpu()}, medians of {args.repeats} (warm-up {args.warmup})")
     if "episodes" in report:
         print_table(f"{args.episodes} tool episodes x {TURNS} turns, {args.episode_new_tokens} new tokens per turn",
                     report["episodes"]["summary"], REPREFILL)  # fmt: skip
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{args.system_new_tokens} new tokens", report["system"]["summary"], UNSHARED)  # fmt: skip
         print_profile(report["system"]["summary"])
         print_targets("system", report["system"]["summary"])
-    meta = {"argv": sys.argv, "config": vars(args), "cpu": cpu_model(), "torch_threads": threads,
+    meta = {"argv": sys.argv, "config": vars(args), "cpu": host_cpu(), "torch_threads": threads,
             "torch": torch.__version__, "vllm": vllm.version if vllm else None, "model": "bench-qwen2"}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({**meta, "workloads": report}, indent=1))

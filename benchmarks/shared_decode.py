@@ -52,10 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peers.vllm_client import VllmProcess, cpu_model, start_vllm
+from peers.vllm_client import VllmProcess, start_vllm
 
 import autobucket.engine.routes as routes
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.coefficients.file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {name: summarize(records, name) for name in contenders}
     equal = sum(r["shared_vs_per_row_tokens_equal"][0] for r in records)
     compared = sum(r["shared_vs_per_row_tokens_equal"][1] for r in records)
-    print(f"\nbench-qwen2 fp32, {threads} thread(s), {cpu_model()}, medians of {args.repeats} (warm-up {args.warmup})")
+    print(f"\nbench-qwen2 fp32, {threads} thread(s), {host_cpu()}, medians of {args.repeats} (warm-up {args.warmup})")
     print(f"{args.prompts} prompts (lognormal lengths, median {MEDIAN_LENGTH}, clipped to {list(LENGTH_RANGE)}) x n = {args.n}, "
           f"{args.new_tokens} new tokens, temperature 1, EOS off; vLLM prefix caching "
           f"{'on' if args.vllm_prefix_caching else 'off'}")  # fmt: skip
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     if not summaries[SHARED]["shared_kv_rows"]:
         print(f"note: the shared contender shared no prompt K/V (below SHARED_MIN_SAVED_COLUMNS = "
               f"{routes.SHARED_MIN_SAVED_COLUMNS} saved columns?): both autobucket rows measure per-row copies")  # fmt: skip
-    meta = {"argv": sys.argv, "config": vars(args), "cpu": cpu_model(), "torch_threads": threads, "torch": torch.__version__,
+    meta = {"argv": sys.argv, "config": vars(args), "cpu": host_cpu(), "torch_threads": threads, "torch": torch.__version__,
             "vllm": vllm.version if vllm else None, "model": "bench-qwen2", "shared_min_saved_columns": routes.SHARED_MIN_SAVED_COLUMNS,
             "lengths": {"median": MEDIAN_LENGTH, "sigma": SIGMA, "range": LENGTH_RANGE},
             "continuous_batch_size": CONTINUOUS_BATCH_SIZE}  # fmt: skip

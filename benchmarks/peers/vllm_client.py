@@ -56,11 +56,3 @@ def start_vllm(python: str | None, model, **options) -> VllmProcess | None:
         print(f"note: vLLM skipped ({python} does not exist)")
         return None
     return VllmProcess(python, model, **options)
-
-
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
