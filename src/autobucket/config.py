@@ -56,11 +56,11 @@ class RolloutConfig:
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     persist_costs: keep what online learning learns between processes (the only switch for it). True
       (default): start from the entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
-      `~/.cache/autobucket`) for this model, kernels and CPU kind, and save it after every call. Only one process writes: rank 0 of
-      `torch.distributed` when it is initialised, else the process whose `RANK` environment variable
-      (set by torchrun, accelerate and deepspeed launchers) is 0 or unset; the other ranks read. A
-      cache folder that cannot be written gets one warning and the call goes on. False: the cache
-      folder is neither read nor written; learning stays in this process.
+      `~/.cache/autobucket`) for this model, kernels and CPU kind, and save it after every call. Only
+      one process writes: rank 0 of `torch.distributed` when it is initialised, else the process whose
+      `RANK` environment variable (set by torchrun, accelerate and deepspeed launchers) is 0 or unset;
+      the other ranks read. A cache folder that cannot be written gets one warning and the call goes
+      on. False: the cache folder is neither read nor written; learning stays in this process.
     kernels: "hf" (default): the model's own forward, op by op, except that eager decode steps on a CPU
       attend on the engine's attention kernel (it reads only each row's own keys; transformers' SDPA
       where the kernel cannot be built or cannot take the call); "invariant": the engine's own kernels

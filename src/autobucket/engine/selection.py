@@ -171,9 +171,9 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
     thread, AMD EPYC Zen 4). So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
     (vectorized), and only the block the draw lands in is scanned entry by entry: 0.51-0.73x the
     full-row form's time with the softmax included (`benchmarks/sampler.py`; a GRPO-like call's 63
-    steps at 64 rows: 249 -> 166 ms in the sampler). Every
-    value is a function of the row alone (the same on every route and batch); rounding moves token
-    boundaries by ~1e-7 of probability mass against the exact CDF.
+    steps at 64 rows: 249 -> 166 ms in the sampler). Every value is a function of the row alone (the
+    same on every route and batch); rounding moves token boundaries by ~1e-7 of probability mass
+    against the exact CDF.
     """
     vocab = scores.shape[1]
     weights = torch.softmax(scores.float(), dim=-1)  # [rows, vocab]: one fused pass (aten's exp is 2x slower)
