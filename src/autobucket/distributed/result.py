@@ -78,6 +78,8 @@ def _merge_profiles(plan: ShardPlan, results: dict[int, RolloutResult], config_r
     merged = Profile(route=routes.pop() if len(routes) == 1 else (config_route if not routes else "distributed"))
     for name in _SUMMED_FIELDS:
         setattr(merged, name, sum(getattr(profile, name) for profile in profiles.values()))
+    forwards = {profile.decode_forward for profile in profiles.values()}
+    merged.decode_forward = forwards.pop() if len(forwards) == 1 else "+".join(sorted(forwards))
     merged.cache_capacity = max((profile.cache_capacity for profile in profiles.values()), default=0)
     for worker, profile in sorted(profiles.items()):
         shard = plan.shards[worker]

@@ -190,6 +190,7 @@ def run_continuous(
         cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
         decode_attention=_decode_attention(call),
     )  # fmt: skip
+    call.profile.decode_forward = "direct" if runner.direct is not None else "model"
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
         call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),

@@ -27,6 +27,7 @@ from autobucket.engine.model_access.attention import (
     engine_attention,
     kernel_attention_active,
 )
+from autobucket.engine.model_access.direct_decode import DirectDecode
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
@@ -74,6 +75,9 @@ class ModelRunner:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
         # The eager decode step's attention when not transformers' own (the default kernels' `decode_sdpa`)
         self.decode_attention = decode_attention
+        # Eager decode steps of Llama-family models run from the model's parts, bitwise its forward's
+        # values without transformers' per-layer Python (`direct_decode.py`); None: the model's forward.
+        self.direct = DirectDecode.of(model)
         self.compiled = compiled  # the compiled decode step, or None: every step eager
         # Rows may read one shared copy of K/V (cascade decode attention): a prefix shared inside an
         # admission, and with `share_samples` the samples of one prompt admitted together.
@@ -235,7 +239,7 @@ class ModelRunner:
             layout = self.store.cascade_layout()
             own_kernel = self.decode_attention is not None
             with engine_attention(cascade_attention(layout, kernel_attention_active(), own_kernel)):
-                output = self._decode_forward()
+                logits = self._decode_forward()
             if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
                 raise RuntimeError(
                     f"cascade decode attention ran in {layout.calls} of {self.num_layers} layers: this model's "
@@ -243,20 +247,22 @@ class ModelRunner:
                 )
         elif self.decode_attention is not None:
             with engine_attention(self.decode_attention):
-                output = self._decode_forward()
+                logits = self._decode_forward()
         else:
-            output = self._decode_forward()
+            logits = self._decode_forward()
         self.store.finish_step()
-        return output.logits[:, -1, :].float()
+        return logits[:, -1, :].float()
 
-    def _decode_forward(self):
-        return self.model(
-            input_ids=self.rows.tokens[:, None],
-            attention_mask=self.store.step_mask(),
-            position_ids=self.rows.positions[:, None],
-            use_cache=True,
+    def _decode_forward(self) -> torch.Tensor:
+        """Logits [rows, 1, vocab] of one forward of every active row's next token."""
+        tokens, positions, mask = self.rows.tokens[:, None], self.rows.positions[:, None], self.store.step_mask()
+        if self.direct is not None:
+            return self.direct.step(tokens, positions, mask, self.store.write_step)
+        output = self.model(
+            input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
             **{self.spec.cache_keyword: self.cache},
-        )
+        )  # fmt: skip
+        return output.logits
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Feed `tokens` [rows] at the next step; they join each row's seen tokens."""

@@ -63,7 +63,11 @@ def kernel_attention_active() -> bool:
     return _KERNEL_ATTENTION.get() is not None
 
 
-def _dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' attention-function interface: the attention this forward asked for (a forward
+    keyword, else this thread's engine or kernel attention), else transformers' own SDPA. Registered as
+    "sdpa"; the direct decode step (`direct_decode.py`) calls it as the model's attention would."""
+    install_dispatcher()
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():
         chosen = _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
@@ -73,16 +77,16 @@ def _dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
 
 
 def install_dispatcher() -> None:
-    """Put `_dispatch_sdpa` in front of transformers' registered "sdpa" function (once per process)."""
+    """Put `dispatch_sdpa` in front of transformers' registered "sdpa" function (once per process)."""
     global _HF_SDPA
     if _HF_SDPA is not None:
         return
     from transformers import AttentionInterface
 
     registered = AttentionInterface._global_mapping["sdpa"]
-    if registered is not _dispatch_sdpa:
+    if registered is not dispatch_sdpa:
         _HF_SDPA = registered
-        AttentionInterface.register("sdpa", _dispatch_sdpa)
+        AttentionInterface.register("sdpa", dispatch_sdpa)
 
 
 def dispatches(model: torch.nn.Module) -> bool:

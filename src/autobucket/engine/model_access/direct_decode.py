@@ -1,0 +1,170 @@
+"""A decode step that runs the model's own parts without transformers' per-layer orchestration.
+
+A continuous-batching decode step of a small model spends about as long in transformers' Python between
+kernels as in the kernels: on bench-qwen2 (4 layers, 16 rows, context 256, `kernels="invariant"`) a step
+took 8.5 ms, of which the linears and the attention were 4.4 ms; the rest was module calls, kwargs
+plumbing, output capture, mask preprocessing, config attribute hooks and the cache interface, per layer.
+
+For the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is a Llama) `DirectDecode.step` calls the
+model's *leaf* parts — embedding, rotary embedding, RMSNorms, linears (LoRA layers included, so the active
+adapters run), the activation and the model's own `apply_rotary_pos_emb` — in the order and with the
+tensor shapes of the model's forward, and attends through the same dispatcher the model's attention
+reaches (`attention.dispatch_sdpa`: the engine's kernel for this thread, else transformers' SDPA). Every
+value is therefore bitwise what `model(...)` computes on the same kernels (tested per architecture, dtype
+and kernel set, with a wrong-order variant as the negative control); only the orchestration is ours, and
+it is small enough to read against the model's source.
+
+What it skips must not matter, so it is used only where nothing can observe the difference: the model's
+exact classes from transformers (a subclass may override a forward), `"sdpa"` attention (the
+dispatcher), no sliding window, and no forward hooks on the modules it bypasses (FSDP2 unshards, a
+distributed worker's cancel hook, a trainer's probes all live there) nor global ones. Anything else runs
+the model's own forward. Nothing of the model is changed."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobucket.engine.model_access.attention import dispatch_sdpa, dispatches
+from autobucket.engine.model_access.hf_compat import sliding_window_limit
+
+# Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
+# (pre-norm attention and gated MLP with residuals). Qwen3 adds per-head q/k RMSNorms before RoPE.
+_FAMILY = {
+    "LlamaForCausalLM": "Llama",
+    "Qwen2ForCausalLM": "Qwen2",
+    "Qwen3ForCausalLM": "Qwen3",
+    "MistralForCausalLM": "Mistral",
+}
+
+KeyValueWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DirectDecode:
+    """One decode forward of a Llama-family model from its parts (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, apply_rotary: Callable, qk_norm: bool) -> None:
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers[: model.config.num_hidden_layers])
+        self.apply_rotary = apply_rotary  # the model's own `apply_rotary_pos_emb`
+        self.qk_norm = qk_norm
+        # The keywords the model's attention hands its attention function besides the mask (transformers
+        # 4.57 and 5.x alike: the decoder layer's `position_ids` and `use_cache`; Qwen2/3 and Mistral add
+        # their window, always None here).
+        self.window_keyword = [hasattr(layer.self_attn, "sliding_window") for layer in self.layers]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> DirectDecode | None:
+        """The direct step for `model`, or None where only the model's own forward is exact (see
+        `ineligible_reason`)."""
+        if ineligible_reason(model) is not None:
+            return None
+        modeling = sys.modules[type(model).__module__]
+        return cls(model, modeling.apply_rotary_pos_emb, _FAMILY[type(model).__name__] == "Qwen3")
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        write: KeyValueWrite,
+    ) -> torch.Tensor:
+        """input_ids, position_ids [rows, 1]; attention_mask: the 4-D additive mask the model's forward would
+        be given (it passes a 4-D mask through unchanged), or None where no row is masked; `write(layer, key,
+        value)` stores a layer's new K/V [rows, kv_heads, 1, head_dim] and returns the layer's K/V up to
+        them. -> logits [rows, 1, vocab] in the model's dtype."""
+        inner = self.inner
+        hidden = inner.embed_tokens(input_ids)  # [rows, 1, hidden]
+        position_embeddings = inner.rotary_emb(hidden, position_ids)
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            hidden = self._attention(index, layer.self_attn, hidden, position_embeddings, attention_mask,
+                                     position_ids, write)  # fmt: skip
+            hidden = residual + hidden
+            residual = hidden
+            hidden = layer.post_attention_layernorm(hidden)
+            mlp = layer.mlp
+            hidden = mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+            hidden = residual + hidden
+        hidden = inner.norm(hidden)
+        return self.model.lm_head(hidden[:, 0:, :])  # the model slices `logits_to_keep=0` the same way
+
+    def _attention(
+        self,
+        index: int,
+        attention: Any,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        write: KeyValueWrite,
+    ) -> torch.Tensor:
+        input_shape = hidden.shape[:-1]
+        hidden_shape = (*input_shape, -1, attention.head_dim)  # [rows, 1, heads, head_dim]
+        # The projections in the model's order (a fused group learns its members from that order).
+        if self.qk_norm:
+            query = attention.q_norm(attention.q_proj(hidden).view(hidden_shape)).transpose(1, 2)
+            key = attention.k_norm(attention.k_proj(hidden).view(hidden_shape)).transpose(1, 2)
+        else:
+            query = attention.q_proj(hidden).view(hidden_shape).transpose(1, 2)
+            key = attention.k_proj(hidden).view(hidden_shape).transpose(1, 2)
+        value = attention.v_proj(hidden).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = self.apply_rotary(query, key, cos, sin)
+        key, value = write(attention.layer_idx, key, value)
+        keywords: dict[str, Any] = {"position_ids": position_ids, "use_cache": True}
+        if self.window_keyword[index]:
+            keywords["sliding_window"] = attention.sliding_window
+        output, _ = dispatch_sdpa(
+            attention, query, key, value, attention_mask,
+            dropout=0.0 if not attention.training else attention.attention_dropout,
+            scaling=attention.scaling, **keywords,
+        )  # fmt: skip
+        output = output.reshape(*input_shape, -1).contiguous()
+        return attention.o_proj(output)
+
+
+def ineligible_reason(model: torch.nn.Module) -> str | None:
+    """Why the direct step cannot stand in for `model`'s forward (None: it can)."""
+    family = _FAMILY.get(type(model).__name__)
+    module_name = type(model).__module__
+    if family is None or not module_name.startswith("transformers.models."):
+        return f"{type(model).__name__} is not a transformers Llama, Qwen2, Qwen3 or Mistral causal LM"
+    if not dispatches(model):
+        return "its attention is not transformers' 'sdpa' (the engine's dispatcher)"
+    if sliding_window_limit(model.config) is not None:
+        return "it attends in a sliding window"
+    modeling = sys.modules[module_name]
+    expected = {
+        "model": getattr(modeling, f"{family}Model", None),
+        "layer": getattr(modeling, f"{family}DecoderLayer", None),
+        "attention": getattr(modeling, f"{family}Attention", None),
+        "mlp": getattr(modeling, f"{family}MLP", None),
+    }
+    inner = getattr(model, "model", None)
+    if type(inner) is not expected["model"] or not hasattr(modeling, "apply_rotary_pos_emb"):
+        return f"its base model is a {type(inner).__name__}, not transformers' {family}Model"
+    for layer in inner.layers:
+        parts = ((layer, "layer"), (layer.self_attn, "attention"), (layer.mlp, "mlp"))
+        for module, kind in parts:
+            if type(module) is not expected[kind]:
+                return f"a {kind} is a {type(module).__name__}, not transformers' {expected[kind].__name__}"
+    bypassed = [model, inner, *(m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp))]
+    if any(_has_forward_hooks(module) for module in bypassed) or _global_forward_hooks():
+        return "forward hooks are registered on modules whose forward it bypasses"
+    return None
+
+
+def _has_forward_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _global_forward_hooks() -> bool:
+    from torch.nn.modules import module as module_globals
+
+    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
