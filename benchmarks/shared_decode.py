@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import statistics
 import sys
 import time
@@ -59,10 +57,11 @@ from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
+from autobucket.tools.workloads import SHAREGPT_MEDIAN, SHAREGPT_RANGE, SHAREGPT_SIGMA, sharegpt_like_lengths
 
 SHARED, PER_ROW, VLLM = "autobucket (shared prompt K/V)", "autobucket (per-row copies)", "vllm"
 INVARIANT_SHARED, INVARIANT_PER_ROW = "autobucket invariant (shared)", "autobucket invariant (per-row copies)"
-MEDIAN_LENGTH, SIGMA, LENGTH_RANGE = 250, 1.0, (32, 1024)  # ShareGPT-like prompt lengths
+MEDIAN_LENGTH, SIGMA, LENGTH_RANGE = SHAREGPT_MEDIAN, SHAREGPT_SIGMA, SHAREGPT_RANGE
 CONTINUOUS_BATCH_SIZE = 64
 COUNTERS = ("route", "shared_kv_rows", "decode_ms", "prefill_ms", "total_ms", "prefill_tokens",
             "decode_forwards", "kv_cache_bytes", "max_active_rows", "decision_reason")  # fmt: skip
@@ -78,9 +77,7 @@ class Call:
 # ------------------------------------------------------------ workload
 def round_prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     """`count` random prompts with lognormal lengths (median MEDIAN_LENGTH, clipped to LENGTH_RANGE)."""
-    draw = random.Random(seed)
-    lengths = [min(max(round(draw.lognormvariate(math.log(MEDIAN_LENGTH), SIGMA)), LENGTH_RANGE[0]), LENGTH_RANGE[1])
-               for _ in range(count)]  # fmt: skip
+    lengths = sharegpt_like_lengths(count, seed)
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in lengths]
 

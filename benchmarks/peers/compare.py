@@ -22,17 +22,22 @@ import sys
 from pathlib import Path
 
 import torch
+from floors import best_rates, call_floor_ms, measure_core_rates
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.coefficients.file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
-from autobucket.tools.workloads import Workload, reference_workloads, time_interleaved
+from autobucket.tools.workloads import Workload, reference_workloads, sharegpt_like_lengths, time_interleaved
 
 ENGINES = ("hf_generate", "auto", "auto_invariant", "auto_compiled", "bucketed_compiled", "vllm")
 
 
 def workloads() -> list[Workload]:
-    return [*reference_workloads(), Workload("uniform short (32x16)", (16,) * 32)]
+    """The reference five, a uniform short batch, and a realistic prefill-heavy mix (32 ShareGPT-like
+    lengths, seed 0: 32 to 1,024 tokens, 10,660 in all)."""
+    return [*reference_workloads(), Workload("uniform short (32x16)", (16,) * 32),
+            Workload("ShareGPT-like (32, median 250)", sharegpt_like_lengths(32, seed=0))]
 
 
 class VllmWorker:
@@ -43,7 +48,7 @@ class VllmWorker:
                    VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")  # fmt: skip
         worker = Path(__file__).with_name("vllm_worker.py")
         self.process = subprocess.Popen(
-            [python, str(worker), "--model", str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [python, str(worker), "--model", str(model_dir), "--max-model-len", "2048"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env,
         )  # fmt: skip
         self._read()  # {"ready": true} once the engine (and its compile) is up
@@ -114,6 +119,7 @@ def first_flip(model, prompts: list[list[int]], reference: list[list[int]], toke
 
 
 def run_workload(model, vllm, workload: Workload, args) -> dict:
+    """Every contender on `workload`, interleaved; medians, samples, token agreement with HF greedy."""
     prompts = random_prompts(workload.lengths, model.config.vocab_size, seed=args.seed)
     runs_by_name = contenders(model, args.max_new_tokens)
     compile_ms, vllm_ms = [], []
@@ -162,10 +168,11 @@ def round_ratios(row: dict, name: str, baseline: str) -> list[float]:
 def print_table(rows: list[dict]) -> None:
     names = [n for n in ENGINES if n in rows[0]]
     head = "| workload | " + " | ".join(f"{n} ms" for n in names) + (
-        " | compiled / vllm | auto / vllm | invariant / vllm | auto / HF | tokens = HF | compile_ms |"
+        " | compiled / vllm | auto / vllm | invariant / vllm | auto / HF | floor ms | invariant / floor | vllm / floor"
+        " | tokens = HF | compile_ms |"
     )
     print(head)
-    print("|" + "---|" * (len(names) + 7))
+    print("|" + "---|" * (len(names) + 10))
     for row in rows:
         med = {n: row[n]["median_ms"] for n in names}
         vllm = med.get("vllm")
@@ -173,7 +180,9 @@ def print_table(rows: list[dict]) -> None:
         equal = " ".join(f"{n}:{'yes' if row[n]['tokens_equal_hf'] else 'NO'}" for n in names if n != "hf_generate")
         print(f"| {row['workload']} | " + " | ".join(f"{med[n]:.0f}" for n in names)
               + f" | {ratio(med['auto_compiled'], vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto_invariant'], vllm)}"
-              f" | {ratio(med['auto'], med['hf_generate'])} | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
+              f" | {ratio(med['auto'], med['hf_generate'])} | {row['floor_ms']:.0f}"
+              f" | {ratio(med['auto_invariant'], row['floor_ms'])} | {ratio(vllm or 0, row['floor_ms'])}"
+              f" | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
     for row in rows:
         spread = round_ratios(row, "auto_invariant", "vllm")
         if spread:
@@ -205,15 +214,23 @@ def main(argv: list[str] | None = None) -> None:
         model.save_pretrained(model_dir)
     vllm = None if args.no_vllm else VllmWorker(args.vllm_python, model_dir, args.core)
     chosen = [w for w in workloads() if not args.workloads or any(w.name.startswith(p) for p in args.workloads.split(","))]
+    measured_rates = [measure_core_rates()]
     try:
         rows = [run_workload(model, vllm, workload, args) for workload in chosen]
     finally:
         if vllm is not None:
             vllm.close()
-    print(f"bench-qwen2 fp32, {args.max_new_tokens} new tokens, one thread, core {args.core}, medians of {args.repeats}")
+    measured_rates.append(measure_core_rates())
+    rates = best_rates(measured_rates)
+    for workload, row in zip(chosen, rows, strict=True):
+        row["floor_ms"] = call_floor_ms(model.config, workload.lengths, args.max_new_tokens, rates)
+    print(f"bench-qwen2 fp32, {args.max_new_tokens} new tokens, one thread, core {args.core}, medians of {args.repeats}; "
+          f"{host_cpu()}; floor from this run's peak fp32 GEMM {rates.gemm_gflops:.0f} GFLOPS ({rates.gemm_kernel}) "
+          f"and read rate {rates.read_gb_s:.1f} GB/s")  # fmt: skip
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"argv": sys.argv, "cpu": host_cpu(), "rates": [vars(r) for r in measured_rates],
+                                          "rows": rows}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ absolute thresholds."""
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +44,19 @@ def reference_workloads() -> list[Workload]:
         Workload("moderate tail (1x128 + 31x4)", (128,) + (4,) * 31),
         Workload("spread (16, 32, ..., 512)", tuple(range(16, 513, 16))),
     ]
+
+
+# ShareGPT-like prompt lengths: lognormal, median 250 tokens, sigma 1.0, clipped to [32, 1024]
+SHAREGPT_MEDIAN, SHAREGPT_SIGMA, SHAREGPT_RANGE = 250, 1.0, (32, 1024)
+
+
+def sharegpt_like_lengths(count: int, seed: int) -> tuple[int, ...]:
+    """`count` prompt lengths of a realistic, prefill-heavy mix: lognormal with median SHAREGPT_MEDIAN and
+    sigma SHAREGPT_SIGMA, clipped to SHAREGPT_RANGE; the same seed gives the same lengths."""
+    draw = random.Random(seed)
+    low, high = SHAREGPT_RANGE
+    return tuple(min(max(round(draw.lognormvariate(math.log(SHAREGPT_MEDIAN), SHAREGPT_SIGMA)), low), high)
+                 for _ in range(count))  # fmt: skip
 
 
 @dataclass
