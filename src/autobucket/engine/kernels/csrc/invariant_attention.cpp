@@ -661,7 +661,18 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
             for (int64_t t = 0; t < n; ++t) store_output(tile_queries[t], tile_out.data() + t * group * head_dim);
             tile_queries.clear();
           };
+          // Without a mask every query's list is a prefix of the item's last query's (its shared keys, then
+          // its own columns up to its causal limit): that list is built once and the others are counts, not
+          // rebuilt and compared key by key (O(L^2) pointer work per item: 18% of a 1,024-token prefill).
+          const bool prefixes_of_last = !has_mask;
           for (int64_t qi = end_query - 1; qi >= first_query; --qi) {
+            if (prefixes_of_last && list.count >= 0) {
+              tile_counts[tile_queries.size()] =
+                  shared_count + (causal ? std::max<int64_t>(0, columns - queries + qi + 1) : columns);
+              tile_queries.push_back(qi);
+              if (static_cast<int64_t>(tile_queries.size()) == kQueryTile) run_tile();
+              continue;
+            }
             const int64_t count = list_keys(qi);
             if (!list.holds_prefix(key_ptrs, value_ptrs, count)) {
               run_tile();
