@@ -13,6 +13,7 @@ import pytest
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.online import OnlineCosts, median_relative_error
 from autobucket.coefficients.store import entry_path, load_entry, save_entry, store_metadata
+from autobucket.engine import cost_source
 from autobucket.models import CACHE_DIR_ENV
 from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
@@ -24,7 +25,7 @@ from autobucket.planning.costs import (
     timing_ms,
 )
 from autobucket.planning.route_choice import choose_route
-from autobucket.profile import Timing
+from autobucket.profile import Profile, Timing
 from autobucket.prompts import random_prompts
 
 GEOMETRY = BENCH_QWEN2_GEOMETRY
@@ -189,6 +190,34 @@ def test_rollout_learns_persists_and_reports_predicted_vs_measured(tiny_models, 
         assert profile.costs["packed_prompt_ms"] == CostCoefficients().packed_prompt_ms
     second = Rollout(model, config=RolloutConfig(route="auto"))
     assert second.costs == first.costs and second.cost_source.source == "stored"
+
+
+@pytest.mark.parametrize("share, refits", [(0.02, 4), (1e9, 20)])
+def test_refits_take_at_most_their_share_of_generate_time(tiny_models, tmp_path, monkeypatch, share, refits):
+    # A clock the refits advance: each takes 10 ms, each call measures 100 ms. At a 2% share a refit needs
+    # 500 ms of calls since the last one: calls 5, 10, 15 and 20 refit. 1e9 is the control: every call.
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    rollout = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="auto"))
+    rollout.generate(random_prompts([5, 40, 7], 1024, seed=1), SamplingConfig(max_new_tokens=3))  # the probe
+    source = rollout.cost_source
+    clock, done = [0.0], []
+
+    def refit(self):
+        clock[0] += 0.010
+        done.append(clock[0])
+
+    monkeypatch.setattr(cost_source, "REFIT_SHARE", share)
+    monkeypatch.setattr(cost_source.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(OnlineCosts, "refit", refit)
+    source._refit_ms, source._since_refit_ms = 10.0, 0.0
+    window = []
+    for call in range(20):
+        profile = Profile(timings=[Timing(PREFILL_FORWARD, 2, 64 + call, 100.0)])
+        source.after_call(profile, None)
+        window.append(len(source.learner.observations()))
+    assert len(done) == refits
+    assert window == sorted(window) and window[-1] > window[0]  # every call's timings joined the window
+    assert source.source == "online"
 
 
 @pytest.mark.usefixtures("single_thread")

@@ -90,7 +90,15 @@ class OnlineCosts:
 
     def observe(self, timings: Sequence[Timing]) -> Update:
         """Add one call's timings and refit; keep the current coefficients where the refit is worse."""
+        self.add(timings)
+        return self.refit()
+
+    def add(self, timings: Sequence[Timing]) -> None:
+        """Add one call's timings to the window without refitting (`refit` fits them later)."""
         self._add(summarize(timings))
+
+    def refit(self) -> Update:
+        """Refit every block to the window; keep the current coefficients where the refit is worse."""
         accepted, before, after = {}, {}, {}
         values = self.costs.to_dict()
         for block, (_, names) in BLOCKS.items():
