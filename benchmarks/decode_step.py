@@ -12,6 +12,8 @@ prepacked weights, fp32 ones on the fixed-order kernel where it is vectorized, b
 linears that read one input fused into one GEMM, attention on the batch-invariant kernel),
 `invariant_unfused` the same without fusing (what the trainer's scope runs), `invariant_onednn` with
 fp32 GEMMs on oneDNN's packed kernel instead of the fixed-order one;
+`invariant_model` and `default_model` are those steps through the model's own forward instead of the
+direct step (`direct_decode.py`: the model's parts without transformers' per-layer Python), bitwise alike;
 `--dtype bfloat16` runs the model in bf16;
 `repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
 
@@ -76,11 +78,26 @@ def measure(args) -> dict:
         with invariant_kernels(packs):
             return step_at_context(eager)
 
+    def through_model(step):  # the same step with the model's own forward instead of the direct step
+        def run():
+            runner = default if step is default_step else eager
+            direct, runner.direct = runner.direct, None
+            try:
+                return step()
+            finally:
+                runner.direct = direct
+
+        return run
+
+    def default_step():
+        return step_at_context(default)
+
     invariant_difference = (step_at_context(eager) - invariant_step()).abs().max().item()
     fusion_difference = (invariant_step(unfused_packs) - invariant_step()).abs().max().item()
     onednn_difference = (invariant_step(onednn_packs) - invariant_step()).abs().max().item()
+    direct_difference = (through_model(invariant_step)() - invariant_step()).abs().max().item()
     samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "invariant_unfused": [],
-               "invariant_onednn": [], "head_gemm": [], "repack": []}  # fmt: skip
+               "invariant_onednn": [], "invariant_model": [], "default_model": [], "head_gemm": [], "repack": []}  # fmt: skip
     for _ in range(args.warmup):
         step_at_context(eager), step_at_context(default), step_at_context(compiled), invariant_step()
         invariant_step(unfused_packs), invariant_step(onednn_packs)
@@ -91,6 +108,8 @@ def measure(args) -> dict:
         samples["invariant"].append(timed(invariant_step))
         samples["invariant_unfused"].append(timed(lambda: invariant_step(unfused_packs)))
         samples["invariant_onednn"].append(timed(lambda: invariant_step(onednn_packs)))
+        samples["invariant_model"].append(timed(through_model(invariant_step)))
+        samples["default_model"].append(timed(through_model(default_step)))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
         packs.refresh()
         before = packs.pack_ms
@@ -99,7 +118,8 @@ def measure(args) -> dict:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
             "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
-            "onednn_max_logit_difference": onednn_difference, "fixed_order": packs.fixed_order, "dtype": args.dtype,
+            "onednn_max_logit_difference": onednn_difference, "direct_max_logit_difference": direct_difference,
+            "direct_step": eager.direct is not None, "fixed_order": packs.fixed_order, "dtype": args.dtype,
             "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs)}  # fmt: skip
@@ -146,6 +166,10 @@ def main() -> None:
         print(f"invariant kernels with fp32 GEMMs on oneDNN {m['invariant_onednn']:.2f} ms (fixed order / oneDNN "
               f"{m['invariant'] / m['invariant_onednn']:.3f}, max |logit difference| "
               f"{result['onednn_max_logit_difference']:.1e})")
+    print(f"through the model's own forward instead of the direct step: invariant {m['invariant_model']:.2f} ms "
+          f"(direct / model {m['invariant'] / m['invariant_model']:.3f}), default {m['default_model']:.2f} ms "
+          f"(direct / model {m['default'] / m['default_model']:.3f}); max |logit difference| "
+          f"{result['direct_max_logit_difference']:.1e}")  # fmt: skip
     for label, key in (("eager", "top_ops"), ("invariant", "invariant_top_ops")):
         for name, ms in result[key]:
             print(f"  {label} step, self time per step: {name:55s} {ms:7.2f} ms")
