@@ -127,11 +127,25 @@ def test_models_it_cannot_stand_in_for_get_their_own_forward(tiny_models):
     finally:
         handle.remove()
 
+    hooked.model.layers[0].mlp.forward = lambda x: x  # instrumentation, or a test's wrapper, on the instance
+    assert "replaced" in ineligible_reason(hooked)
+    del hooked.model.layers[0].mlp.forward
+    assert DirectDecode.of(hooked) is not None
+
     class CustomLlama(type(hooked)):  # a subclass may override any forward
         pass
 
     custom = CustomLlama(hooked.config)
     assert "not a transformers" in ineligible_reason(custom)
+
+
+def test_a_forward_replaced_on_a_class_gets_the_models_forward(monkeypatch):
+    # What a kernel library does (Liger replaces a causal LM's forward on its class): the direct step
+    # would bypass it, so the model's own forward runs.
+    model = build_tiny_model("tiny-qwen2", seed=3)
+    forward = type(model.model.layers[0].self_attn).forward
+    monkeypatch.setattr(type(model.model.layers[0].self_attn), "forward", lambda self, *a, **k: forward(self, *a, **k))
+    assert "replaced" in ineligible_reason(model)
 
 
 def test_a_rollout_on_the_direct_step_matches_one_on_the_models_forward(tiny_models, monkeypatch):

@@ -15,7 +15,8 @@ and kernel set, with a wrong-order variant as the negative control); only the or
 it is small enough to read against the model's source.
 
 What it skips must not matter, so it is used only where nothing can observe the difference: the model's
-exact classes from transformers (a subclass may override a forward), `"sdpa"` attention (the
+exact classes from transformers (a subclass may override a forward) with their own forwards (not replaced
+on the instance or the class, as instrumentation and kernel libraries do), `"sdpa"` attention (the
 dispatcher), no sliding window, and no forward hooks on the modules it bypasses (FSDP2 unshards, a
 distributed worker's cancel hook, a trainer's probes all live there) nor global ones. Anything else runs
 the model's own forward. Nothing of the model is changed."""
@@ -157,7 +158,17 @@ def ineligible_reason(model: torch.nn.Module) -> str | None:
     bypassed = [model, inner, *(m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp))]
     if any(_has_forward_hooks(module) for module in bypassed) or _global_forward_hooks():
         return "forward hooks are registered on modules whose forward it bypasses"
+    patched = next((module for module in bypassed if _forward_replaced(module, module_name)), None)
+    if patched is not None:  # instrumentation, a kernel library (Liger, unsloth) or a test's wrapper
+        return f"{type(patched).__name__}.forward is not transformers' own (it was replaced)"
     return None
+
+
+def _forward_replaced(module: torch.nn.Module, modeling_name: str) -> bool:
+    """Whether `module`'s forward is another than its modeling file's: set on the instance, or on the class."""
+    if "forward" in vars(module):
+        return True
+    return getattr(type(module).forward, "__module__", None) != modeling_name
 
 
 def _has_forward_hooks(module: torch.nn.Module) -> bool:
