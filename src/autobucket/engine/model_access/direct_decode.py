@@ -130,8 +130,27 @@ class DirectDecode:
         return attention.o_proj(output)
 
 
+# The transformers releases whose Llama-family decoder layers the step was checked against, bitwise, by
+# tests/test_direct_decode.py (4.57.x, and 5.x up to this minor): a later release may reorder or add an
+# op inside a layer, so there the model's forward runs until the tests pass on it and this is raised.
+VERIFIED_TRANSFORMERS = ((4, 57), (5, 24))
+
+
+def transformers_verified(version: str) -> bool:
+    """Whether transformers `version` ("5.24.0", "4.57.6", "5.3.0.dev0") is one the step was checked on."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    low, high = VERIFIED_TRANSFORMERS
+    return (major, minor) == low or (major == high[0] and minor <= high[1])
+
+
 def ineligible_reason(model: torch.nn.Module) -> str | None:
     """Why the direct step cannot stand in for `model`'s forward (None: it can)."""
+    import transformers
+
+    if not transformers_verified(transformers.__version__):
+        return (f"transformers {transformers.__version__} is not a release the direct step was checked on "
+                f"({'.'.join(map(str, VERIFIED_TRANSFORMERS[0]))}.x, 5.x up to "
+                f"{'.'.join(map(str, VERIFIED_TRANSFORMERS[1]))})")  # fmt: skip
     family = _FAMILY.get(type(model).__name__)
     module_name = type(model).__module__
     if family is None or not module_name.startswith("transformers.models."):
