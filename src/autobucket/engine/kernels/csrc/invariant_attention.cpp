@@ -663,7 +663,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           };
           // Without a mask every query's list is a prefix of the item's last query's (its shared keys, then
           // its own columns up to its causal limit): that list is built once and the others are counts, not
-          // rebuilt and compared key by key (O(L^2) pointer work per item: 18% of a 1,024-token prefill).
+          // rebuilt and compared key by key (O(L^2) pointer work per item: about a fifth of a 1,024-token prefill's kernel time).
           const bool prefixes_of_last = !has_mask;
           for (int64_t qi = end_query - 1; qi >= first_query; --qi) {
             if (prefixes_of_last && list.count >= 0) {
