@@ -663,8 +663,20 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           };
           // Without a mask every query's list is a prefix of the item's last query's (its shared keys, then
           // its own columns up to its causal limit): that list is built once and the others are counts, not
-          // rebuilt and compared key by key (O(L^2) pointer work per item: about a fifth of a 1,024-token prefill's kernel time).
+          // rebuilt and compared key by key (O(L^2) pointer work per item: about a fifth of a 1,024-token
+          // prefill's kernel time). With a mask of its own per query (a padded causal batch, a trainer's
+          // forward), a query reads a prefix of the list held iff its mask row equals the held query's up to
+          // its own last allowed column: a comparison of mask bytes, not of key pointers (1,024 tokens, 4
+          // rows: 37.9 -> 28.5 ms, against 23.8 without a mask).
           const bool prefixes_of_last = !has_mask;
+          const bool* held_row = nullptr;  // the mask row of the query whose list `list` holds
+          int64_t held_last = -1;          // its last allowed column
+          const auto mask_row = [&](int64_t qi) { return mask + (row * mask_queries + (mask_queries == 1 ? 0 : qi)) * columns; };
+          const auto last_allowed = [&](const bool* m) {
+            int64_t c = columns - 1;
+            while (c >= 0 && !m[c]) --c;
+            return c;
+          };
           for (int64_t qi = end_query - 1; qi >= first_query; --qi) {
             if (prefixes_of_last && list.count >= 0) {
               tile_counts[tile_queries.size()] =
@@ -673,11 +685,22 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
               if (static_cast<int64_t>(tile_queries.size()) == kQueryTile) run_tile();
               continue;
             }
+            if (has_mask && list.count >= 0) {
+              const bool* m = mask_row(qi);
+              const int64_t last = last_allowed(m);
+              if (last <= held_last && std::equal(m, m + last + 1, held_row)) {
+                tile_counts[tile_queries.size()] = shared_count + std::count(m, m + last + 1, true);
+                tile_queries.push_back(qi);
+                if (static_cast<int64_t>(tile_queries.size()) == kQueryTile) run_tile();
+                continue;
+              }
+            }
             const int64_t count = list_keys(qi);
             if (!list.holds_prefix(key_ptrs, value_ptrs, count)) {
               run_tile();
               list.take(key_ptrs, value_ptrs, count, head_dim);
               key_ptrs.resize(list.keys.size()), value_ptrs.resize(list.values.size());
+              if (has_mask) held_row = mask_row(qi), held_last = last_allowed(held_row);
             }
             tile_counts[tile_queries.size()] = count;
             tile_queries.push_back(qi);
