@@ -212,3 +212,20 @@ def test_bad_arguments_are_rejected_before_any_actor_starts() -> None:
     # Issue 16 item 2: a model path that does not exist is named on the driver, with what a name may be.
     with pytest.raises(ValueError, match=r"model './no-such-model' does not exist: pass a model folder.*smollm2"):
         RayRollout("./no-such-model")
+
+
+def test_a_workers_cancel_hook_leaves_the_direct_decode_step_on() -> None:
+    # The hook sits on the input embeddings, which every forward runs; on the model it would bypass the
+    # direct step (which refuses models with hooks on the modules it skips) in every Ray worker.
+    from autobucket.distributed.worker import Worker, stop_if_cancelled
+    from autobucket.engine.model_access.direct_decode import DirectDecode, transformers_verified
+
+    worker = Worker(RolloutConfig(), torch_threads=None)
+    worker.load("tiny-llama")
+    model = worker.rollout.model
+    assert list(model.get_input_embeddings()._forward_pre_hooks.values()) == [stop_if_cancelled]
+    assert not model._forward_pre_hooks
+    import transformers
+
+    if transformers_verified(transformers.__version__):
+        assert DirectDecode.of(model) is not None

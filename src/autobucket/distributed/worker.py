@@ -1,5 +1,5 @@
 """The body of one `RayRollout` actor: a `Rollout` built from a model factory inside the worker, and the
-forward pre-hook that stops a shard Ray has cancelled."""
+forward pre-hook (on the input embeddings, which every forward runs) that stops a shard Ray has cancelled."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ class Worker:
         self.rollout = None
         model, tokenizer = build_model(factory)
         self.rollout = Rollout(model, tokenizer, self.config)
-        self.rollout.model.register_forward_pre_hook(stop_if_cancelled)
+        # On the input embeddings, which every forward runs (the direct decode step's too), not on the
+        # model, whose forward the direct step bypasses: a hook there would turn that step off.
+        self.rollout.model.get_input_embeddings().register_forward_pre_hook(stop_if_cancelled)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._rollout().model.load_state_dict(state_dict)
