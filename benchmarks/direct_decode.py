@@ -49,7 +49,8 @@ def timed_call(rollout: Rollout, prompts, sampling, direct: bool) -> tuple[float
 
 def measure(rollout: Rollout, prompts, sampling, rounds: int) -> dict:
     samples: dict[str, list[float]] = {"direct": [], "model": []}
-    timed_call(rollout, prompts, sampling, True), timed_call(rollout, prompts, sampling, False)  # warm-up
+    for direct in (True, False):  # warm-up
+        timed_call(rollout, prompts, sampling, direct)
     equal = True
     for index in range(rounds):
         order = (True, False) if index % 2 == 0 else (False, True)

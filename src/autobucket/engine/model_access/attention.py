@@ -66,8 +66,8 @@ def kernel_attention_active() -> bool:
 def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' attention-function interface: the attention this forward asked for (a forward
     keyword, else this thread's engine or kernel attention), else transformers' own SDPA. Registered as
-    "sdpa"; the direct decode step (`direct_decode.py`) calls it as the model's attention would."""
-    install_dispatcher()
+    "sdpa"; the direct decode step (`direct_decode.py`) calls it as the model's attention would (only for
+    models that `dispatches` accepted, so the dispatcher is installed by then)."""
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():
         chosen = _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
