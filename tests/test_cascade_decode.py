@@ -1,6 +1,9 @@
 """Cascade decode: the n samples of a prompt read one shared copy of its K/V
 (`engine/kernels/cascade_attention.py`), against the same call with per-row copies and against
-single-request HF `generate`; a negative control that points rows at the wrong prompt must break it."""
+single-request HF `generate`; a negative control that points rows at the wrong prompt must break it.
+
+Cascade decode is an eager-step feature (the compiled step keeps per-row copies), so every Rollout here
+pins compile=False: under `make test-compile` these tests still test the cascade, not its absence."""
 
 from __future__ import annotations
 
@@ -48,10 +51,10 @@ def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, decode, alway
         monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
     model = tiny_models(arch)
     prompts = random_prompts([40, 70, 12, 90, 35], seed=ARCHS.index(arch) + 50)
-    shared = Rollout(model, config=RolloutConfig(route=route)).generate(prompts, SAMPLING)
+    shared = Rollout(model, config=RolloutConfig(route=route, compile=False)).generate(prompts, SAMPLING)
     assert shared.profile.shared_kv_rows > 0
     _without_sharing(monkeypatch)
-    copies = Rollout(model, config=RolloutConfig(route=route)).generate(prompts, SAMPLING)
+    copies = Rollout(model, config=RolloutConfig(route=route, compile=False)).generate(prompts, SAMPLING)
     assert copies.profile.shared_kv_rows == 0
     assert shared.tokens == copies.tokens
     difference = max(abs(a - b) for a, b in zip(_flat(shared.logprobs), _flat(copies.logprobs), strict=True))
@@ -66,7 +69,7 @@ def test_greedy_samples_on_a_shared_prompt_equal_generate(tiny_models, arch, alw
     model = tiny_models(arch)
     prompts = random_prompts([33, 64, 20], seed=60)
     sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, continuous_batch_size=4)
-    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
+    result = Rollout(model, config=RolloutConfig(route="aligned", compile=False)).generate(prompts, sampling)
     assert result.profile.shared_kv_rows > 0
     for prompt, samples in zip(prompts, result.tokens, strict=True):
         expected, _ = oracle_generate(model, prompt, BUDGET, eos_token_id=[])
@@ -86,7 +89,7 @@ def test_negative_control_rows_reading_another_prompt_break_the_oracle(tiny_mode
         return layout
 
     monkeypatch.setattr(StaticKVCache, "_build_layout", swapped)
-    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling)
+    result = Rollout(model, config=RolloutConfig(route="aligned", compile=False)).generate(prompts, sampling)
     expected = [[oracle_generate(model, p, BUDGET, eos_token_id=[])[0]] * 2 for p in prompts]
     assert result.profile.shared_kv_rows > 0 and result.tokens != expected
 
@@ -95,7 +98,7 @@ def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
     """A finished sample's sequence enters the prefix cache with its shared prompt in front: the next turn
     continues it and equals generate over the whole conversation."""
     model = tiny_models("tiny-mistral")
-    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16, compile=False))
     prompts = random_prompts([50, 37], seed=62)
     sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2)
     first = rollout.generate(prompts, sampling)
@@ -110,9 +113,10 @@ def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
 def test_no_sharing_with_eager_attention_or_one_sample(tiny_models, always_share):
     prompts = random_prompts([40, 45], seed=63)
     sampling = SamplingConfig(max_new_tokens=4, eos_token_id=[], n=2)
-    eager = Rollout(tiny_models("tiny-qwen2", attn_implementation="eager"), config=RolloutConfig(route="aligned"))
+    eager_model = tiny_models("tiny-qwen2", attn_implementation="eager")
+    eager = Rollout(eager_model, config=RolloutConfig(route="aligned", compile=False))
     assert eager.generate(prompts, sampling).profile.shared_kv_rows == 0
-    single = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned"))
+    single = Rollout(tiny_models("tiny-qwen2"), config=RolloutConfig(route="aligned", compile=False))
     assert single.generate(prompts, SamplingConfig(max_new_tokens=4, eos_token_id=[])).profile.shared_kv_rows == 0
 
 
@@ -129,7 +133,7 @@ def test_invariant_kernels_share_bitwise(arch, dtype, always_share, monkeypatch)
     system = random_prompts([90], seed=68)[0]
     prompts = [system + user for user in random_prompts([4, 19, 11], seed=69)] + random_prompts([50, 33], seed=70)
     costs = CostCoefficients(fixed_ms=1.0, token_ms=0.05, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
-    config = RolloutConfig(route="bucketed", kernels="invariant", costs=costs)
+    config = RolloutConfig(route="bucketed", kernels="invariant", costs=costs, compile=False)
     sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperature=1.0, seed=2, logprobs=True,
                               continuous_batch_size=7)  # fmt: skip
     shared = Rollout(model, config=config).generate(prompts, sampling)
@@ -143,7 +147,7 @@ def test_invariant_kernels_share_bitwise(arch, dtype, always_share, monkeypatch)
 def test_sharing_starts_only_when_the_copies_it_saves_are_large(tiny_models):
     model = tiny_models("tiny-qwen2")
     sampling = SamplingConfig(max_new_tokens=2, eos_token_id=[], n=4)
-    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=False))
     short = rollout.generate(random_prompts([40, 30], seed=64), sampling)  # 3 x 70 columns saved
     assert short.profile.shared_kv_rows == 0
     long = rollout.generate(random_prompts([800, 700], seed=65), sampling)  # 3 x 1500
@@ -160,7 +164,7 @@ def test_members_of_a_shared_system_prompt_read_its_one_copy(tiny_models, arch, 
     system = random_prompts([120], seed=66)[0]
     prompts = [system + user for user in random_prompts([5, 17, 30, 9, 22, 11], seed=67)]
     costs = CostCoefficients(fixed_ms=1.0, token_ms=0.05, attention_ms=1.0, kv_ms=0.01, decode_ms=10.0)
-    config = RolloutConfig(route="bucketed", costs=costs)
+    config = RolloutConfig(route="bucketed", costs=costs, compile=False)
     greedy = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], continuous_batch_size=4)  # refills too
     result = Rollout(model, config=config).generate(prompts, greedy)
     assert result.profile.shared_prefixes == 1 and result.profile.shared_kv_rows == len(prompts)
