@@ -322,3 +322,67 @@ def test_step_mask_is_none_only_when_every_row_owns_every_column():
     assert store.step_mask() is not None
     store.trim()  # a trim removes dead columns on the left, never a gap in the middle
     assert store.step_mask() is not None
+
+
+# ---------------------------------------------------------------- storage left unzeroed for the own kernel
+def _poisoned_storage(monkeypatch, force_unzeroed: bool = False) -> list[bool]:
+    """Every StaticKVCache built from here on: storage that is not zero-filled holds NaN (the worst a fresh
+    allocation can hold) instead of whatever memory it got. Returns each store's zero_filled, in order."""
+    from autobucket.engine.batching import static_cache
+
+    original = static_cache.StaticKVCache.__init__
+    seen: list[bool] = []
+
+    def init(self, *args, **kwargs):
+        if force_unzeroed:
+            kwargs["zero_filled"] = False
+        original(self, *args, **kwargs)
+        seen.append(self.zero_filled)
+        if not self.zero_filled:
+            for tensor in (*self.keys, *self.values):
+                tensor.fill_(float("nan"))
+
+    monkeypatch.setattr(static_cache.StaticKVCache, "__init__", init)
+    return seen
+
+
+def _mixed_call(model, kernels: str):
+    from conftest import random_prompts
+
+    from autobucket import Rollout, RolloutConfig, SamplingConfig
+
+    # lengths 3..41: rows own few of the columns; 5 rows at once for 8 prompts x 2 samples: refills and
+    # retirements (compaction) while others decode
+    prompts = random_prompts([41, 3, 17, 29, 8, 36, 12, 5], seed=91)
+    sampling = SamplingConfig(max_new_tokens=6, eos_token_id=[], n=2, temperature=1.0, seed=5, logprobs=True,
+                              continuous_batch_size=5)  # fmt: skip
+    config = RolloutConfig(route="aligned", kernels=kernels, persist_costs=False)
+    return Rollout(model, config=config).generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
+def test_invariant_kernels_never_read_columns_a_row_does_not_own(tiny_models, arch, monkeypatch):
+    """With kernels="invariant" the cache is not zero-filled (every read skips unowned columns): NaN
+    there changes no token or logprob bit against the zero-filled cache."""
+    model = tiny_models(arch)
+    zeroed = _mixed_call(model, "invariant")
+    seen = _poisoned_storage(monkeypatch)
+    poisoned = _mixed_call(model, "invariant")
+    assert seen and not any(seen), "the invariant kernels' cache should skip zero-filling"
+    assert poisoned.tokens == zeroed.tokens
+    assert poisoned.logprobs == zeroed.logprobs
+
+
+def test_control_sdpa_over_an_unzeroed_cache_breaks_the_oracle(tiny_models, monkeypatch):
+    """Negative control: the default kernels with decode on transformers' SDPA (which reads masked
+    columns) over NaN-filled storage give NaN, so zero_filled=True there is what keeps them exact."""
+    from autobucket.engine import routes
+
+    model = tiny_models("tiny-llama")
+    monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
+    clean = _mixed_call(model, "hf")
+    seen = _poisoned_storage(monkeypatch)
+    assert _mixed_call(model, "hf").logprobs == clean.logprobs and all(seen), "the SDPA path zero-fills"
+    _poisoned_storage(monkeypatch, force_unzeroed=True)
+    broken = _mixed_call(model, "hf")
+    assert any(value != value for sample in broken.logprobs for row in sample for value in row)

@@ -220,6 +220,8 @@ class ModelRunner:
             head_dim=keys[0].shape[3],
             dtype=keys[0].dtype,
             device=keys[0].device,
+            # every read of the cache is then the invariant kernel, which skips columns a row does not own
+            zero_filled=not (kernel_attention_active() and self.compiled is None),
         )
 
     # ------------------------------------------------------------ decode
