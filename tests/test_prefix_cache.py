@@ -175,6 +175,31 @@ def test_every_cb_route_continues_with_refill_packing_and_chunks(tiny_models, ro
             assert result.profile.route != "ordinary"
 
 
+def test_continued_groups_enter_the_cache_in_their_rows_order(tiny_models, monkeypatch):
+    """A continued group's rows are admitted in the order its prefill returned them, so its K/V is copied
+    into the static cache as one block (not gathered into another copy first), and the tokens stay the
+    oracle's. Continued groups are formed by length, so the queue's prompt order differs from theirs."""
+    from autobucket.engine.batching import model_runner
+
+    admitted: list[tuple[bool, list[int]]] = []
+    original = model_runner.ModelRunner._admit_plain
+
+    def recording(self, output, source_rows, lengths):
+        admitted.append((output.segments is None, list(source_rows)))
+        return original(self, output, source_rows, lengths)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_admit_plain", recording)
+    model = tiny_models("tiny-llama")
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", prefix_cache_mb=16))
+    history = _turns(rollout, random_prompts([12, 47, 25, 38, 30, 19], seed=21), turns=2, seed=21)
+    prompts, result = history[1]
+    _assert_oracle(model, prompts, result)
+    assert set(result.profile.prefill_forms[0]) == {"continued"}
+    continued = [rows for padded, rows in admitted[-len(result.profile.prefill_groups[0]) :] if padded]
+    assert continued and all(rows == list(range(len(rows))) for rows in continued), continued
+    assert any(group != sorted(group) for group in result.profile.prefill_groups[0]), "groups in prompt order test nothing"
+
+
 def test_a_prompt_diverging_inside_a_cached_sequence_reuses_the_common_part(tiny_models):
     model = tiny_models("tiny-llama")
     rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))

@@ -120,6 +120,10 @@ class ContinuousBatcher:
         for item in admitted:
             by_output.setdefault(id(sources[item[0]].output), []).append(item)
         for items in by_output.values():
+            # In the output's row order (stable: a prompt's samples keep theirs), so a group whose rows are
+            # all admitted is copied into the cache as one block instead of being gathered into a copy first
+            # (continued groups came back in another order than the queue's: a whole extra K/V copy each).
+            items.sort(key=lambda item: sources[item[0]].row)
             self._start_samples(prompts, items, sources)
         self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
 
