@@ -200,6 +200,27 @@ def test_continued_groups_enter_the_cache_in_their_rows_order(tiny_models, monke
     assert any(group != sorted(group) for group in result.profile.prefill_groups[0]), "groups in prompt order test nothing"
 
 
+def test_negative_control_padding_tokens_writing_over_the_prefix_break_the_oracle(tiny_models, monkeypatch):
+    """The continuation's buffer holds a row's prefix where the shorter suffixes' padding tokens sit in the
+    input; a cache that stores every input column's K/V (padding included) overwrites those prefixes, and
+    the oracle must notice."""
+    from autobucket.engine.batching import continued_prefill
+
+    def write_everything(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.real = torch.ones_like(self.real)
+        return original(self, key_states, value_states, layer_idx)
+
+    original = continued_prefill._ContinuationCache.update
+    monkeypatch.setattr(continued_prefill._ContinuationCache, "update", write_everything)
+    model = tiny_models("tiny-llama")
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", prefix_cache_mb=16))
+    history = _turns(rollout, random_prompts([12, 47, 25, 38, 30, 19], seed=21), turns=2, seed=21)
+    prompts, result = history[1]
+    assert max(map(len, result.profile.prefill_groups[0])) > 1, "a group of one row has no padding to test"
+    with pytest.raises(AssertionError, match="differs from model.generate"):
+        _assert_oracle(model, prompts, result)
+
+
 def test_a_prompt_diverging_inside_a_cached_sequence_reuses_the_common_part(tiny_models):
     model = tiny_models("tiny-llama")
     rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
