@@ -200,6 +200,20 @@ def test_continued_groups_enter_the_cache_in_their_rows_order(tiny_models, monke
     assert any(group != sorted(group) for group in result.profile.prefill_groups[0]), "groups in prompt order test nothing"
 
 
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-opt", "tiny-gpt2"])
+def test_eager_attention_models_continue_a_padded_group_exactly(tiny_models, arch):
+    """Eager attention adds the continuation's 4-D mask to its scores itself (no dispatcher, no SDPA): a
+    group of several rows with different suffix lengths (padding inside the group) still equals generate."""
+    model = tiny_models(arch, attn_implementation="eager")
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", prefix_cache_mb=16))
+    history = _turns(rollout, random_prompts([12, 47, 25, 38, 30, 19], seed=21), turns=3, seed=21)
+    for turn, (prompts, result) in enumerate(history):
+        _assert_oracle(model, prompts, result)
+        if turn:
+            assert set(result.profile.prefill_forms[0]) == {"continued"}
+            assert max(map(len, result.profile.prefill_groups[0])) > 1, "no padded group to test"
+
+
 def test_negative_control_padding_tokens_writing_over_the_prefix_break_the_oracle(tiny_models, monkeypatch):
     """The continuation's buffer holds a row's prefix where the shorter suffixes' padding tokens sit in the
     input; a cache that stores every input column's K/V (padding included) overwrites those prefixes, and
