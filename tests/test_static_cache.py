@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_prompts
 
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import routes
+from autobucket.engine.batching import static_cache
 from autobucket.engine.batching.static_cache import CacheCapacityError, StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
@@ -328,8 +332,6 @@ def test_step_mask_is_none_only_when_every_row_owns_every_column():
 def _poisoned_storage(monkeypatch, force_unzeroed: bool = False) -> list[bool]:
     """Every StaticKVCache built from here on: storage that is not zero-filled holds NaN (the worst a fresh
     allocation can hold) instead of whatever memory it got. Returns each store's zero_filled, in order."""
-    from autobucket.engine.batching import static_cache
-
     original = static_cache.StaticKVCache.__init__
     seen: list[bool] = []
 
@@ -347,10 +349,6 @@ def _poisoned_storage(monkeypatch, force_unzeroed: bool = False) -> list[bool]:
 
 
 def _mixed_call(model, kernels: str):
-    from conftest import random_prompts
-
-    from autobucket import Rollout, RolloutConfig, SamplingConfig
-
     # lengths 3..41: rows own few of the columns; 5 rows at once for 8 prompts x 2 samples: refills and
     # retirements (compaction) while others decode
     prompts = random_prompts([41, 3, 17, 29, 8, 36, 12, 5], seed=91)
@@ -376,8 +374,6 @@ def test_invariant_kernels_never_read_columns_a_row_does_not_own(tiny_models, ar
 def test_control_sdpa_over_an_unzeroed_cache_breaks_the_oracle(tiny_models, monkeypatch):
     """Negative control: the default kernels with decode on transformers' SDPA (which reads masked
     columns) over NaN-filled storage give NaN, so zero_filled=True there is what keeps them exact."""
-    from autobucket.engine import routes
-
     model = tiny_models("tiny-llama")
     monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
     clean = _mixed_call(model, "hf")

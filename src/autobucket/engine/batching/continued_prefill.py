@@ -26,13 +26,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from autobucket.engine.batching.prefill import PrefillOutput
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.model_access.attention import kernel_attention_active
 from autobucket.engine.model_access.grad_mode import without_autograd
-from autobucket.engine.model_access.hf_compat import ForwardSpec
+from autobucket.engine.model_access.hf_compat import CacheLayerFace, ForwardSpec
 
 
 class _ContinuationCache(Cache):
@@ -40,7 +40,7 @@ class _ContinuationCache(Cache):
     tokens' K/V into buffer columns first + [start, end) and attends over columns [0, first + end)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], real: torch.Tensor) -> None:
-        super().__init__(layers=[_ContinuationLayer(self, layer) for layer in range(len(keys))])
+        super().__init__(layers=[CacheLayerFace(self, layer) for layer in range(len(keys))])
         self.buffers = (keys, values)  # per layer [rows, kv_heads, width, head_dim]
         self.real = real  # [rows, new] bool: the input column holds a token of the row's suffix
         self.first = keys[0].shape[2] - real.shape[1]  # buffer column of input column 0
@@ -66,38 +66,6 @@ class _ContinuationCache(Cache):
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.buffers[0][0].shape[2]
-
-
-class _ContinuationLayer(CacheLayerMixin):
-    """One model layer's face of a `_ContinuationCache`, for transformers' mask and length queries.
-
-    `_layer_type` stays unset: setting it would register this class in transformers' global maps."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, cache: _ContinuationCache, layer: int) -> None:
-        super().__init__()
-        self.cache, self.layer = cache, layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.cache.update(key_states, value_states, self.layer)
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.cache.get_mask_sizes()
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return self.cache.get_max_cache_shape()
-
-    def get_max_cache_shape(self) -> int:  # transformers 4.57 name
-        return self.cache.get_max_cache_shape()
 
 
 def _buffers(hits: Sequence[PrefixHit], prompts: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

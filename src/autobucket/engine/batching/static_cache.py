@@ -33,9 +33,10 @@ from collections.abc import Sequence
 import torch
 
 from autobucket.engine.kernels.cascade_attention import CascadeLayout
+from autobucket.engine.model_access.hf_compat import CacheLayerFace
 
 try:  # transformers >= 4.56 has layered caches; both 4.57 and 5.x are supported.
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache
 except ImportError as error:  # pragma: no cover - guarded by the package's dependency pins
     raise ImportError("autobucket needs transformers >= 4.57 (layered KV caches)") from error
 
@@ -322,39 +323,6 @@ class StaticKVCache:
         return _FrontCache(self)
 
 
-class _FrontLayer(CacheLayerMixin):
-    """One model layer's face of a `StaticKVCache`, for transformers' mask and length queries.
-
-    `_layer_type` stays unset: setting it would register this class in transformers' global maps.
-    """
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, store: StaticKVCache, layer: int) -> None:
-        super().__init__()
-        self.store, self.layer = store, layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.store.write_step(self.layer, key_states, value_states)
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.store.front + 1, 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.store.front
-
-    def get_max_length(self) -> int:
-        return self.store.columns
-
-    def get_max_cache_shape(self) -> int:  # transformers 4.57 name
-        return self.store.columns
-
-
 class _FrontCache(Cache):
     """transformers `Cache` whose every layer writes at the store's shared front.
 
@@ -363,7 +331,7 @@ class _FrontCache(Cache):
     """
 
     def __init__(self, store: StaticKVCache) -> None:
-        super().__init__(layers=[_FrontLayer(store, layer) for layer in range(len(store.keys))])
+        super().__init__(layers=[CacheLayerFace(self, layer) for layer in range(len(store.keys))])
         self.store = store
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.dynamo_compat import (
@@ -51,6 +51,7 @@ from autobucket.engine.compiled.dynamo_compat import (
 )
 from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
 from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
+from autobucket.engine.model_access.hf_compat import CacheLayerFace
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
@@ -107,41 +108,11 @@ def _register_attention() -> None:
 
 
 # ------------------------------------------------------------------ the cache face inside the graph
-class StepLayer(CacheLayerMixin):
-    """One layer's face of a `StepCache` (transformers queries sizes per layer)."""
-
-    is_sliding = False
-    is_compileable = True
-
-    def __init__(self, owner: StepCache, layer: int) -> None:
-        super().__init__()
-        self.owner, self.layer = owner, layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        return None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner.update(key_states, value_states, self.layer)
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.owner.keys[0].shape[2], 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return 0  # never read: position ids are always passed
-
-    def get_max_length(self) -> int:
-        return self.owner.keys[0].shape[2]
-
-    def get_max_cache_shape(self) -> int:  # transformers 4.57 name
-        return self.owner.keys[0].shape[2]
-
-
 class StepCache(Cache):
     """transformers `Cache` that writes one decode column by index into bucket views (traceable, fixed shape)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor) -> None:
-        super().__init__(layers=[StepLayer(self, layer) for layer in range(len(keys))])
+        super().__init__(layers=[CacheLayerFace(self, layer, compileable=True) for layer in range(len(keys))])
         self.keys, self.values, self.column = keys, values, column
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -1,6 +1,7 @@
 """What differs between transformers 4.57.x and 5.x, detected from the model, never guessed from a
 version string: the forward's cache keyword (`cache=` in 5.x, `past_key_values=` before), the
-output's cache field, and whether the forward accepts `logits_to_keep`."""
+output's cache field, and whether the forward accepts `logits_to_keep`; and `CacheLayerFace`, the per-layer
+face every engine-owned transformers `Cache` gives the model (both versions query sizes per layer)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -126,3 +128,38 @@ def sliding_window_limit(config: Any) -> int | None:
         "sliding_attention" in layer_types or not layer_types
     )
     return window if window and uses_window else None
+
+
+class CacheLayerFace(CacheLayerMixin):
+    """One model layer's face of an engine-owned transformers `Cache` (`owner`): transformers writes and
+    queries sizes per layer, and the owner answers for every layer alike (its `update`, `get_mask_sizes`,
+    `get_seq_length`, `get_max_cache_shape`). `compileable`: the owner runs inside a compiled graph.
+
+    `_layer_type` stays unset: setting it would register this class in transformers' global maps."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: Cache, layer: int, compileable: bool = False) -> None:
+        super().__init__()
+        self.owner, self.layer = owner, layer
+        self.is_compileable = compileable
+        self.is_initialized = True
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.owner.update(key_states, value_states, self.layer)
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self.owner.get_mask_sizes()
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.owner.get_max_cache_shape()
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.57 name
+        return self.owner.get_max_cache_shape()
