@@ -14,9 +14,10 @@
 // that continues a slice reloads its partial sums from the output: an fp32 store and load are exact, so
 // the chain is unbroken. The first tile of a slice prefetches the next panel's slice.
 //
-// Measured (AMD EPYC Zen 5, one core, weights from DRAM, benchmarks/fp32_linears.py): 0.35-0.84x oneDNN
+// Measured (one core, weights from DRAM, benchmarks/fp32_linears.py). AMD EPYC Zen 5: 0.35-0.84x oneDNN
 // packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
-// both there (its AVX2 code). See docs/benchmarks.md.
+// both there (its AVX2 code). Intel Xeon (AVX-512, AMX): 0.35-0.92x oneDNN at 8-32 rows, 0.99-1.09x at
+// 1,024-2,048 rows, MKL level with oneDNN at prefill sizes. See docs/benchmarks.md.
 //
 // Built with invariant_attention.cpp (same flags: -ffp-contract=off, so the compiler never fuses or
 // splits an operation the source did not write).
@@ -134,6 +135,17 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 }
 #endif
 
+// Whether calls whose output rows alias in L1 (a multiple of 4 KB apart) compute through a staging
+// buffer: on AMD CPUs, where it paid; see `fixed_order_linear`.
+bool stages_aliased_rows() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return true;
+#endif
+}
+
 using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const float*,
                              int64_t, const float*);
 using PairFunction = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, bool,
@@ -172,10 +184,13 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   static const std::array<PairFunction, kPairRows> pair_tiles = {};
 #endif
   const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
-  // Output rows a multiple of 4 KB apart share L1 sets, so a tile's 12 rows evict its own inputs: a
-  // block of many rows then computes into a staging buffer and copies out (2,048 x 256 x 1,024: 158 ->
-  // 177 GFLOPS); a decode step's few rows store directly (staging cost a head 5%).
-  const bool staged = (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
+  // Output rows a multiple of 4 KB apart share L1 sets, so on an AMD EPYC a tile's 12 rows evict its own
+  // inputs: a block of many rows there computes into a staging buffer and copies out (Zen 5, 2,048 x 256
+  // x 1,024: 158 -> 177 GFLOPS). On an Intel Xeon the staging itself is the cost (the same shape: 153
+  // unstaged, 129 staged; oneDNN 151), so only AMD stages. A decode step's few rows store directly
+  // (staging cost a head 5%). Staged or not, every output is the same chain: the choice changes no value.
+  static const bool aliased_rows_stage = stages_aliased_rows();
+  const bool staged = aliased_rows_stage && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
     for (int64_t block = 0; block < count; block += kRowBlock) {
