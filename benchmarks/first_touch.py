@@ -33,7 +33,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/first_touch.json")
     args = parser.parse_args()
     rates = [touch_rate_gb_s(args.gigabytes) for _ in range(2)]
-    print(f"{args.gigabytes} GB of new memory: first pass {rates[0]:.2f} GB/s, second pass {rates[1]:.2f} GB/s")
+    print(
+        f"{args.gigabytes} GB of new memory: first pass {rates[0]:.2f} GB/s, second pass {rates[1]:.2f} GB/s"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"gigabytes": args.gigabytes, "rates_gb_s": rates}, indent=1))
 
