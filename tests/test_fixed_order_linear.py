@@ -59,6 +59,18 @@ def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_fea
     assert torch.equal(out, fma_chain(x, weight, bias))
 
 
+def test_staged_and_direct_stores_of_aliased_rows_give_the_chain():
+    """Output rows a multiple of 4 KB apart (N = 1,024) in a call of many rows: AMD CPUs compute them
+    through a staging buffer, others store them directly. Both are the same chains, whichever this CPU
+    picks, so both are checked here."""
+    _kernel()
+    x, weight, bias = _case(130, 256, 1024, seed=17)
+    panels, expected = fixed_order_panels(weight), fma_chain(x, weight, bias)
+    for stage_aliased_rows in (True, False):
+        out = torch.ops.autobucket.fixed_order_linear_staging(x, panels, bias, 1024, stage_aliased_rows)
+        assert torch.equal(out, expected), stage_aliased_rows
+
+
 def test_control_another_order_of_the_same_sum_differs():
     kernel = _kernel()
     x, weight, _ = _case(13, 300, 70, seed=3)

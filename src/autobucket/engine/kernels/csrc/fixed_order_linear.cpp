@@ -156,8 +156,11 @@ constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequenc
   return {&tile<R + 1>...};
 }
 
-at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                              int64_t out_features) {
+// `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB apart
+// computes through a staging buffer (`fixed_order_linear` chooses by the CPU; either way the same values).
+at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features,
+                                      bool stage_aliased_rows) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear takes fp32 rows [M, K]");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == input.size(1) && panels.size(2) == kPanel &&
                   panels.size(0) * kPanel >= out_features && panels.is_contiguous(),
@@ -189,8 +192,7 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   // x 1,024: 158 -> 177 GFLOPS). On an Intel Xeon the staging itself is the cost (the same shape: 153
   // unstaged, 129 staged; oneDNN 151), so only AMD stages. A decode step's few rows store directly
   // (staging cost a head 5%). Staged or not, every output is the same chain: the choice changes no value.
-  static const bool aliased_rows_stage = stages_aliased_rows();
-  const bool staged = aliased_rows_stage && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
+  const bool staged = stage_aliased_rows && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
     for (int64_t block = 0; block < count; block += kRowBlock) {
@@ -230,6 +232,12 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   return out;
 }
 
+at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  static const bool stage_aliased_rows = stages_aliased_rows();
+  return fixed_order_linear_staging(input, panels, bias, out_features, stage_aliased_rows);
+}
+
 // Whether this build runs the AVX-512 tiles (else the portable ones: the same values, slower).
 bool fixed_order_linear_vectorized() {
 #if defined(__AVX512F__)
@@ -243,7 +251,11 @@ bool fixed_order_linear_vectorized() {
 
 TORCH_LIBRARY_FRAGMENT(autobucket, m) {
   m.def("fixed_order_linear(Tensor rows, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("fixed_order_linear_staging(Tensor rows, Tensor panels, Tensor? bias, int out_features, bool stage_aliased_rows) -> Tensor");
   m.def("fixed_order_linear_vectorized() -> bool", &fixed_order_linear_vectorized);
 }
 
-TORCH_LIBRARY_IMPL(autobucket, CPU, m) { m.impl("fixed_order_linear", &fixed_order_linear); }
+TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
+  m.impl("fixed_order_linear", &fixed_order_linear);
+  m.impl("fixed_order_linear_staging", &fixed_order_linear_staging);
+}
