@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from conftest import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels.invariant_attention import invariant_attention, invariant_sdpa
+from autobucket.engine.kernels.invariant_attention import (
+    invariant_attention,
+    invariant_sdpa,
+    load_invariant_kernels,
+)
 from autobucket.engine.kernels.packed_linear import onednn_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -225,6 +229,32 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
         assert not together[1, :30].any()
     differing = (together != alone).flatten(2).any(-1).nonzero().tolist()
     assert differing == [], f"(row, query) pairs that differ: {differing[:8]}"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_decode_with_and_without_its_kv_prefetch_gives_the_same_bits(dtype):
+    """Decode prefetches K/V a few keys ahead on Intel CPUs and not on AMD ones; both ways are run here,
+    whichever this CPU picks, on a static cache with rows of different lengths (a row's last keys are
+    where the prefetch runs out), and both match SDPA."""
+    load_invariant_kernels()
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(5, 6, 1, 64, generator=generator).to(dtype)
+    key, value = (torch.randn(5, 2, 200, 64, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.zeros(5, 1, 1, 200, dtype=torch.bool)
+    for row, length in enumerate((1, 3, 64, 131, 197)):
+        mask[row, :, :, 200 - length :] = True
+    previous = torch.ops.autobucket.set_decode_prefetch(True)
+    try:
+        with torch.inference_mode():
+            with_prefetch = kernel(query, key, value, mask, False)
+            torch.ops.autobucket.set_decode_prefetch(False)
+            without = kernel(query, key, value, mask, False)
+    finally:
+        torch.ops.autobucket.set_decode_prefetch(previous)
+    assert torch.equal(with_prefetch, without)
+    want = sdpa(query.float(), key.float(), value.float(), mask, False)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
+    torch.testing.assert_close(with_prefetch.float(), want, **tolerance)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
