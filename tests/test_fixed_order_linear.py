@@ -125,14 +125,17 @@ def test_the_portable_build_gives_the_vectorized_builds_values(tmp_path):
     from torch.utils import cpp_extension
 
     kernel = _kernel()
-    source = (Path(packed_linear.__file__).parent / "csrc" / "fixed_order_linear.cpp").read_text()
+    csrc = Path(packed_linear.__file__).parent / "csrc"
+    source = (csrc / "fixed_order_linear.cpp").read_text()
+    header = (csrc / "cpu_vendor.h").read_text()  # included by the source, so copied beside it
     namespace = "autobucket_portable_check"
     source = source.replace("TORCH_LIBRARY_FRAGMENT(autobucket,", f"TORCH_LIBRARY({namespace},")
     source = source.replace("TORCH_LIBRARY_IMPL(autobucket,", f"TORCH_LIBRARY_IMPL({namespace},")
     path = tmp_path / "portable.cpp"
     path.write_text(source)
+    (tmp_path / "cpu_vendor.h").write_text(header)
     flags = ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off"]
-    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{source}|{header}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
     if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "fixed_order_linear"):
         cpp_extension.load(name=f"{namespace}_{digest}", sources=[str(path)], extra_cflags=flags,
                            is_python_module=False, verbose=False)  # fmt: skip

@@ -33,6 +33,7 @@ from autobucket.engine.model_access.function_routes import dropout_suppressed
 from autobucket.engine.model_access.weight_versions import in_place_version
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("invariant_attention.cpp", "fixed_order_linear.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "cpu_vendor.h"]  # in the build's digest: an edit rebuilds
 
 
 def _cpu_flags() -> str:
@@ -50,7 +51,7 @@ def load_invariant_kernels() -> None:
     """Build (once per machine kind, cached on disk) and load the kernel library into `torch.ops.autobucket`.
 
     Raises ValueError naming the fix when no C++ toolchain can build it."""
-    source = "".join(path.read_text() for path in _SOURCES)
+    source = "".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
     # never reassociate a sum, never fuse a multiply into an add the source did not write (both score
     # forms of the AVX-512 kernel must round the same sums the same way)
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math", "-ffp-contract=off"]

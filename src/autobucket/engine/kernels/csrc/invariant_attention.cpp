@@ -44,6 +44,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vendor.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -265,26 +267,17 @@ inline void write_normalized(const HeadState<C>& head, int64_t count, float* out
   for (int64_t d = 0; d < 16 * C; ++d) out[d] = count == 0 ? 0.0f : head.acc[d] / head.sum;
 }
 
-// Whether decode prefetches K/V a few keys ahead (`attend_query`). On the Intel Xeon a decode step's
-// attention streams its cache from DRAM and ran 0.83x the time in fp32 and 0.74x in bf16 with it (32 rows
-// x 512 keys x 4 layers, benchmarks/decode_attention.py), most of it from reading each value vector while
-// the scores are formed rather than after. On an AMD EPYC Zen 4, prefetching the next 32-128 keys was
-// 7-15% slower, and this form has not run there: AMD CPUs keep the hardware's prefetch alone.
-bool prefetches_decode_kv() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel");
-#else
-  return false;
-#endif
-}
-
 constexpr int64_t kPrefetchKeys = 4;  // keys ahead (2-12 measured alike on the Xeon; 0.83-0.88x)
 
-// The process's choice, from the CPU; `set_decode_prefetch` turns it on or off for benchmarks (the values
-// are the same either way).
+// Whether decode prefetches K/V kPrefetchKeys keys ahead (`attend_query`): on Intel CPUs. On the Xeon a
+// decode step's attention streams its cache from DRAM and took 0.85x the time in fp32 and 0.76x in bf16
+// with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/decode_attention.py), most of it from
+// reading each value vector while the scores are formed rather than after. On an AMD EPYC Zen 4,
+// prefetching the next 32-128 keys was 7-15% slower, and this form has not run there: AMD CPUs keep the
+// hardware's prefetch alone. `set_decode_prefetch` turns it on or off for benchmarks (the values are the
+// same either way).
 std::atomic<bool>& decode_prefetch() {
-  static std::atomic<bool> on{prefetches_decode_kv()};
+  static std::atomic<bool> on{cpu_vendor() == CpuVendor::kIntel};
   return on;
 }
 
