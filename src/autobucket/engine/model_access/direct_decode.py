@@ -37,7 +37,7 @@ from autobucket.engine.model_access.hf_compat import sliding_window_limit
 
 # Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
 # (pre-norm attention and gated MLP with residuals). Qwen3 adds per-head q/k RMSNorms before RoPE.
-_FAMILY = {
+LLAMA_FAMILY = {
     "LlamaForCausalLM": "Llama",
     "Qwen2ForCausalLM": "Qwen2",
     "Qwen3ForCausalLM": "Qwen3",
@@ -68,7 +68,7 @@ class DirectDecode:
         if ineligible_reason(model) is not None:
             return None
         modeling = sys.modules[type(model).__module__]
-        return cls(model, modeling.apply_rotary_pos_emb, _FAMILY[type(model).__name__] == "Qwen3")
+        return cls(model, modeling.apply_rotary_pos_emb, LLAMA_FAMILY[type(model).__name__] == "Qwen3")
 
     def step(
         self,
@@ -154,7 +154,7 @@ def ineligible_reason(model: torch.nn.Module) -> str | None:
         return (f"transformers {transformers.__version__} is not a release the direct step was checked on "
                 f"({'.'.join(map(str, VERIFIED_TRANSFORMERS[0]))}.x, 5.x up to "
                 f"{'.'.join(map(str, VERIFIED_TRANSFORMERS[1]))})")  # fmt: skip
-    family = _FAMILY.get(type(model).__name__)
+    family = LLAMA_FAMILY.get(type(model).__name__)
     module_name = type(model).__module__
     if family is None or not module_name.startswith("transformers.models."):
         return f"{type(model).__name__} is not a transformers Llama, Qwen2, Qwen3 or Mistral causal LM"

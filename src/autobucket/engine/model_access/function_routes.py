@@ -148,6 +148,31 @@ def _routers_in() -> Iterator[None]:
                         setattr(module, name, builtin)
 
 
+_REPLACED: dict[tuple[int, str], int] = {}  # (id(module), name) -> open scopes, for `function_replaced`
+
+
+@contextmanager
+def function_replaced(module: Any, name: str, builtin: Callable, router: Callable) -> Iterator[None]:
+    """`module.name` (now `builtin`) is `router` while the block runs, as the routers above are while a
+    scope is open: in when the first such block opens, out when the last one closes (nested and
+    concurrent calls share one replacement), and a replacement someone else made meanwhile is left alone.
+    The router itself must send other threads' calls to `builtin`."""
+    key = (id(module), name)
+    with _LOCK:
+        if _REPLACED.get(key, 0) == 0:
+            setattr(module, name, router)
+        _REPLACED[key] = _REPLACED.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _REPLACED[key] -= 1
+            if _REPLACED[key] == 0:
+                del _REPLACED[key]
+                if getattr(module, name) is router:
+                    setattr(module, name, builtin)
+
+
 @contextmanager
 def context_value(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
     """`variable` set to `value` for this thread's (task's) code inside the block, restored after."""
