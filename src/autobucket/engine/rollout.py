@@ -21,6 +21,7 @@ from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
+from autobucket.engine.kernels.gated_mlp import fused_gated_mlp
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.rotary import fused_rotary
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
@@ -135,6 +136,7 @@ class Rollout:
             autograd_off_for(self.model),
             eval_semantics(self.model),
             fused_rotary(self.model),
+            fused_gated_mlp(self.model),
             checkpointing_layers_kept_cached(self.model),
             self._kernels(profile),
         ):

@@ -29,7 +29,7 @@ import torch
 
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
-from autobucket.engine.model_access.function_routes import context_value, function_replaced
+from autobucket.engine.model_access.function_routes import builtin_behind, context_value, function_replaced
 
 _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_fused_rotary", default=False)
 _ENABLED = [True]  # the process's switch (`set_fused_rotary`), for benchmarks' A/B
@@ -81,7 +81,8 @@ def _router(builtin: Callable) -> Callable:
 
 
 @functools.cache
-def _kernel_builds() -> bool:
+def kernel_library_builds() -> bool:
+    """Whether the engine's kernel library builds here (a C++ compiler); else the eager code runs."""
     try:
         load_invariant_kernels()
     except ValueError:  # no compiler: the eager function runs; the build error reaches the kernels' callers
@@ -123,10 +124,10 @@ def fused_rotary(model: torch.nn.Module) -> Iterator[None]:
     own function. Nothing of the model changes."""
     modeling = llama_modeling_module(model) if _ENABLED[0] else None
     current = getattr(modeling, _NAME, None) if modeling is not None else None
-    builtin = getattr(current, "_autobucket_builtin", current)  # another call's router already in: its builtin
+    builtin = builtin_behind(current) if current is not None else None  # another call's router: its builtin
     # only the modeling file's own function is probed: a replacement (a kernel library's) is not called here
     own = builtin is not None and getattr(builtin, "__module__", None) == modeling.__name__
-    router = _router_for(builtin) if own and _kernel_builds() else None
+    router = _router_for(builtin) if own and kernel_library_builds() else None
     if router is None:
         yield
         return

@@ -7,7 +7,7 @@ hooks, the cache interface, per layer): on bench-qwen2 (4 layers, 16 rows, conte
 
 For the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is a Llama) `DirectDecode.step` calls the
 model's *leaf* parts — embedding, rotary embedding, RMSNorms, linears (LoRA layers included, so the active
-adapters run), the activation and the model's own `apply_rotary_pos_emb` — in the order and with the
+adapters run), the model's own `apply_rotary_pos_emb` and its MLP class's forward — in the order and with the
 tensor shapes of the model's forward, and attends through the same dispatcher the model's attention
 reaches (`attention.dispatch_sdpa`: the engine's kernel for this thread, else transformers' SDPA). Every
 value is therefore bitwise what `model(...)` computes on the same kernels (tested per architecture, dtype
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.model_access.attention import dispatch_sdpa, dispatches
+from autobucket.engine.model_access.function_routes import builtin_behind
 from autobucket.engine.model_access.hf_compat import sliding_window_limit
 
 # Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
@@ -92,8 +93,8 @@ class DirectDecode:
             hidden = residual + hidden
             residual = hidden
             hidden = layer.post_attention_layernorm(hidden)
-            mlp = layer.mlp
-            hidden = mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+            # the class's forward: transformers' own, or the fused product's router in front of it (gated_mlp.py)
+            hidden = type(layer.mlp).forward(layer.mlp, hidden)
             hidden = residual + hidden
         hidden = inner.norm(hidden)
         return self.model.lm_head(hidden[:, 0:, :])  # the model slices `logits_to_keep=0` the same way
@@ -190,7 +191,8 @@ def _forward_replaced(module: torch.nn.Module, modeling_name: str) -> bool:
     """Whether `module`'s forward is another than its modeling file's: set on the instance, or on the class."""
     if "forward" in vars(module):
         return True
-    return getattr(type(module).forward, "__module__", None) != modeling_name
+    # the engine's own router in front of the class's forward (function_routes.function_replaced) counts as it
+    return getattr(builtin_behind(type(module).forward), "__module__", None) != modeling_name
 
 
 def _has_forward_hooks(module: torch.nn.Module) -> bool:

@@ -148,6 +148,11 @@ def _routers_in() -> Iterator[None]:
                         setattr(module, name, builtin)
 
 
+def builtin_behind(function: Callable) -> Callable:
+    """The function a `function_replaced` router stands in front of (`function` itself if it is none)."""
+    return getattr(function, "_autobucket_builtin", function)
+
+
 _REPLACED: dict[tuple[int, str], int] = {}  # (id(module), name) -> open scopes, for `function_replaced`
 
 

@@ -1,8 +1,11 @@
-"""The fused rotary embedding (`engine/kernels/rotary.py`, `csrc/rotary.cpp`) against its oracle, the
-model's own `apply_rotary_pos_emb`: bitwise equal outputs in fp32 and bf16 on the layouts the models
-hand over, rollouts that give the same tokens and log-probabilities with it and without it, and the
-modeling module left as found. Controls: a rotary with a flipped sign must fail the same comparison (and
-the router's probe must refuse it), and a function someone else put in the module must keep running."""
+"""The fused elementwise kernels against their oracles, the model's own code: the rotary embedding
+(`engine/kernels/rotary.py`, `csrc/rotary.cpp`) against the modeling module's `apply_rotary_pos_emb` in
+fp32 and bf16 on the layouts the models hand over, and SiLU-and-multiply (`gated_mlp.py`,
+`csrc/silu_and_mul.cpp`) against `F.silu(gate) * up` on 1-3 threads; rollouts that give the same tokens
+and log-probabilities with them and without them (the direct decode step still on); the modeling module
+and the MLP class left as found. Controls: a rotary with a flipped sign and a SiLU rounded once from
+float64 must fail the same comparisons (and the router's probe must refuse the rotary), and a function
+someone else put in the module, or a hook on the activation, must keep running."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels import rotary
+from autobucket.engine.kernels import gated_mlp, rotary
+from autobucket.engine.kernels.gated_mlp import set_fused_mlp, silu_and_mul
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.kernels.rotary import (
     fused_rotary,
@@ -105,29 +110,39 @@ def test_calls_the_kernel_cannot_take_run_the_models_function():
 
 
 def generate(model, sampling, fused: bool, kernels: str):
-    previous = set_fused_rotary(fused)
+    previous = set_fused_rotary(fused), set_fused_mlp(fused)
     try:
         return Rollout(model, config=RolloutConfig(kernels=kernels)).generate(
             random_prompts((5, 23, 11, 40, 2), seed=0), sampling
         )
     finally:
-        set_fused_rotary(previous)
+        set_fused_rotary(previous[0]), set_fused_mlp(previous[1])
+
+
+def counting(monkeypatch, module, name):
+    calls = []
+    inner = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or inner(*a))
+    return calls
 
 
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
 @pytest.mark.parametrize("name", FAMILY)
-def test_rollouts_with_and_without_the_fused_rotary_agree_bitwise(tiny_models, name, kernels, monkeypatch):
+def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, name, kernels, monkeypatch):
     model = tiny_models(name)
-    calls = []
-    monkeypatch.setattr(rotary, "fused_rotary_embedding", lambda *a: calls.append(1) or fused_rotary_embedding(*a))
+    rotations = counting(monkeypatch, rotary, "fused_rotary_embedding")
+    products = counting(monkeypatch, gated_mlp, "silu_and_mul")
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True, eos_token_id=[])
-    builtin = modeling_of(model).apply_rotary_pos_emb
+    modeling = modeling_of(model)
+    mlp_class = type(model.model.layers[0].mlp)
+    builtins = modeling.apply_rotary_pos_emb, mlp_class.forward
     fused = generate(model, sampling, True, kernels)
-    assert calls, "the engine's forwards did not reach the fused kernel"
-    assert modeling_of(model).apply_rotary_pos_emb is builtin  # the module as found
-    calls.clear()
+    assert rotations and products, "the engine's forwards did not reach the fused kernels"
+    assert fused.profile.decode_forward == "direct"  # the MLP's router counts as the class's own forward
+    assert (modeling.apply_rotary_pos_emb, mlp_class.forward) == builtins  # the module and the class as found
+    rotations.clear(), products.clear()
     eager = generate(model, sampling, False, kernels)
-    assert not calls
+    assert not rotations and not products
     assert fused.tokens == eager.tokens
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(fused.logprobs, eager.logprobs, strict=True))
 
@@ -135,8 +150,7 @@ def test_rollouts_with_and_without_the_fused_rotary_agree_bitwise(tiny_models, n
 def test_other_threads_and_gradients_get_the_models_function(tiny_models, monkeypatch):
     model = tiny_models("tiny-llama")
     modeling = modeling_of(model)
-    calls = []
-    monkeypatch.setattr(rotary, "fused_rotary_embedding", lambda *a: calls.append(1) or fused_rotary_embedding(*a))
+    calls = counting(monkeypatch, rotary, "fused_rotary_embedding")
     q, k, cos, sin = rotary_inputs(1, 9, 4, 2, 16, torch.float32)
     with fused_rotary(model):
         routed = modeling.apply_rotary_pos_emb
@@ -166,3 +180,62 @@ def test_a_function_someone_else_put_in_the_module_keeps_running(tiny_models, mo
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", instrumented)
     Rollout(model).generate(random_prompts((4, 9), seed=1), SamplingConfig(max_new_tokens=3))
     assert calls and modeling.apply_rotary_pos_emb is instrumented
+
+
+# SiLU-and-multiply: shapes whose element counts split among threads at points that are not multiples of
+# ATen's 32-float vector step (so some elements are scalar tails there), and values at exp's extremes
+SILU_SHAPES = [(2025, 1024), (1, 37), (7, 45), (33, 1000), (3, 100003), (32, 1, 1024), (1, 5, 1536)]
+EXTREMES = [0.0, -0.0, 80.0, -80.0, 100.0, -100.0, 1e-30, -1e-30, float("inf"), -float("inf"), 88.7, -88.7, -103.0]
+
+
+def silu_operands(shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    gate = torch.randn(*shape, generator=generator) * 6
+    up = torch.randn(*shape, generator=generator)
+    flat = gate.view(-1)
+    flat[: min(len(EXTREMES), flat.numel())] = torch.tensor(EXTREMES)[: flat.numel()]
+    return gate, up
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_silu_and_mul_is_bitwise_the_eager_ops_on_any_thread_count(threads):
+    if not gated_mlp._kernel_matches_aten():
+        pytest.skip("ATen does not run its AVX-512 kernels here: the eager ops run")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in SILU_SHAPES:
+            gate, up = silu_operands(shape)
+            want, got = F.silu(gate) * up, silu_and_mul(gate, up)
+            assert torch.equal(want.isnan(), got.isnan()), shape
+            assert torch.equal(want.nan_to_num(), got.nan_to_num()), shape
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_control_a_silu_rounded_once_from_float64_fails_the_comparison():
+    gate, up = silu_operands((2025, 1024))
+    once = (torch.nn.functional.silu(gate.double()) * up.double()).float()
+    assert not torch.equal(F.silu(gate) * up, once)
+
+
+def test_a_hooked_activation_and_other_threads_get_the_mlps_own_forward(tiny_models, monkeypatch):
+    model = tiny_models("tiny-llama")
+    products = counting(monkeypatch, gated_mlp, "silu_and_mul")
+    mlp = model.model.layers[0].mlp
+    hidden = torch.randn(3, 5, model.config.hidden_size)
+    with torch.inference_mode(), gated_mlp.fused_gated_mlp(model):
+        want = type(mlp).forward._autobucket_builtin(mlp, hidden)
+        other = threading.Thread(target=lambda: type(mlp).forward(mlp, hidden))
+        other.start()
+        other.join()
+        assert not products  # the other thread ran the class's own forward
+        assert torch.equal(mlp(hidden), want) and products == [1]  # this thread: the fused product
+        seen = []
+        handle = mlp.act_fn.register_forward_hook(lambda *args: seen.append(1))
+        try:
+            assert torch.equal(mlp(hidden), want)
+        finally:
+            handle.remove()
+        assert seen == [1] and products == [1]  # the hook ran: the activation was called, not fused
+    assert not hasattr(type(mlp).forward, "_autobucket_builtin")

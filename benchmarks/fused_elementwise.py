@@ -1,13 +1,15 @@
-"""The fused rotary embedding against the model's own `apply_rotary_pos_emb`: the operation alone, and
-whole rollouts with it on and off.
+"""The fused elementwise kernels against the model's own code: the rotary embedding against the modeling
+module's `apply_rotary_pos_emb`, SiLU-and-multiply against `F.silu(gate) * up`, each alone, and whole
+rollouts with both on and both off.
 
-    taskset -c 0 python benchmarks/rotary.py --repeats 9 --out results/rotary.json
+    taskset -c 0 python benchmarks/fused_elementwise.py --repeats 9 --out results/fused_elementwise.json
 
-Alone: bench-qwen2's heads (4 query, 2 K/V, head_dim 64) over a packed prefill's 2,000 tokens and a decode
-step's 32 rows, fp32 and bf16, the two interleaved. Rollouts: bench-qwen2 fp32, 32 prompts x 16 new tokens,
-greedy, EOS off, on the ShareGPT-like mix, the spread and short similar prompts, with the default and the
-invariant kernels; for each, calls with the fused rotary on and off alternate (ABBA) after a warm-up,
-and their tokens must be equal. One thread. Medians, ratios (fused / eager), raw samples to JSON."""
+Alone: bench-qwen2's heads (4 query, 2 K/V, head_dim 64) and MLP (intermediate 1,024) over a packed
+prefill's 2,000 tokens and a decode step's 32 rows (the rotary in fp32 and bf16, the product in fp32), the
+two contenders interleaved, outputs checked bitwise. Rollouts: bench-qwen2 fp32, 32 prompts x 16 new
+tokens, greedy, EOS off, on the ShareGPT-like mix, the spread and short similar prompts, with the default
+and the invariant kernels; for each, calls with the fused kernels on and off alternate (ABBA) after a
+warm-up, and their tokens must be equal. One thread. Medians, ratios (fused / eager), raw samples to JSON."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from interleave import interleaved
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.kernels.gated_mlp import set_fused_mlp, silu_and_mul
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.kernels.rotary import fused_rotary_embedding, set_fused_rotary
 from autobucket.models import build_tiny_model
@@ -29,7 +32,27 @@ from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import reference_workloads, sharegpt_like_lengths
 
 
-def operation_alone(repeats: int) -> list[dict]:
+def report(rows: list[dict], label: str, samples: dict, equal: bool, **fields) -> None:
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    rows.append({"operation": label, **fields, "bitwise_equal": equal, "medians_ms": medians, "samples_ms": samples})
+    shape = " ".join(f"{key} {value}" for key, value in fields.items())
+    print(f"alone {label} {shape}: eager {medians['eager']:.3f} ms, fused {medians['fused']:.3f} ms, "
+          f"ratio {medians['fused'] / medians['eager']:.2f}; bitwise equal {equal}", flush=True)  # fmt: skip
+
+
+def product_alone(repeats: int) -> list[dict]:
+    rows: list[dict] = []
+    for tokens in (2000, 32):
+        generator = torch.Generator().manual_seed(0)
+        gate, up = (torch.randn(tokens, 1024, generator=generator) for _ in range(2))
+        equal = torch.equal(torch.nn.functional.silu(gate) * up, silu_and_mul(gate, up))
+        samples = interleaved({"eager": lambda gate=gate, up=up: torch.nn.functional.silu(gate) * up,
+                               "fused": lambda gate=gate, up=up: silu_and_mul(gate, up)}, repeats)  # fmt: skip
+        report(rows, "silu_and_mul", samples, equal, dtype="float32", tokens=tokens)
+    return rows
+
+
+def rotary_alone(repeats: int) -> list[dict]:
     model = build_tiny_model("bench-qwen2")
     builtin = sys.modules[type(model).__module__].apply_rotary_pos_emb
     rows = []
@@ -44,17 +67,12 @@ def operation_alone(repeats: int) -> list[dict]:
             equal = all(torch.equal(a, b) for a, b in pairs)
             samples = interleaved({"eager": lambda operands=operands: builtin(*operands),
                                    "fused": lambda operands=operands: fused_rotary_embedding(*operands)}, repeats)  # fmt: skip
-            medians = {name: statistics.median(values) for name, values in samples.items()}
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "tokens": tokens,
-                         "bitwise_equal": equal, "medians_ms": medians, "samples_ms": samples})  # fmt: skip
-            print(f"alone {rows[-1]['dtype']:8s} [{batch} x {tokens}]: eager {medians['eager']:.3f} ms, "
-                  f"fused {medians['fused']:.3f} ms, ratio {medians['fused'] / medians['eager']:.2f}; "
-                  f"bitwise equal {equal}", flush=True)  # fmt: skip
+            report(rows, "rotary", samples, equal, dtype=str(dtype).removeprefix("torch."), batch=batch, tokens=tokens)
     return rows
 
 
 def timed_call(rollout: Rollout, prompts, sampling, fused: bool) -> tuple[float, list[list[int]]]:
-    set_fused_rotary(fused)
+    set_fused_rotary(fused), set_fused_mlp(fused)
     started = time.perf_counter()
     tokens = rollout.generate(prompts, sampling).tokens
     return (time.perf_counter() - started) * 1e3, tokens
@@ -84,18 +102,19 @@ def rollouts(repeats: int) -> list[dict]:
                          "samples_ms": {"fused": samples[True], "eager": samples[False]}})  # fmt: skip
             print(f"rollout {kernels:9s} {name:28s}: fused {fused:.0f} ms, eager {eager:.0f} ms, ratio "
                   f"{fused / eager:.3f}; tokens equal {rows[-1]['tokens_equal']}", flush=True)  # fmt: skip
-    set_fused_rotary(True)
+    set_fused_rotary(True), set_fused_mlp(True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default="results/rotary.json")
+    parser.add_argument("--out", default="results/fused_elementwise.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_invariant_kernels()
-    result = {"alone": operation_alone(args.repeats * 5), "rollouts": rollouts(args.repeats)}
+    alone = rotary_alone(args.repeats * 5) + product_alone(args.repeats * 5)
+    result = {"alone": alone, "rollouts": rollouts(args.repeats)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
