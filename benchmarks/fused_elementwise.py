@@ -1,11 +1,12 @@
 """The fused elementwise kernels against the model's own code: the rotary embedding against the modeling
-module's `apply_rotary_pos_emb`, SiLU-and-multiply against `F.silu(gate) * up`, each alone, and whole
-rollouts with both on and both off.
+module's `apply_rotary_pos_emb`, SiLU-and-multiply against `F.silu(gate) * up`, RMSNorm against the
+module, each alone, and whole rollouts with all of them on and all off.
 
     taskset -c 0 python benchmarks/fused_elementwise.py --repeats 9 --out results/fused_elementwise.json
 
-Alone: bench-qwen2's heads (4 query, 2 K/V, head_dim 64) and MLP (intermediate 1,024) over a packed
-prefill's 2,000 tokens and a decode step's 32 rows (the rotary in fp32 and bf16, the product in fp32), the
+Alone: bench-qwen2's heads (4 query, 2 K/V, head_dim 64), MLP (intermediate 1,024) and hidden size (256)
+over a packed prefill's 2,000 tokens and a decode step's 32 rows (the rotary in fp32 and bf16, the others
+in fp32), the
 two contenders interleaved, outputs checked bitwise. Rollouts: bench-qwen2 fp32, 32 prompts x 16 new
 tokens, greedy, EOS off, on the ShareGPT-like mix, the spread and short similar prompts, with the default
 and the invariant kernels; for each, calls with the fused kernels on and off alternate (ABBA) after a
@@ -24,12 +25,16 @@ import torch
 from interleave import interleaved
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels.gated_mlp import set_fused_mlp, silu_and_mul
+from autobucket.engine.kernels.elementwise import set_fused
+from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
+from autobucket.engine.kernels.elementwise.rms_norm import rms_norm
+from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
-from autobucket.engine.kernels.rotary import fused_rotary_embedding, set_fused_rotary
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import reference_workloads, sharegpt_like_lengths
+
+KERNELS = ("rotary", "gated_mlp", "rms_norm")
 
 
 def report(rows: list[dict], label: str, samples: dict, equal: bool, **fields) -> None:
@@ -49,6 +54,21 @@ def product_alone(repeats: int) -> list[dict]:
         samples = interleaved({"eager": lambda gate=gate, up=up: torch.nn.functional.silu(gate) * up,
                                "fused": lambda gate=gate, up=up: silu_and_mul(gate, up)}, repeats)  # fmt: skip
         report(rows, "silu_and_mul", samples, equal, dtype="float32", tokens=tokens)
+    return rows
+
+
+def norm_alone(repeats: int) -> list[dict]:
+    model = build_tiny_model("bench-qwen2")
+    norm = model.model.norm
+    rows: list[dict] = []
+    for tokens in (2000, 32):
+        hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            equal = torch.equal(norm(hidden), rms_norm(hidden, norm.weight, norm.variance_epsilon))
+            samples = interleaved({"eager": lambda hidden=hidden: norm(hidden),
+                                   "fused": lambda hidden=hidden: rms_norm(hidden, norm.weight, norm.variance_epsilon)},
+                                  repeats)  # fmt: skip
+        report(rows, "rms_norm", samples, equal, dtype="float32", tokens=tokens)
     return rows
 
 
@@ -72,7 +92,8 @@ def rotary_alone(repeats: int) -> list[dict]:
 
 
 def timed_call(rollout: Rollout, prompts, sampling, fused: bool) -> tuple[float, list[list[int]]]:
-    set_fused_rotary(fused), set_fused_mlp(fused)
+    for kernel in KERNELS:
+        set_fused(kernel, fused)
     started = time.perf_counter()
     tokens = rollout.generate(prompts, sampling).tokens
     return (time.perf_counter() - started) * 1e3, tokens
@@ -102,7 +123,8 @@ def rollouts(repeats: int) -> list[dict]:
                          "samples_ms": {"fused": samples[True], "eager": samples[False]}})  # fmt: skip
             print(f"rollout {kernels:9s} {name:28s}: fused {fused:.0f} ms, eager {eager:.0f} ms, ratio "
                   f"{fused / eager:.3f}; tokens equal {rows[-1]['tokens_equal']}", flush=True)  # fmt: skip
-    set_fused_rotary(True), set_fused_mlp(True)
+    for kernel in KERNELS:
+        set_fused(kernel, True)
     return rows
 
 
@@ -113,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_invariant_kernels()
-    alone = rotary_alone(args.repeats * 5) + product_alone(args.repeats * 5)
+    alone = rotary_alone(args.repeats * 5) + product_alone(args.repeats * 5) + norm_alone(args.repeats * 5)
     result = {"alone": alone, "rollouts": rollouts(args.repeats)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,14 +1,16 @@
 """The fused elementwise kernels against their oracles, the model's own code: the rotary embedding
-(`engine/kernels/rotary.py`, `csrc/rotary.cpp`) against the modeling module's `apply_rotary_pos_emb` in
-fp32 and bf16 on the layouts the models hand over, and SiLU-and-multiply (`gated_mlp.py`,
-`csrc/silu_and_mul.cpp`) against `F.silu(gate) * up` on 1-3 threads; rollouts that give the same tokens
-and log-probabilities with them and without them (the direct decode step still on); the modeling module
-and the MLP class left as found. Controls: a rotary with a flipped sign and a SiLU rounded once from
-float64 must fail the same comparisons (and the router's probe must refuse the rotary), and a function
-someone else put in the module, or a hook on the activation, must keep running."""
+(`engine/kernels/elementwise/`): the rotary embedding against the modeling module's `apply_rotary_pos_emb`
+in fp32 and bf16 on the layouts the models hand over, SiLU-and-multiply against `F.silu(gate) * up` on
+1-3 threads, RMSNorm against the module on row lengths with and without vector tails; rollouts that give
+the same tokens and log-probabilities with them and without them (the direct decode step still on); the
+modeling module and its classes left as found. Controls: a rotary with a flipped sign, a SiLU rounded
+once from float64 and an RMSNorm summing in another order must fail the same comparisons (and the
+router's probe must refuse the rotary), and a function someone else put in the module, or a hook on the
+activation, must keep running."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -18,15 +20,10 @@ import torch.nn.functional as F
 from conftest import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels import gated_mlp, rotary
-from autobucket.engine.kernels.gated_mlp import set_fused_mlp, silu_and_mul
+from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary, set_fused
+from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
+from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
-from autobucket.engine.kernels.rotary import (
-    fused_rotary,
-    fused_rotary_embedding,
-    kernel_takes,
-    set_fused_rotary,
-)
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -92,8 +89,8 @@ def test_control_a_rotary_with_a_flipped_sign_fails_the_comparison_and_the_probe
     q, k, cos, sin = rotary_inputs(1, 37, 4, 2, 64, torch.float32)
     with pytest.raises(AssertionError):
         assert_same_outputs(flipped(q, k, cos, sin), fused_rotary_embedding(q, k, cos, sin))
-    assert rotary._router_for(flipped) is None
-    assert rotary._router_for(builtin) is not None
+    assert rotary.router_for(flipped) is None
+    assert rotary.router_for(builtin) is not None
 
 
 def test_calls_the_kernel_cannot_take_run_the_models_function():
@@ -109,14 +106,18 @@ def test_calls_the_kernel_cannot_take_run_the_models_function():
         assert kernel_takes(wants_grad, k, cos, sin, (), {})
 
 
+KERNELS = ("rotary", "gated_mlp", "rms_norm")
+
+
 def generate(model, sampling, fused: bool, kernels: str):
-    previous = set_fused_rotary(fused), set_fused_mlp(fused)
+    previous = {kernel: set_fused(kernel, fused) for kernel in KERNELS}
     try:
         return Rollout(model, config=RolloutConfig(kernels=kernels)).generate(
             random_prompts((5, 23, 11, 40, 2), seed=0), sampling
         )
     finally:
-        set_fused_rotary(previous[0]), set_fused_mlp(previous[1])
+        for kernel, enabled in previous.items():
+            set_fused(kernel, enabled)
 
 
 def counting(monkeypatch, module, name):
@@ -130,19 +131,21 @@ def counting(monkeypatch, module, name):
 @pytest.mark.parametrize("name", FAMILY)
 def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, name, kernels, monkeypatch):
     model = tiny_models(name)
-    rotations = counting(monkeypatch, rotary, "fused_rotary_embedding")
-    products = counting(monkeypatch, gated_mlp, "silu_and_mul")
+    calls = [counting(monkeypatch, rotary, "fused_rotary_embedding"), counting(monkeypatch, gated_mlp, "silu_and_mul"),
+             counting(monkeypatch, rms_norm, "rms_norm")]  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True, eos_token_id=[])
     modeling = modeling_of(model)
-    mlp_class = type(model.model.layers[0].mlp)
-    builtins = modeling.apply_rotary_pos_emb, mlp_class.forward
+    layer = model.model.layers[0]
+    classes = type(layer.mlp), type(layer.input_layernorm)
+    builtins = modeling.apply_rotary_pos_emb, *(cls.forward for cls in classes)
     fused = generate(model, sampling, True, kernels)
-    assert rotations and products, "the engine's forwards did not reach the fused kernels"
+    assert all(calls), "the engine's forwards did not reach every fused kernel"
     assert fused.profile.decode_forward == "direct"  # the MLP's router counts as the class's own forward
-    assert (modeling.apply_rotary_pos_emb, mlp_class.forward) == builtins  # the module and the class as found
-    rotations.clear(), products.clear()
+    assert (modeling.apply_rotary_pos_emb, *(cls.forward for cls in classes)) == builtins  # all as found
+    for counted in calls:
+        counted.clear()
     eager = generate(model, sampling, False, kernels)
-    assert not rotations and not products
+    assert not any(calls)
     assert fused.tokens == eager.tokens
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(fused.logprobs, eager.logprobs, strict=True))
 
@@ -152,7 +155,7 @@ def test_other_threads_and_gradients_get_the_models_function(tiny_models, monkey
     modeling = modeling_of(model)
     calls = counting(monkeypatch, rotary, "fused_rotary_embedding")
     q, k, cos, sin = rotary_inputs(1, 9, 4, 2, 16, torch.float32)
-    with fused_rotary(model):
+    with fused_elementwise(model):
         routed = modeling.apply_rotary_pos_emb
         assert routed.__name__ == "routed_apply_rotary_pos_emb"
         other = threading.Thread(target=lambda: routed(q, k, cos, sin))
@@ -199,7 +202,7 @@ def silu_operands(shape, seed=0):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_silu_and_mul_is_bitwise_the_eager_ops_on_any_thread_count(threads):
-    if not gated_mlp._kernel_matches_aten():
+    if not gated_mlp.available():
         pytest.skip("ATen does not run its AVX-512 kernels here: the eager ops run")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -224,7 +227,7 @@ def test_a_hooked_activation_and_other_threads_get_the_mlps_own_forward(tiny_mod
     products = counting(monkeypatch, gated_mlp, "silu_and_mul")
     mlp = model.model.layers[0].mlp
     hidden = torch.randn(3, 5, model.config.hidden_size)
-    with torch.inference_mode(), gated_mlp.fused_gated_mlp(model):
+    with torch.inference_mode(), fused_elementwise(model):
         want = type(mlp).forward._autobucket_builtin(mlp, hidden)
         other = threading.Thread(target=lambda: type(mlp).forward(mlp, hidden))
         other.start()
@@ -239,3 +242,39 @@ def test_a_hooked_activation_and_other_threads_get_the_mlps_own_forward(tiny_mod
             handle.remove()
         assert seen == [1] and products == [1]  # the hook ran: the activation was called, not fused
     assert not hasattr(type(mlp).forward, "_autobucket_builtin")
+
+
+NORM_LENGTHS = (8, 16, 64, 100, 256, 576, 896, 1000, 2048, 4096)  # tails, and > 512: ATen's cascade levels
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_is_bitwise_the_module_on_any_row_length(tiny_models, threads):
+    if not rms_norm.available():
+        pytest.skip("ATen's sum does not run its 8-float vector kernel here: the eager module runs")
+    norm_class = type(tiny_models("tiny-llama").model.norm)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for length in NORM_LENGTHS:
+            norm = norm_class(length, eps=1e-6)
+            norm.weight.data = torch.randn(length, generator=generator)
+            for rows in ((1,), (7,), (3, 33)):
+                # magnitudes over several orders, so that the order of the sum shows in the last bits
+                hidden = torch.randn(*rows, length, generator=generator)
+                hidden *= torch.exp(3 * torch.randn(*rows, length, generator=generator))
+                with torch.inference_mode():
+                    assert torch.equal(norm(hidden), rms_norm.rms_norm(hidden, norm.weight, 1e-6)), (length, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_control_an_rms_norm_summing_in_another_order_fails_the_comparison(tiny_models):
+    norm = type(tiny_models("tiny-llama").model.norm)(256, eps=1e-6)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 256, generator=generator) * torch.exp(3 * torch.randn(64, 256, generator=generator))
+    with torch.inference_mode():
+        squares = hidden.pow(2)
+        in_order = torch.stack([functools.reduce(lambda a, b: a + b, row) for row in squares]).unsqueeze(-1)
+        other = norm.weight * (hidden * torch.rsqrt(in_order / 256 + 1e-6))
+        assert not torch.equal(norm(hidden), other)

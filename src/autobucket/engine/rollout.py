@@ -21,9 +21,8 @@ from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
-from autobucket.engine.kernels.gated_mlp import fused_gated_mlp
+from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.rotary import fused_rotary
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d
@@ -135,8 +134,7 @@ class Rollout:
             PeakMemory(self.device) as memory,
             autograd_off_for(self.model),
             eval_semantics(self.model),
-            fused_rotary(self.model),
-            fused_gated_mlp(self.model),
+            fused_elementwise(self.model),
             checkpointing_layers_kept_cached(self.model),
             self._kernels(profile),
         ):

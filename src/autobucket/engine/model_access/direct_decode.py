@@ -93,7 +93,7 @@ class DirectDecode:
             hidden = residual + hidden
             residual = hidden
             hidden = layer.post_attention_layernorm(hidden)
-            # the class's forward: transformers' own, or the fused product's router in front of it (gated_mlp.py)
+            # the class's forward: transformers' own, or the fused product's router in front of it (kernels/elementwise)
             hidden = type(layer.mlp).forward(layer.mlp, hidden)
             hidden = residual + hidden
         hidden = inner.norm(hidden)

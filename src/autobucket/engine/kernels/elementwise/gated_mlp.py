@@ -1,0 +1,71 @@
+"""The Llama family's gated MLP with SiLU-and-multiply in one pass, for this thread's engine forwards.
+
+`down_proj(act_fn(gate_proj(x)) * up_proj(x))` writes `silu(gate)`, a tensor of tokens x intermediate
+floats, and reads it back for the product. `csrc/silu_and_mul.cpp` makes the product in one pass, element
+by element as ATen's kernels compute it (the same Sleef `exp` in vector lanes, the same scalar tails, the
+same split among threads), so it is bitwise `F.silu(gate) * up` (tested).
+
+The MLP class's `forward` reaches it through a router (`routes.py`) that runs the same three linears in
+the model's order and the fused product, where it can take the call: fp32 CPU tensors, no gradient
+wanted, the activation transformers' own SiLU with no hooks, ATen on its AVX-512 kernels. The direct
+decode step (`direct_decode.py`) calls the class's `forward`, so it takes the router too."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobucket.engine.kernels.elementwise.routes import kernel_library_builds, router, wants_grad
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` in one pass (fp32, contiguous, one shape), bitwise the eager ops'."""
+    return torch.ops.autobucket.silu_and_mul(gate, up)
+
+
+@functools.cache
+def available() -> bool:
+    """The fused op reproduces ATen's kernels here: this library builds it (AVX-512), and ATen runs its
+    AVX-512 kernels (`ATEN_CPU_CAPABILITY` can lower them)."""
+    return (
+        kernel_library_builds()
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and torch.ops.autobucket.silu_and_mul_available()
+    )
+
+
+def _plain_silu(act_fn: Any) -> bool:
+    """`act_fn` is transformers' SiLU activation (or torch's), running its own forward, without hooks."""
+    from transformers.activations import SiLUActivation
+
+    return (
+        type(act_fn) in (SiLUActivation, torch.nn.SiLU)
+        and "forward" not in vars(act_fn)
+        and not (act_fn._forward_hooks or act_fn._forward_pre_hooks)
+        and not getattr(act_fn, "inplace", False)
+    )
+
+
+def _fusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (
+        gate.dtype == torch.float32 and up.dtype == torch.float32 and gate.device.type == "cpu"
+        and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and not wants_grad(gate, up)
+    )  # fmt: skip
+
+
+def _fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
+    """The MLP's forward with the fused product: the linears in the model's order (gate, up, down), the
+    same values as the class's forward."""
+    if not _plain_silu(mlp.act_fn):
+        return NotImplemented
+    gate = mlp.gate_proj(hidden)
+    up = mlp.up_proj(hidden)
+    return mlp.down_proj(silu_and_mul(gate, up) if _fusable(gate, up) else mlp.act_fn(gate) * up)
+
+
+@functools.cache
+def router_for(builtin: Callable) -> Callable:
+    return router(builtin, _fused_forward, "forward")

@@ -1,0 +1,60 @@
+"""The Llama family's RMSNorm in two passes over the hidden states instead of five, for this thread's
+engine forwards.
+
+`weight * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))` writes three temporaries the size of x.
+`csrc/rms_norm.cpp` sums each row's squares in the order ATen's sum kernel adds them, and applies the
+two products in one pass; the division by the row's length, `+ eps` and `rsqrt` stay ATen's own ops on
+the [rows, 1] variances. So the output is bitwise the module's (tested on row lengths with and without
+vector tails, on 1 and 2 threads).
+
+The RMSNorm class's `forward` reaches it through a router (`routes.py`) where it can take the call: fp32
+CPU tensors, contiguous, no gradient wanted, ATen on its AVX2 or AVX-512 kernels (whose sum is the same,
+8-float vectors)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobucket.engine.kernels.elementwise.routes import kernel_library_builds, router, wants_grad
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The module's forward on fp32 contiguous `hidden` [..., H] and `weight` [H], bitwise its values."""
+    variance = torch.ops.autobucket.rms_norm_sum_of_squares(hidden).div_(hidden.shape[-1])  # as ATen's mean
+    return torch.ops.autobucket.rms_norm_apply(hidden, weight, torch.rsqrt(variance + eps))
+
+
+@functools.cache
+def available() -> bool:
+    """The library builds the kernel (AVX2), and ATen's sum runs its 8-float vector kernel."""
+    return (
+        kernel_library_builds()
+        and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        and torch.ops.autobucket.rms_norm_available()
+    )
+
+
+def _takes(norm: Any, hidden: Any) -> bool:
+    weight = getattr(norm, "weight", None)
+    return (
+        isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
+        and hidden.dtype == torch.float32 and weight.dtype == torch.float32 and hidden.device.type == "cpu"
+        and hidden.dim() >= 1 and hidden.numel() > 0 and hidden.is_contiguous() and weight.is_contiguous()
+        and weight.dim() == 1 and weight.shape[0] == hidden.shape[-1]
+        and isinstance(getattr(norm, "variance_epsilon", None), float) and not wants_grad(hidden, weight)
+    )  # fmt: skip
+
+
+def _fused_forward(norm: Any, hidden: Any) -> Any:
+    if not _takes(norm, hidden):
+        return NotImplemented
+    return rms_norm(hidden, norm.weight, norm.variance_epsilon)
+
+
+@functools.cache
+def router_for(builtin: Callable) -> Callable:
+    return router(builtin, _fused_forward, "forward")

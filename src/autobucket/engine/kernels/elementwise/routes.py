@@ -1,0 +1,101 @@
+"""How the model's own elementwise code reaches the fused kernels without a change to the model.
+
+While an engine call is in flight, a function of the Llama family's modeling module, or the `forward`
+of one of its classes, is a router (`function_routes.function_replaced`, as `F.linear` is under the
+invariant kernels) that sends this thread's engine forwards to a fused kernel where the kernel can take
+the call, and everything else to the module's own code: other threads, autograd, compiled graphs (dynamo
+cannot read a context variable, so a graph traces the model's own code), and inputs the kernel does not
+take. Each kernel computes its expression exactly as the eager code rounds it, so the values are the
+same either way (tested per kernel and on whole rollouts). Only the modeling file's own code is routed:
+a replacement someone else made (a kernel library's, a profiler's) keeps running as it is."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
+from autobucket.engine.model_access.function_routes import builtin_behind, function_replaced
+
+FUSED_FORWARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_fused_elementwise", default=False)
+ENABLED = {"rotary": True, "gated_mlp": True, "rms_norm": True}  # the process's switches (`set_fused`)
+
+
+def set_fused(kernel: str, enabled: bool) -> bool:
+    """Turn one fused kernel ("rotary", "gated_mlp", "rms_norm") on or off for calls that start afterwards
+    (the benchmarks' A/B; the values are the same either way); returns the previous setting."""
+    if kernel not in ENABLED:
+        raise ValueError(f"set_fused: kernel={kernel!r} is not one of {sorted(ENABLED)}")
+    previous, ENABLED[kernel] = ENABLED[kernel], bool(enabled)
+    return previous
+
+
+def fused_here() -> bool:
+    """Whether this code runs in one of this thread's engine forwards, eagerly (not under dynamo)."""
+    return not torch.compiler.is_compiling() and FUSED_FORWARDS.get()
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+@functools.cache
+def kernel_library_builds() -> bool:
+    """Whether the engine's kernel library builds here (a C++ compiler); else the eager code runs."""
+    try:
+        load_invariant_kernels()
+    except ValueError:  # no compiler: the eager code runs; the build error reaches the kernels' callers
+        return False
+    return True
+
+
+def llama_modeling_module(model: torch.nn.Module) -> Any | None:
+    """The transformers modeling module of a Llama-family causal LM, else None."""
+    name = type(model).__module__
+    if type(model).__name__ not in LLAMA_FAMILY or not name.startswith("transformers.models."):
+        return None
+    return sys.modules.get(name)
+
+
+def family_class(model: torch.nn.Module, modeling: Any, suffix: str) -> Any | None:
+    """The modeling module's class `<Family><suffix>` ("MLP", "RMSNorm") for `model`, if it has one."""
+    return getattr(modeling, f"{LLAMA_FAMILY[type(model).__name__]}{suffix}", None)
+
+
+@contextmanager
+def routed(owner: Any, name: str, modeling: Any, router_for: Callable[[Callable], Callable | None]) -> Iterator[None]:
+    """`owner.name` (a modeling module's function or one of its classes' `forward`) is the router
+    `router_for(builtin)` inside the block, where the builtin is the modeling file's own code and
+    `router_for` accepts it (returns a router); otherwise nothing changes."""
+    current = getattr(owner, name, None)
+    builtin = builtin_behind(current) if current is not None else None  # another call's router: its builtin
+    own = builtin is not None and getattr(builtin, "__module__", None) == modeling.__name__
+    router = router_for(builtin) if own else None
+    if router is None:
+        yield
+        return
+    with function_replaced(owner, name, builtin, router):
+        yield
+
+
+def router(builtin: Callable, fused: Callable, name: str) -> Callable:
+    """A router in front of `builtin`: `fused(*args)` where this thread's engine forward runs (it returns
+    NotImplemented where its kernel cannot take the call), `builtin(*args)` otherwise."""
+
+    def routed_call(*args, **kwargs):
+        if fused_here():
+            result = fused(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return builtin(*args, **kwargs)
+
+    routed_call.__name__ = routed_call.__qualname__ = f"routed_{name}"
+    routed_call._autobucket_builtin = builtin  # type: ignore[attr-defined]
+    return routed_call
