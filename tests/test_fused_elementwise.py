@@ -1,7 +1,8 @@
 """The fused elementwise kernels against their oracles, the model's own code: the rotary embedding
 (`engine/kernels/elementwise/`): the rotary embedding against the modeling module's `apply_rotary_pos_emb`
 in fp32 and bf16 on the layouts the models hand over, SiLU-and-multiply against `F.silu(gate) * up` on
-1-3 threads, RMSNorm against the module on row lengths with and without vector tails; rollouts that give
+1-3 threads and RMSNorm against the module on row lengths with and without vector tails, both in fp32 and
+bf16; rollouts (fp32 and bf16) that give
 the same tokens and log-probabilities with them and without them (the direct decode step still on); the
 modeling module and its classes left as found. Controls: a rotary with a flipped sign, a SiLU rounded
 once from float64 and an RMSNorm summing in another order must fail the same comparisons (and the
@@ -24,6 +25,7 @@ from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, 
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.models import build_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -150,6 +152,19 @@ def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, 
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(fused.logprobs, eager.logprobs, strict=True))
 
 
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_bf16_rollouts_with_and_without_the_fused_kernels_agree_bitwise(name, kernels, monkeypatch):
+    model = build_tiny_model(name, dtype=torch.bfloat16)
+    rotations, norms = counting(monkeypatch, rotary, "fused_rotary_embedding"), counting(monkeypatch, rms_norm, "rms_norm")
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True, eos_token_id=[])
+    fused = generate(model, sampling, True, kernels)
+    assert rotations and norms  # (the bf16 product stays eager: not faster fused)
+    eager = generate(model, sampling, False, kernels)
+    assert fused.tokens == eager.tokens
+    assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(fused.logprobs, eager.logprobs, strict=True))
+
+
 def test_other_threads_and_gradients_get_the_models_function(tiny_models, monkeypatch):
     model = tiny_models("tiny-llama")
     modeling = modeling_of(model)
@@ -200,15 +215,16 @@ def silu_operands(shape, seed=0):
     return gate, up
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_silu_and_mul_is_bitwise_the_eager_ops_on_any_thread_count(threads):
+def test_silu_and_mul_is_bitwise_the_eager_ops_on_any_thread_count(threads, dtype):
     if not gated_mlp.available():
         pytest.skip("ATen does not run its AVX-512 kernels here: the eager ops run")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for shape in SILU_SHAPES:
-            gate, up = silu_operands(shape)
+            gate, up = (operand.to(dtype) for operand in silu_operands(shape))
             want, got = F.silu(gate) * up, silu_and_mul(gate, up)
             assert torch.equal(want.isnan(), got.isnan()), shape
             assert torch.equal(want.nan_to_num(), got.nan_to_num()), shape
@@ -247,8 +263,9 @@ def test_a_hooked_activation_and_other_threads_get_the_mlps_own_forward(tiny_mod
 NORM_LENGTHS = (8, 16, 64, 100, 256, 576, 896, 1000, 2048, 4096)  # tails, and > 512: ATen's cascade levels
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rms_norm_is_bitwise_the_module_on_any_row_length(tiny_models, threads):
+def test_rms_norm_is_bitwise_the_module_on_any_row_length(tiny_models, threads, dtype):
     if not rms_norm.available():
         pytest.skip("ATen's sum does not run its 8-float vector kernel here: the eager module runs")
     norm_class = type(tiny_models("tiny-llama").model.norm)
@@ -257,12 +274,13 @@ def test_rms_norm_is_bitwise_the_module_on_any_row_length(tiny_models, threads):
     generator = torch.Generator().manual_seed(0)
     try:
         for length in NORM_LENGTHS:
-            norm = norm_class(length, eps=1e-6)
-            norm.weight.data = torch.randn(length, generator=generator)
+            norm = norm_class(length, eps=1e-6).to(dtype)
+            norm.weight.data = torch.randn(length, generator=generator).to(dtype)
             for rows in ((1,), (7,), (3, 33)):
                 # magnitudes over several orders, so that the order of the sum shows in the last bits
                 hidden = torch.randn(*rows, length, generator=generator)
                 hidden *= torch.exp(3 * torch.randn(*rows, length, generator=generator))
+                hidden = hidden.to(dtype)
                 with torch.inference_mode():
                     assert torch.equal(norm(hidden), rms_norm.rms_norm(hidden, norm.weight, 1e-6)), (length, rows)
     finally:

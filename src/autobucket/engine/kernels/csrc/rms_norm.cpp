@@ -1,4 +1,4 @@
-// The Llama family's RMSNorm in one pass over each row (fp32):
+// The Llama family's RMSNorm in one pass over each row (fp32, and bf16 computed in fp32 as the module does):
 //
 //   variance = x.pow(2).mean(-1, keepdim=True);  out = weight * (x * rsqrt(variance + eps))
 //
@@ -18,11 +18,13 @@
 // Tested against the eager module on row lengths with and without vector tails (8 ... 4,096).
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -84,47 +86,85 @@ float sum_of_squares(const float* x, int64_t length) {
 #endif
 
 void check_hidden(const at::Tensor& hidden) {
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() >= 1,
-              "rms_norm takes contiguous fp32 hidden states [..., H]");
+  TORCH_CHECK((hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
+                  hidden.is_contiguous() && hidden.dim() >= 1,
+              "rms_norm takes contiguous fp32 or bf16 hidden states [..., H]");
 #if !defined(__AVX2__)
   TORCH_CHECK(false, "rms_norm needs an AVX2 build");
 #endif
 }
 
-// hidden [..., H] -> [..., 1]: each row's sum of squares, as ATen's x.pow(2).sum(-1, keepdim=True)
+inline float widened(float x) { return x; }
+inline float widened(c10::BFloat16 x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__)
+// each row's sum of squares of its fp32 values (a bf16 row widened first, exactly, as the module's
+// `.to(torch.float32)` does)
+template <typename T>
+void sums_of_squares(const T* x, int64_t rows, int64_t length, float* out) {
+  std::vector<float> row_fp32(std::is_same_v<T, float> ? 0 : static_cast<size_t>(length));
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* in = x + row * length;
+    const float* values = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      values = in;
+    } else {
+      for (int64_t k = 0; k < length; ++k) row_fp32[k] = widened(in[k]);
+      values = row_fp32.data();
+    }
+    out[row] = sum_of_squares(values, length);
+  }
+}
+#endif
+
+// hidden [..., H] -> fp32 [..., 1]: each row's sum of squares, as ATen's x.float().pow(2).sum(-1, keepdim=True)
 at::Tensor rms_norm_sum_of_squares(const at::Tensor& hidden) {
   check_hidden(hidden);
   std::vector<int64_t> shape = hidden.sizes().vec();
   shape.back() = 1;
-  at::Tensor sums = at::empty(shape, hidden.options());
+  at::Tensor sums = at::zeros(shape, hidden.options().dtype(at::kFloat));
 #if defined(__AVX2__)
   const int64_t length = hidden.size(-1), rows = sums.numel();
-  const float* x = hidden.data_ptr<float>();
-  float* out = sums.data_ptr<float>();
-  for (int64_t row = 0; row < rows; ++row) out[row] = length == 0 ? 0.0f : sum_of_squares(x + row * length, length);
+  if (length > 0) {
+    if (hidden.scalar_type() == at::kFloat)
+      sums_of_squares(hidden.data_ptr<float>(), rows, length, sums.data_ptr<float>());
+    else
+      sums_of_squares(hidden.data_ptr<c10::BFloat16>(), rows, length, sums.data_ptr<float>());
+  }
 #endif
   return sums;
 }
 
-// weight [H] * (hidden [..., H] * scale [..., 1]): the module's last two products in one pass
+// weight * (hidden * scale) per row, the module's last two products: fp32 throughout, or for bf16 the
+// fp32 product rounded to bf16 (`.to(input_dtype)`), then the bf16 weight's product rounded
+template <typename T>
+void apply_rows(const T* x, const T* w, const float* r, T* y, int64_t rows, int64_t length) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* in = x + row * length;
+    T* o = y + row * length;
+    for (int64_t k = 0; k < length; ++k) {
+      const T normed = static_cast<T>(widened(in[k]) * r[row]);
+      o[k] = static_cast<T>(widened(w[k]) * widened(normed));
+    }
+  }
+}
+
+// weight [H] * (hidden [..., H] * scale [..., 1]) in one pass
 at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& scale) {
   check_hidden(hidden);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 1 &&
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
                   weight.size(0) == hidden.size(-1),
-              "rms_norm takes an fp32 weight [H]");
+              "rms_norm takes a weight [H] of the hidden states' dtype");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() * hidden.size(-1) == hidden.numel(),
               "rms_norm takes one fp32 scale per row");
   at::Tensor out = at::empty_like(hidden);
   const int64_t length = hidden.size(-1), rows = scale.numel();
-  const float* x = hidden.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const float* r = scale.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  for (int64_t row = 0; row < rows; ++row) {
-    const float* in = x + row * length;
-    float* o = y + row * length;
-    for (int64_t k = 0; k < length; ++k) o[k] = w[k] * (in[k] * r[row]);
-  }
+  if (hidden.scalar_type() == at::kFloat)
+    apply_rows(hidden.data_ptr<float>(), weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(),
+               rows, length);
+  else
+    apply_rows(hidden.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), scale.data_ptr<float>(),
+               out.data_ptr<c10::BFloat16>(), rows, length);
   return out;
 }
 

@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,8 +32,6 @@ extern "C" __m512 Sleef_expf16_u10(__m512);
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int64_t kPair = 32;  // ATen's vector loop step: two 16-float vectors
-
 inline __m512 silu16(__m512 x) {
   const __m512 negated = _mm512_xor_ps(_mm512_set1_ps(-0.0f), x);  // Vectorized<float>::neg
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(negated)));
@@ -40,39 +39,84 @@ inline __m512 silu16(__m512 x) {
 
 inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 
-// out[i] = silu(gate[i]) * up[i] for i in [begin, end), one ATen chunk
+// fp32: out[i] = silu(gate[i]) * up[i] for i in [begin, end), one ATen chunk; ATen's vector loop takes
+// two 16-float vectors a step
 void silu_and_mul_chunk(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
+  constexpr int64_t kStep = 32;
   const int64_t count = end - begin;
   gate += begin, up += begin, out += begin;
   int64_t i = 0;
-  for (; i <= count - kPair; i += kPair) {
-    for (int64_t half = 0; half < kPair; half += 16) {
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t half = 0; half < kStep; half += 16) {
       const __m512 s = silu16(_mm512_loadu_ps(gate + i + half));
       _mm512_storeu_ps(out + i + half, _mm512_mul_ps(s, _mm512_loadu_ps(up + i + half)));
     }
   }
   for (; i < count; ++i) out[i] = silu_scalar(gate[i]) * up[i];
 }
-#endif
 
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
-                  gate.is_contiguous() && up.is_contiguous(),
-              "silu_and_mul takes two contiguous fp32 tensors of one shape");
-#if defined(__AVX512F__)
-  at::Tensor out = at::empty_like(gate);
-  const float* gate_data = gate.data_ptr<float>();
-  const float* up_data = up.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  // The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
-  // elements among the threads: run here one after another (this library is built without OpenMP, where
-  // at::parallel_for would not split at all), so each element takes the branch it takes there.
-  const int64_t count = gate.numel(), grain = at::internal::GRAIN_SIZE;
+// fp32 -> bf16, round to nearest even (c10::BFloat16's rounding; a NaN stays a NaN)
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __m512 from_bf16(__m256i half) {  // exact: a bf16 is the top half of its fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// bf16: ATen's reduced-precision silu widens each 32-bf16 vector to fp32, computes as above and rounds
+// to bf16 (nearest even), two such vectors a step; the scalar tail computes in fp32 and rounds; the mul
+// of two bf16 is their fp32 product rounded.
+void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t begin,
+                        int64_t end) {
+  constexpr int64_t kStep = 64;
+  const int64_t count = end - begin;
+  gate += begin, up += begin, out += begin;
+  int64_t i = 0;
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t part = i; part < i + kStep; part += 16) {
+      const __m512 x = from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + part)));
+      const __m512 silu = from_bf16(to_bf16(silu16(x)));
+      const __m512 u = from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up + part)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + part), to_bf16(_mm512_mul_ps(silu, u)));
+    }
+  }
+  for (; i < count; ++i) {
+    const c10::BFloat16 rounded(silu_scalar(static_cast<float>(gate[i])));
+    out[i] = c10::BFloat16(static_cast<float>(rounded) * static_cast<float>(up[i]));
+  }
+}
+
+// The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
+// elements among the threads: run here one after another (this library is built without OpenMP, where
+// at::parallel_for would not split at all), so each element takes the branch it takes there.
+template <typename T>
+void silu_and_mul_as_aten_splits(const T* gate, const T* up, T* out, int64_t count) {
+  const int64_t grain = at::internal::GRAIN_SIZE;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t chunks = count > grain && threads > 1 ? std::min(threads, (count + grain - 1) / grain) : 1;
   const int64_t chunk = (count + chunks - 1) / chunks;
   for (int64_t begin = 0; begin < count; begin += chunk)
-    silu_and_mul_chunk(gate_data, up_data, out_data, begin, std::min(count, begin + chunk));
+    silu_and_mul_chunk(gate, up, out, begin, std::min(count, begin + chunk));
+}
+#endif
+
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK((gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16) &&
+                  up.scalar_type() == gate.scalar_type() && gate.sizes() == up.sizes() && gate.is_contiguous() &&
+                  up.is_contiguous(),
+              "silu_and_mul takes two contiguous fp32 or bf16 tensors of one shape and dtype");
+#if defined(__AVX512F__)
+  at::Tensor out = at::empty_like(gate);
+  if (gate.scalar_type() == at::kFloat)
+    silu_and_mul_as_aten_splits(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), gate.numel());
+  else
+    silu_and_mul_as_aten_splits(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(),
+                                out.data_ptr<c10::BFloat16>(), gate.numel());
   return out;
 #else
   TORCH_CHECK(false, "silu_and_mul needs an AVX-512 build");

@@ -8,7 +8,7 @@ the [rows, 1] variances. So the output is bitwise the module's (tested on row le
 vector tails, on 1 and 2 threads).
 
 The RMSNorm class's `forward` reaches it through a router (`routes.py`) where it can take the call: fp32
-CPU tensors, contiguous, no gradient wanted, ATen on its AVX2 or AVX-512 kernels (whose sum is the same,
+or bf16 CPU tensors, contiguous, no gradient wanted, ATen on its AVX2 or AVX-512 kernels (whose sum is the same,
 8-float vectors)."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from autobucket.engine.kernels.elementwise.routes import kernel_library_builds, 
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The module's forward on fp32 contiguous `hidden` [..., H] and `weight` [H], bitwise its values."""
+    """The module's forward on contiguous `hidden` [..., H] and `weight` [H] (fp32, or bf16 computed in fp32
+    as the module does), bitwise its values."""
     variance = torch.ops.autobucket.rms_norm_sum_of_squares(hidden).div_(hidden.shape[-1])  # as ATen's mean
     return torch.ops.autobucket.rms_norm_apply(hidden, weight, torch.rsqrt(variance + eps))
 
@@ -42,7 +43,8 @@ def _takes(norm: Any, hidden: Any) -> bool:
     weight = getattr(norm, "weight", None)
     return (
         isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
-        and hidden.dtype == torch.float32 and weight.dtype == torch.float32 and hidden.device.type == "cpu"
+        and hidden.dtype in (torch.float32, torch.bfloat16) and weight.dtype == hidden.dtype
+        and hidden.device.type == "cpu"
         and hidden.dim() >= 1 and hidden.numel() > 0 and hidden.is_contiguous() and weight.is_contiguous()
         and weight.dim() == 1 and weight.shape[0] == hidden.shape[-1]
         and isinstance(getattr(norm, "variance_epsilon", None), float) and not wants_grad(hidden, weight)
