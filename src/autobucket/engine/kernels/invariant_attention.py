@@ -268,6 +268,17 @@ def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float =
 
 
 @functools.cache
+def kernel_library_builds() -> bool:
+    """Whether the engine's kernel library builds here (g++ and ninja), for callers that have a fallback
+    computing the same values (the build error itself reaches the attention's callers)."""
+    try:
+        load_invariant_kernels()
+    except ValueError:
+        return False
+    return True
+
+
+@functools.cache
 def decode_kernel_builds() -> bool:
     """Whether the engine's attention kernel is available for the default kernels' decode steps: it is
     built at first use (g++ and ninja); without them decode runs transformers' SDPA (warned once)."""

@@ -555,11 +555,9 @@ def fixed_order_panels(dense: torch.Tensor) -> torch.Tensor:
 def _fixed_order_op():
     """The fixed-order fp32 linear where the kernel library builds with AVX-512, else None (oneDNN's fp32
     GEMM instead: see the module docstring)."""
-    from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
-    try:
-        load_invariant_kernels()
-    except ValueError:  # oneDNN serves; the build error reaches the attention's callers
+    if not kernel_library_builds():  # oneDNN serves
         return None
     return torch.ops.autobucket.fixed_order_linear if torch.ops.autobucket.fixed_order_linear_vectorized() else None
 
@@ -567,10 +565,8 @@ def _fixed_order_op():
 @functools.cache
 def _blocked_linear_op():
     """The C++ block loop, or None where the engine's kernel library does not build (no compiler)."""
-    from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
-    try:
-        load_invariant_kernels()
-    except ValueError:  # the Python loop gives the same calls; the build error reaches the attention's callers
+    if not kernel_library_builds():  # the Python loop gives the same calls
         return None
     return torch.ops.autobucket.blocked_linear

@@ -849,6 +849,19 @@ at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, cons
 
 // Turns decode's K/V prefetch on or off for this process (benchmarks/decode_attention.py) and returns
 // whether it was on; portable builds never prefetch. No value depends on it.
+// The widest vectors this build of the library was compiled for (-march=native on the machine that built
+// it): 512 (AVX-512), 256 (AVX2) or 0. The fused elementwise kernels need 512 (SiLU-and-multiply) or 256
+// (RMSNorm's sum); without them the model's own code runs.
+int64_t vector_bits() {
+#if defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 0;
+#endif
+}
+
 bool set_decode_prefetch(bool on) {
 #if defined(__AVX512F__)
   return decode_prefetch().exchange(on);
@@ -866,6 +879,7 @@ TORCH_LIBRARY(autobucket, m) {
         "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group) -> Tensor");
   m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
   m.def("set_decode_prefetch(bool on) -> bool", &set_decode_prefetch);
+  m.def("vector_bits() -> int", &vector_bits);
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {

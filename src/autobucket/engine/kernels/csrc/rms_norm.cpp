@@ -168,18 +168,9 @@ at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, co
   return out;
 }
 
-bool rms_norm_available() {
-#if defined(__AVX2__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(autobucket, m) {
-  m.def("rms_norm_available() -> bool", &rms_norm_available);
   m.def("rms_norm_sum_of_squares(Tensor hidden) -> Tensor");
   m.def("rms_norm_apply(Tensor hidden, Tensor weight, Tensor scale) -> Tensor");
 }

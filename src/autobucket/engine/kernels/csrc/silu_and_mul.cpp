@@ -123,19 +123,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
 #endif
 }
 
-bool silu_and_mul_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(autobucket, m) {
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
-  m.def("silu_and_mul_available() -> bool", &silu_and_mul_available);
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }

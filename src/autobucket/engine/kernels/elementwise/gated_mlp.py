@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import kernel_library_builds, router, wants_grad
+from autobucket.engine.kernels.elementwise.routes import router, wants_grad
+from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -34,16 +35,21 @@ def available() -> bool:
     return (
         kernel_library_builds()
         and torch.backends.cpu.get_cpu_capability() == "AVX512"
-        and torch.ops.autobucket.silu_and_mul_available()
+        and torch.ops.autobucket.vector_bits() >= 512
     )
+
+
+@functools.cache
+def _silu_classes() -> tuple[type, ...]:
+    from transformers.activations import SiLUActivation
+
+    return SiLUActivation, torch.nn.SiLU
 
 
 def _plain_silu(act_fn: Any) -> bool:
     """`act_fn` is transformers' SiLU activation (or torch's), running its own forward, without hooks."""
-    from transformers.activations import SiLUActivation
-
     return (
-        type(act_fn) in (SiLUActivation, torch.nn.SiLU)
+        type(act_fn) in _silu_classes()
         and "forward" not in vars(act_fn)
         and not (act_fn._forward_hooks or act_fn._forward_pre_hooks)
         and not getattr(act_fn, "inplace", False)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import kernel_library_builds, router, wants_grad
+from autobucket.engine.kernels.elementwise.routes import router, wants_grad
+from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,7 +36,7 @@ def available() -> bool:
     return (
         kernel_library_builds()
         and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-        and torch.ops.autobucket.rms_norm_available()
+        and torch.ops.autobucket.vector_bits() >= 256
     )
 
 

@@ -12,7 +12,6 @@ a replacement someone else made (a kernel library's, a profiler's) keeps running
 from __future__ import annotations
 
 import contextvars
-import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
 from autobucket.engine.model_access.function_routes import builtin_behind, function_replaced
 
@@ -46,16 +44,6 @@ def fused_here() -> bool:
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-@functools.cache
-def kernel_library_builds() -> bool:
-    """Whether the engine's kernel library builds here (a C++ compiler); else the eager code runs."""
-    try:
-        load_invariant_kernels()
-    except ValueError:  # no compiler: the eager code runs; the build error reaches the kernels' callers
-        return False
-    return True
 
 
 def llama_modeling_module(model: torch.nn.Module) -> Any | None:

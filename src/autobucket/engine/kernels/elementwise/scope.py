@@ -12,10 +12,10 @@ from autobucket.engine.kernels.elementwise.routes import (
     ENABLED,
     FUSED_FORWARDS,
     family_class,
-    kernel_library_builds,
     llama_modeling_module,
     routed,
 )
+from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 from autobucket.engine.model_access.function_routes import context_value
 
 
