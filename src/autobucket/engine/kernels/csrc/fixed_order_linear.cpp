@@ -12,7 +12,8 @@
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
 // many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
 // that continues a slice reloads its partial sums from the output: an fp32 store and load are exact, so
-// the chain is unbroken. The first tile of a slice prefetches the next panel's slice.
+// the chain is unbroken. The tiles of a slice prefetch the next panel's slice into L2, spread over their
+// k steps (`SpreadPrefetch`).
 //
 // Measured (one core, weights from DRAM, benchmarks/fp32_linears.py). AMD EPYC Zen 5: 0.35-0.84x oneDNN
 // packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
@@ -49,13 +50,56 @@ constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 65;  // calls of at least this many rows use pair tiles where two panels are full
 constexpr int64_t kStagedStride = 80;  // floats per row of a block's staged outputs (>= 64; not a multiple of 4 KB)
 
+// Prefetches of the next panel slice into L2, spread evenly over a tile's k steps. In a call of one row
+// block (a decode step's rows) each tile issues its rows' share of the slice's lines, so the next slice
+// arrives beside every tile's FMAs instead of queuing behind the first tile's: on the Xeon (weights from
+// L3, interleaved against the first tile fetching the whole slice) 32-64-row shapes took 0.80-0.83x the
+// time (bench-qwen2's head 5.0 -> 4.1 ms), 16 rows 0.93x, 8 rows level. Calls of many row blocks keep
+// the first tile fetching it all (spread there, 1,024-2,048-row calls were 6-13% slower).
+// A hint only: no value depends on it.
+struct SpreadPrefetch {
+  const char* next;      // the next line to fetch
+  int64_t left;          // lines still to fetch
+  int64_t period;        // k steps between fetches
+  int64_t burst;         // lines per fetch
+  int64_t segment_left;  // lines left in this panel's slice before the next panel's
+  int64_t segment_lines, panel_bytes;
+  int64_t countdown = 0;
+
+  // Lines [first, first + lines) of a pass's next slices: panel i's slice of `segment_lines` lines
+  // starts at `slice` + i * `panel_bytes`.
+  SpreadPrefetch(const float* slice, int64_t segment_lines, int64_t panel_bytes, int64_t first, int64_t lines,
+                 int64_t depth)
+      : left(slice != nullptr ? lines : 0), segment_lines(segment_lines), panel_bytes(panel_bytes) {
+    const int64_t panel = segment_lines > 0 ? first / segment_lines : 0;
+    next = reinterpret_cast<const char*>(slice) + panel * panel_bytes + (first - panel * segment_lines) * 64;
+    segment_left = segment_lines - (first - panel * segment_lines);
+    burst = std::max<int64_t>(1, (lines + depth - 1) / std::max<int64_t>(1, depth));
+    const int64_t fetches = (lines + burst - 1) / burst;
+    period = std::max<int64_t>(1, depth / std::max<int64_t>(1, fetches));
+  }
+  inline void step() {
+    if (left <= 0 || --countdown > 0) return;
+    countdown = period;
+    for (int64_t b = 0; b < burst && left > 0; ++b, --left) {
+      __builtin_prefetch(next, 0, 2);  // into L2 (prefetcht1)
+      next += 64;
+      if (--segment_left == 0) {  // on to the next panel's slice
+        next += panel_bytes - segment_lines * 64;
+        segment_left = segment_lines;
+      }
+    }
+  }
+};
+
 // One tile: out[r, c] (+)= sum_k rows[r][k] * panel[k][c] for R rows, `columns` <= 32 valid columns.
 // `rows` starts at the slice's first k of the tile's first row, rows `row_stride` apart; `panel` is a
 // [depth][32] slice; `out` row-major with `ld`.
 #if defined(__AVX512F__)
 template <int R>
 void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
-          bool first, const float* bias, int64_t columns, const float* next_panel) {
+          bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
+  SpreadPrefetch prefetch = next_slices;
   const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
   const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 left[R], right[R];
@@ -65,10 +109,7 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
   }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < depth; ++k) {
-    if (next_panel != nullptr) {  // the next panel's slice into L2 while this one computes (heads stream from DRAM)
-      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel + 16), _MM_HINT_T1);
-    }
+    prefetch.step();
     const __m512 w_left = _mm512_loadu_ps(panel + k * kPanel), w_right = _mm512_loadu_ps(panel + k * kPanel + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
@@ -95,16 +136,14 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 // chains as `tile`, so the same values.
 template <int R>
 void pair_tile(const float* rows, int64_t row_stride, const float* panel, const float* second_panel, int64_t depth,
-               float* out, int64_t ld, bool first, const float* bias, const float* next_panel) {
+               float* out, int64_t ld, bool first, const float* bias, const SpreadPrefetch& next_slices) {
+  SpreadPrefetch prefetch = next_slices;
   __m512 sums[4][R];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) sums[v][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * ld + 16 * v);
 #pragma GCC unroll 2
   for (int64_t k = 0; k < depth; ++k) {
-    if (next_panel != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * kPanel + 16), _MM_HINT_T1);
-    }
+    prefetch.step();
     const __m512 w[4] = {_mm512_loadu_ps(panel + k * kPanel), _mm512_loadu_ps(panel + k * kPanel + 16),
                          _mm512_loadu_ps(second_panel + k * kPanel), _mm512_loadu_ps(second_panel + k * kPanel + 16)};
 #pragma GCC unroll 6
@@ -123,7 +162,7 @@ void pair_tile(const float* rows, int64_t row_stride, const float* panel, const 
 // The same chains with std::fma on 32 columns at a time; the compiler vectorizes the column loop.
 template <int R>
 void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
-          bool first, const float* bias, int64_t columns, const float* /* next_panel */) {
+          bool first, const float* bias, int64_t columns, const SpreadPrefetch& /* next_slices */) {
   float sums[R][kPanel];
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = first || c >= columns ? 0.f : out[r * ld + c];
@@ -138,9 +177,9 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 #endif
 
 using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const float*,
-                             int64_t, const float*);
+                             int64_t, const SpreadPrefetch&);
 using PairFunction = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, bool,
-                              const float*, const float*);
+                              const float*, const SpreadPrefetch&);
 
 template <int... R>
 constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
@@ -201,11 +240,19 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
           const float* slice = panel_data + (p * in_features + k0) * kPanel;
           const float* next_slice = p + width < end_panel ? slice + width * in_features * kPanel : nullptr;
           const float* bias_slice = last && bias_data != nullptr ? bias_data + p * kPanel : nullptr;
+          // the next pass's slice (`width` panels of `depth` x 32 floats, two lines a panel's k step),
+          // each tile of the block fetching its rows' share of the lines
+          const int64_t slice_lines = width * depth * 2, block_rows = block_end - block;
+          const bool spread = count <= kRowBlock;
           for (int64_t start = block; start < block_end; start += tile_height) {
             const int64_t tile_rows = std::min(tile_height, block_end - start);
             const float* tile_input = rows_data + start * in_features + k0;
             float* tile_out = target + (start - block) * ld;
-            const float* prefetch = start == block ? next_slice : nullptr;
+            const int64_t first_line = spread ? slice_lines * (start - block) / block_rows : 0;
+            const int64_t lines = spread ? slice_lines * (start - block + tile_rows) / block_rows - first_line
+                                         : start == block ? slice_lines : 0;
+            const SpreadPrefetch prefetch(next_slice, depth * 2, in_features * kPanel * static_cast<int64_t>(sizeof(float)),
+                                          first_line, lines, depth);
             if (pair)
               pair_tiles[tile_rows - 1](tile_input, in_features, slice, slice + in_features * kPanel, depth, tile_out, ld,
                                         first, bias_slice, prefetch);
