@@ -15,6 +15,9 @@ fp32 GEMMs on oneDNN's packed kernel instead of the fixed-order one;
 `invariant_model` and `default_model` are those steps through the model's own forward instead of the
 direct step (`direct_decode.py`: the model's parts without transformers' per-layer Python), bitwise alike;
 `--dtype bfloat16` runs the model in bf16;
+`default_fused` and `invariant_fused` are the default and invariant steps as a rollout runs them, with
+the model's rotary, SiLU-and-multiply and RMSNorm on the fused elementwise kernels
+(`engine/kernels/elementwise/`, bitwise the same values);
 `repack_ms` is what one repack of all linears costs (after a weight update, once per call)."""
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.compiled.compiled_decode import CompiledDecode
+from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
@@ -78,6 +82,13 @@ def measure(args) -> dict:
         with invariant_kernels(packs):
             return step_at_context(eager)
 
+    def fused(step):  # the step as a rollout runs it: the model's elementwise code on the fused kernels
+        def run():
+            with fused_elementwise(model):
+                return step()
+
+        return run
+
     def through_model(step):  # the same step with the model's own forward instead of the direct step
         def run():
             runner = default if step is default_step else eager
@@ -96,8 +107,10 @@ def measure(args) -> dict:
     fusion_difference = (invariant_step(unfused_packs) - invariant_step()).abs().max().item()
     onednn_difference = (invariant_step(onednn_packs) - invariant_step()).abs().max().item()
     direct_difference = (through_model(invariant_step)() - invariant_step()).abs().max().item()
+    elementwise_difference = max((fused(step)() - step()).abs().max().item() for step in (invariant_step, default_step))
     samples = {"eager": [], "default": [], "compiled": [], "invariant": [], "invariant_unfused": [],
-               "invariant_onednn": [], "invariant_model": [], "default_model": [], "head_gemm": [], "repack": []}  # fmt: skip
+               "invariant_onednn": [], "invariant_model": [], "default_model": [], "default_fused": [],
+               "invariant_fused": [], "head_gemm": [], "repack": []}  # fmt: skip
     for _ in range(args.warmup):
         step_at_context(eager), step_at_context(default), step_at_context(compiled), invariant_step()
         invariant_step(unfused_packs), invariant_step(onednn_packs)
@@ -110,6 +123,8 @@ def measure(args) -> dict:
         samples["invariant_onednn"].append(timed(lambda: invariant_step(onednn_packs)))
         samples["invariant_model"].append(timed(through_model(invariant_step)))
         samples["default_model"].append(timed(through_model(default_step)))
+        samples["default_fused"].append(timed(fused(default_step)))
+        samples["invariant_fused"].append(timed(fused(invariant_step)))
         samples["head_gemm"].append(timed(lambda: F.linear(hidden, head)))
         packs.refresh()
         before = packs.pack_ms
@@ -119,18 +134,23 @@ def measure(args) -> dict:
     return {"rows": args.rows, "context": args.context, "compile_ms": compile_ms, "max_logit_difference": difference,
             "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
             "onednn_max_logit_difference": onednn_difference, "direct_max_logit_difference": direct_difference,
+            "elementwise_max_logit_difference": elementwise_difference,
             "direct_step": eager.direct is not None, "fixed_order": packs.fixed_order, "dtype": args.dtype,
             "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
-            "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs)}  # fmt: skip
+            "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs, model)}  # fmt: skip
 
 
-def top_ops(runner: ModelRunner, packs: PackedLinears | None = None, steps: int = 5) -> list[tuple[str, float]]:
-    from contextlib import nullcontext
+def top_ops(runner: ModelRunner, packs: PackedLinears | None = None, model=None, steps: int = 5) -> list[tuple[str, float]]:
+    """The top operators' self time per step; with `packs`, the invariant step as a rollout runs it."""
+    from contextlib import ExitStack
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof, invariant_kernels(packs) if packs else nullcontext():
+    with profile(activities=[ProfilerActivity.CPU]) as prof, ExitStack() as scopes:
+        if packs is not None:
+            scopes.enter_context(invariant_kernels(packs))
+            scopes.enter_context(fused_elementwise(model))
         for _ in range(steps):
             step_at_context(runner)
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
@@ -170,7 +190,11 @@ def main() -> None:
           f"(direct / model {m['invariant'] / m['invariant_model']:.3f}), default {m['default_model']:.2f} ms "
           f"(direct / model {m['default'] / m['default_model']:.3f}); max |logit difference| "
           f"{result['direct_max_logit_difference']:.1e}")  # fmt: skip
-    for label, key in (("eager", "top_ops"), ("invariant", "invariant_top_ops")):
+    print(f"as a rollout runs them (fused elementwise kernels): default {m['default_fused']:.2f} ms (ratio to eager "
+          f"{m['default_fused'] / m['eager']:.3f}), invariant {m['invariant_fused']:.2f} ms (ratio to eager "
+          f"{m['invariant_fused'] / m['eager']:.3f}, to default {m['invariant_fused'] / m['default_fused']:.3f}); "
+          f"max |logit difference| fused / not {result['elementwise_max_logit_difference']:.1e}")  # fmt: skip
+    for label, key in (("eager", "top_ops"), ("invariant (fused elementwise)", "invariant_top_ops")):
         for name, ms in result[key]:
             print(f"  {label} step, self time per step: {name:55s} {ms:7.2f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

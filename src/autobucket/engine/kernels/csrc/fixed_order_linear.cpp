@@ -47,7 +47,9 @@ constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the
 constexpr int64_t kDepth = 256;     // k per slice: a panel slice is 32 KB (L1)
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
-constexpr int64_t kPairMinRows = 65;  // calls of at least this many rows use pair tiles where two panels are full
+constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
+// (Xeon, interleaved, from 33 against from 65 rows: bench-qwen2's head at 64 rows 0.88x the time, 48 rows
+// 0.95x, 33-40 and 96-120 rows within 1-2%; at 13-32 rows pairs were 2-5% slower than 12-row tiles)
 constexpr int64_t kStagedStride = 80;  // floats per row of a block's staged outputs (>= 64; not a multiple of 4 KB)
 
 // Prefetches of the next panel slice into L2, spread evenly over a tile's k steps. In a call of one row
