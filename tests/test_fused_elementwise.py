@@ -174,6 +174,7 @@ def test_other_threads_and_gradients_get_the_models_function(tiny_models, monkey
     calls = counting(monkeypatch, rotary, "fused_rotary_embedding")
     q, k, cos, sin = rotary_inputs(1, 9, 4, 2, 16, torch.float32)
     with fused_elementwise(model):
+        calls.clear()  # a process's first scope probes the kernel against the model's function
         routed = modeling.apply_rotary_pos_emb
         assert routed.__name__ == "routed_apply_rotary_pos_emb"
         other = threading.Thread(target=lambda: routed(q, k, cos, sin))
@@ -186,6 +187,33 @@ def test_other_threads_and_gradients_get_the_models_function(tiny_models, monkey
         routed(q, k, cos, sin)
         assert calls == [1]  # this thread, no gradient: the kernel
     assert modeling.apply_rotary_pos_emb is not routed
+
+
+def test_a_direct_step_built_before_the_scope_takes_the_fused_rotary_inside_it(tiny_models, monkeypatch):
+    """The direct decode step looks the modeling module's function up at each step, as the model's
+    attention does, so the kernel serves it whenever the step was built; outside the scope it runs the
+    model's function again."""
+    from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+    from autobucket.engine.model_access.hf_compat import forward_spec
+
+    model = tiny_models("tiny-qwen2")
+    runner = ModelRunner(model, forward_spec(model), CacheShape(2, 12), 0, model.config.vocab_size, track_seen=False)
+    if runner.direct is None:
+        pytest.skip("the direct step is off on this transformers release")
+    with torch.inference_mode():
+        output, _ = runner.prefill(random_prompts([5, 8], seed=1))
+        runner.insert(output, RowInsert([0, 1], output.last_logits.argmax(-1), [5, 8], None))
+        calls = counting(monkeypatch, rotary, "fused_rotary_embedding")
+        with fused_elementwise(model):
+            calls.clear()  # a process's first scope probes the kernel
+            runner.prepare_decode()
+            fused_logits = runner.decode_logits()
+        assert len(calls) == model.config.num_hidden_layers  # every layer's rotary on the kernel
+        runner.store.front -= 1  # the same step again, outside the scope
+        runner.prepare_decode()
+        eager_logits = runner.decode_logits()
+    assert len(calls) == model.config.num_hidden_layers  # outside it: the model's function
+    assert torch.equal(fused_logits, eager_logits)
 
 
 def test_a_function_someone_else_put_in_the_module_keeps_running(tiny_models, monkeypatch):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -51,11 +52,11 @@ KeyValueWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 class DirectDecode:
     """One decode forward of a Llama-family model from its parts (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, apply_rotary: Callable, qk_norm: bool) -> None:
+    def __init__(self, model: torch.nn.Module, modeling: ModuleType, qk_norm: bool) -> None:
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers[: model.config.num_hidden_layers])
-        self.apply_rotary = apply_rotary  # the model's own `apply_rotary_pos_emb`
+        self.modeling = modeling  # the model's modeling module (its `apply_rotary_pos_emb`)
         self.qk_norm = qk_norm
         # The keywords the model's attention hands its attention function besides the mask (transformers
         # 4.57 and 5.x alike: the decoder layer's `position_ids` and `use_cache`; Qwen2/3 and Mistral add
@@ -69,7 +70,15 @@ class DirectDecode:
         if ineligible_reason(model) is not None:
             return None
         modeling = sys.modules[type(model).__module__]
-        return cls(model, modeling.apply_rotary_pos_emb, LLAMA_FAMILY[type(model).__name__] == "Qwen3")
+        return cls(model, modeling, LLAMA_FAMILY[type(model).__name__] == "Qwen3")
+
+    def apply_rotary(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modeling module's `apply_rotary_pos_emb`, looked up at each call as the model's attention
+        looks it up: while a call is in flight that is the fused rotary's router (`kernels/elementwise`),
+        whenever the step was built."""
+        return self.modeling.apply_rotary_pos_emb(query, key, cos, sin)
 
     def step(
         self,
