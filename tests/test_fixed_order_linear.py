@@ -105,8 +105,41 @@ def test_packed_fp32_linears_run_it_and_follow_a_weight_update():
         pack = packs._packs[id(weight)]
         assert pack.fixed_order and pack.packed.shape == (2, 96, 32)
         assert torch.equal(first, fma_chain(x, weight, bias))
-        weight.mul_(0.5)  # an in-place update: the next call repacks
+        storage = pack.packed.data_ptr()
+        weight.mul_(0.5)  # an in-place update: the next call repacks, into the same panels
         assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
+        assert packs._packs[id(weight)] is pack and pack.packed.data_ptr() == storage
+        weight.data.mul_(2.0)  # a write the version counter misses: refresh() marks the panels stale
+        packs.refresh()
+        assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
+        assert pack.packed.data_ptr() == storage and packs.packs_made == 3
+
+
+@pytest.mark.parametrize("out_features", [32, 45, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panels_rewritten_in_place_equal_fresh_ones_tail_zeroed(out_features, dtype):
+    """A repack writes over the old panels: every column (the last panel's past N included, which the
+    kernel reads) must be the fresh layout's, whatever the storage held; bf16 weights widen exactly."""
+    weight = torch.randn(out_features, 24, generator=torch.Generator().manual_seed(out_features)).to(dtype)
+    fresh = fixed_order_panels(weight)
+    assert fresh.dtype == torch.float32 and fresh.shape == (-(-out_features // 32), 24, 32)
+    reference = torch.nn.functional.pad(weight.float(), (0, 0, 0, -out_features % 32)).view(-1, 32, 24).transpose(1, 2)
+    assert torch.equal(fresh, reference)
+    stale = torch.full_like(fresh, float("nan"))
+    assert fixed_order_panels(weight, out=stale) is stale and torch.equal(stale, fresh)
+
+
+def test_packed_panels_of_a_reshaped_weight_are_made_anew():
+    _kernel()
+    packs = PackedLinears()
+    x, weight, _ = _case(3, 64, 40, seed=2)
+    with torch.inference_mode():
+        packs.linear(x, weight, None)
+        old = packs._packs[id(weight)].packed
+        weight.data = torch.randn(72, 64)  # another shape behind the same parameter (then refresh_weights)
+        packs.refresh()
+        assert torch.equal(packs.linear(x, weight, None), fma_chain(x, weight, None))
+        assert packs._packs[id(weight)].packed.shape == (3, 64, 32) and old.shape == (2, 64, 32)
 
 
 def test_bad_panels_are_refused_with_the_expected_layout():

@@ -173,9 +173,9 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         return loss
 
     def _refresh_after_optimizer_step(self) -> None:
-        """Drop the rollout's packed weights and prefix cache and the trainer scope's packs once per
-        optimizer step: TRL's ref-model sync writes weights through `.data`, which no version counter sees
-        (optimizer steps, fused ones included, the engine sees itself)."""
+        """Once per optimizer step, mark the rollout's packed weights and the trainer scope's packs stale and
+        empty the prefix cache: TRL's ref-model sync writes weights through `.data`, which no version
+        counter sees (optimizer steps, fused ones included, the engine sees itself)."""
         step = self.state.global_step
         if self._autobucket_weights_step == step:
             return

@@ -32,7 +32,7 @@ _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.Weak
 
 def packs_for(model: torch.nn.Module) -> PackedLinears:
     """The one set of packed copies of `model`'s weights shared by every trainer scope on it (each
-    `Rollout` keeps its own, which `Rollout.refresh_weights()` drops)."""
+    `Rollout` keeps its own, which `Rollout.refresh_weights()` marks stale)."""
     packs = _PACKS.get(model)
     if packs is None:
         packs = _PACKS[model] = PackedLinears()
