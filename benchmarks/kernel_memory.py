@@ -6,7 +6,7 @@ Each (model, dtype, kernels) runs in its own fresh process, so its peak RSS (VmH
 alone: load the model, one warm-up call, reset the RSS peak, one measured call. The invariant kernels
 hold one packed copy of every linear weight across calls (`Profile.packed_weight_bytes`: fp32 packs, and
 bf16 packs where the bf16 GEMM's row blocks are used, fp32 ones where they are not); that copy is the
-bound on what they add, and `Rollout.refresh_weights()` drops it."""
+bound on what they add, and `packed_weights_mb` bounds it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-CONTENDERS = ("hf", "invariant", "invariant-half")  # half: packed_weights_mb = half the parameters' size
+# half: packed_weights_mb = half the parameters' size; none: 0 (no copies: the fp32 linears read the
+# weights themselves on the unpacked fixed-order kernel)
+CONTENDERS = ("hf", "invariant", "invariant-half", "invariant-none")
 
 
 def measure_one(model_name: str, dtype_name: str, kernels: str) -> dict:
@@ -32,7 +34,7 @@ def measure_one(model_name: str, dtype_name: str, kernels: str) -> dict:
     prompts = random_prompts([16 * (i + 1) for i in range(16)], model.config.vocab_size, seed=0)
     sampling = SamplingConfig(max_new_tokens=32, eos_token_id=[])
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget_mb = parameter_bytes / 2 / 2**20 if kernels == "invariant-half" else None
+    budget_mb = {"invariant-half": parameter_bytes / 2 / 2**20, "invariant-none": 0.0}.get(kernels)
     config = RolloutConfig(kernels=kernels.split("-")[0], packed_weights_mb=budget_mb)
     rollout = Rollout(model, config=config)
     rollout.generate(prompts, sampling)

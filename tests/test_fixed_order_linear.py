@@ -45,7 +45,7 @@ def _case(rows: int, in_features: int, out_features: int, seed: int):
     return x, weight, torch.randn(out_features, generator=generator)
 
 
-# rows across tiles (12, and pair tiles of 6 from 65 rows on) and blocks (120); K across the 256-long
+# rows across tiles (12, and pair tiles of 6 from 33 rows on) and blocks (120); K across the 256-long
 # slices; N with a partial last panel; (100, 300, 100): pair tiles, then a single one for the partial panel
 @pytest.mark.parametrize(
     "rows,in_features,out_features", [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96), (100, 300, 100)]
@@ -57,6 +57,37 @@ def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_fea
     bias = bias if with_bias else None
     out = kernel(x, fixed_order_panels(weight), bias, out_features)
     assert torch.equal(out, fma_chain(x, weight, bias))
+
+
+# the unpacked kernel: calls of <= 16 rows (24 outputs a tile) and more (12), a last block of one vector,
+# rows across its 256-row chunks, N with a partial last tile, K of 1
+@pytest.mark.parametrize(
+    "rows,in_features,out_features",
+    [(1, 16, 32), (7, 1, 5), (16, 300, 70), (17, 64, 25), (40, 96, 13), (130, 64, 33), (300, 40, 24)],
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_unpacked_kernel_gives_each_output_the_chain_from_the_weight_itself(
+    rows, in_features, out_features, with_bias
+):
+    """`fixed_order_linear_unpacked` (linears past the packed-weight budget): the same chains from the
+    [N, K] weight, bitwise the panels' kernel."""
+    kernel = _kernel()
+    x, weight, bias = _case(rows, in_features, out_features, seed=rows * in_features + out_features)
+    bias = bias if with_bias else None
+    out = torch.ops.autobucket.fixed_order_linear_unpacked(x, weight, bias)
+    assert torch.equal(out, fma_chain(x, weight, bias))
+    assert torch.equal(out, kernel(x, fixed_order_panels(weight), bias, out_features))
+
+
+def test_a_linear_past_the_budget_runs_the_unpacked_kernel_on_the_live_weight():
+    _kernel()
+    packs = PackedLinears(budget_bytes=0)
+    x, weight, bias = _case(9, 96, 40, seed=8)
+    with torch.inference_mode():
+        assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
+        weight.mul_(-1.0)  # read live: nothing to repack
+        assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
+    assert packs.nbytes == 0 and packs.unpacked_calls == 2 and packs.packs_made == 0
 
 
 def test_staged_and_direct_stores_of_aliased_rows_give_the_chain():

@@ -74,8 +74,10 @@ class RolloutConfig:
       the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
     packed_weights_mb: with `kernels="invariant"`, the most memory its packed copies of the linear weights
       may hold (None, the default: every linear packed, one more copy of those weights). Linears past the
-      budget read the live weight on the same oneDNN kernel: bitwise the same values, 15-25% slower each
-      (0: no copies at all). Measured: SmolLM2 fp32 peak RSS 1.40x the default kernels' unbounded, bf16 1.22x.
+      budget read the live weight, bitwise the same values: fp32 ones on the fixed-order kernel's unpacked
+      form (1.0-1.8x the packed time per GEMM), bf16 ones on oneDNN reordering per call (0: no copies at
+      all). Measured (Intel Xeon, SmolLM2 fp32, one call): unbounded peak RSS 1.26x the default kernels' at
+      0.81x their time; 0 MB: 0.92x the memory at 1.05x the time.
     prefix_cache_mb: memory for a prefix KV cache across calls (0, the default: off). Every finished
       sequence (prompt + generated tokens) is kept, least recently used evicted first, so a next call
       whose prompt extends one (the next turn of a conversation, a shared system prompt) prefills only

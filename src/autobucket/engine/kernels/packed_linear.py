@@ -34,7 +34,9 @@ its library builds with AVX-512 (`csrc/fixed_order_linear.cpp`: each output one 
 order, so invariant by construction, no probe and no M = 1 workaround), else oneDNN's fp32 GEMM. On an
 AMD EPYC (Zen 5) it took 0.35-0.84x oneDNN's time at a decode step's 8-32 rows and 1.00-1.11x at
 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x slower than both
-(`benchmarks/fp32_linears.py`). Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
+(`benchmarks/fp32_linears.py`). A weight past the packed-weight budget is read where it is by the
+kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise), and a weight updated in
+place gets its panels rewritten in the storage they had. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
 1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ class _Pack:
     small_block: bool = False  # calls of <= SMALL_BLOCK rows run as one SMALL_BLOCK-row block
     fixed_order: bool = False  # fp32 panels [ceil(N / 32), K, 32] for `fixed_order_linear` (else oneDNN)
     out_features: int = 0
+    unpacked: bool = False  # fixed order on the weight itself, fp32 [N, K] (a call past the budget)
 
     @property
     def nbytes(self) -> int:
@@ -351,8 +354,8 @@ class PackedLinears:
         fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the _Pack fields of the fp32 GEMM
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
-            if fixed_order:  # panels for this call (the kernel reads no other layout): the same values
-                source = fixed_order_panels(source)
+            if fixed_order:  # no copy: the unpacked kernel reads the weight as it is, the same chains
+                source, fp32_kernel["unpacked"] = source.float(), True
             elif row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
             return _Pack(weakref.ref(weight), version, source, row_blocks, small, **fp32_kernel)  # this call only
@@ -445,7 +448,9 @@ def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torc
     widened = rows.dtype != torch.float32  # fp32 inputs skip the conversions: ~6 us a call of ~45
     rows_fp32 = rows.float() if widened else rows
     bias_fp32 = None if bias is None else (bias.float() if bias.dtype != torch.float32 else bias)
-    if pack.fixed_order:
+    if pack.unpacked:
+        out = torch.ops.autobucket.fixed_order_linear_unpacked(rows_fp32, pack.packed, bias_fp32)
+    elif pack.fixed_order:
         out = torch.ops.autobucket.fixed_order_linear(rows_fp32, pack.packed, bias_fp32, pack.out_features)
     elif rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
         out = _onednn_linear(rows_fp32.expand(2, -1), pack.packed, bias_fp32)[:1]

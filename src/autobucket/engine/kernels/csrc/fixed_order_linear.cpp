@@ -80,7 +80,7 @@ struct SpreadPrefetch {
     const int64_t fetches = (lines + burst - 1) / burst;
     period = std::max<int64_t>(1, depth / std::max<int64_t>(1, fetches));
   }
-  inline void step() {
+  __attribute__((always_inline)) inline void step() {
     if (left <= 0 || --countdown > 0) return;
     countdown = period;
     for (int64_t b = 0; b < burst && left > 0; ++b, --left) {
@@ -280,6 +280,113 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
 }
 
 // Whether this build runs the AVX-512 tiles (else the portable ones: the same values, slower).
+// The same chains from the weight as the model holds it, [N, K] row-major, with no packed copy: for a
+// `PackedLinears` whose memory budget (`RolloutConfig(packed_weights_mb=...)`) leaves a weight unpacked.
+// The roles of the two operands swap: the rows are transposed once per call into [K][M] (16 rows a
+// vector), each output's weight at step k is broadcast, and an accumulator vector holds one output for
+// 16 rows. fma(x, w, acc) and fma(w, x, acc) round alike, so every output is still one FMA chain over
+// k = 0 .. K-1 in order, then + bias: bitwise `fixed_order_linear` on the weight's panels (tested).
+// Slower than the panels at most shapes (measured in docs/benchmarks.md), far faster than making the
+// panels for each call.
+constexpr int64_t kUnpackedChunk = 256;  // rows transposed at a time ([K][256 + 16] floats stay in L2)
+constexpr int64_t kUnpackedBlock = 32;   // rows per tile: two vectors
+
+#if defined(__AVX512F__)
+// R outputs x V vectors of 16 rows over all K: xt [K][ldx] (the tile's rows from column 0), w the R
+// weight rows K apart; sums[r][16 V] out (one output's rows contiguous). Prefetches `next_lines` lines
+// from `next` (the next tile's weight rows) spread over the k steps.
+template <int R, int V>
+void unpacked_tile(const float* xt, int64_t ldx, const float* w, int64_t in_features, float* sums,
+                   const SpreadPrefetch& next_rows) {
+  SpreadPrefetch prefetch = next_rows;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < in_features; ++k) {
+    prefetch.step();
+    __m512 x[V];
+    for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_ps(xt + k * ldx + 16 * v);
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r) {
+      const __m512 weight = _mm512_set1_ps(w[r * in_features + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x[v], weight, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(sums + r * 16 * V + 16 * v, acc[r][v]);
+}
+
+// Outputs per tile: 12 with two row vectors (24 accumulators), 24 with one (calls of at most 16 rows).
+template <int V>
+constexpr int unpacked_outputs() { return V == 2 ? 12 : 24; }
+
+at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor& weight,
+                                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear_unpacked takes fp32 rows [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) == input.size(1),
+              "fixed_order_linear_unpacked takes an fp32 weight [N, K]");
+  const at::Tensor rows = input.contiguous(), dense = weight.contiguous();
+  const int64_t count = rows.size(0), in_features = rows.size(1), out_features = dense.size(0);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  if (count == 0 || out_features == 0) return out;
+  const at::Tensor bias_values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias_values.defined() || (bias_values.numel() == out_features && bias_values.scalar_type() == at::kFloat),
+              "fixed_order_linear_unpacked takes an fp32 bias [N]");
+  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
+  const float* rows_data = rows.data_ptr<float>();
+  const float* weight_data = dense.data_ptr<float>();
+  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  // outputs per tile, fixed for the call: a call of at most 16 rows takes 24 (its one vector per output
+  // would leave 12 accumulators waiting on the loads), larger calls 12
+  const bool narrow = count <= 16;
+  const int64_t outputs = narrow ? unpacked_outputs<1>() : unpacked_outputs<2>();
+  const int64_t chunk_rows = std::min(kUnpackedChunk, (count + 15) / 16 * 16);
+  const int64_t ldx = chunk_rows + 16;  // not a multiple of 4 KB apart: the k steps' loads share no L1 set
+  std::vector<float> xt(static_cast<size_t>(in_features * ldx));
+  std::vector<float> tail_rows;  // the last tile's weight rows, zero-padded to `outputs` rows
+  alignas(64) float sums[24 * 32];
+  for (int64_t chunk = 0; chunk < count; chunk += kUnpackedChunk) {
+    const int64_t chunk_end = std::min(count, chunk + kUnpackedChunk);
+    std::fill(xt.begin(), xt.end(), 0.0f);  // rows past the call's are zeros (their sums are never stored)
+    for (int64_t m = chunk; m < chunk_end; ++m)
+      for (int64_t k = 0; k < in_features; ++k) xt[k * ldx + (m - chunk)] = rows_data[m * in_features + k];
+    for (int64_t n0 = 0; n0 < out_features; n0 += outputs) {
+      const int64_t tile_outputs = std::min(outputs, out_features - n0);
+      const float* w = weight_data + n0 * in_features;
+      if (tile_outputs < outputs) {  // the last tile reads a padded copy, never past the weight
+        tail_rows.assign(static_cast<size_t>(outputs * in_features), 0.0f);
+        std::copy_n(w, tile_outputs * in_features, tail_rows.data());
+        w = tail_rows.data();
+      }
+      const int64_t next_outputs = std::min(outputs, out_features - n0 - outputs);
+      const float* next = next_outputs > 0 ? weight_data + (n0 + outputs) * in_features : nullptr;
+      for (int64_t block = chunk; block < chunk_end; block += kUnpackedBlock) {
+        const int64_t block_rows = std::min(kUnpackedBlock, chunk_end - block);
+        const float* block_xt = xt.data() + (block - chunk);
+        const int64_t next_lines = block == chunk && next != nullptr ? next_outputs * in_features / 16 : 0;
+        const SpreadPrefetch prefetch(next, next_lines, 0, 0, next_lines, in_features);
+        const int vectors = narrow || block_rows <= 16 ? 1 : 2;
+        if (narrow)
+          unpacked_tile<24, 1>(block_xt, ldx, w, in_features, sums, prefetch);
+        else if (vectors == 2)
+          unpacked_tile<12, 2>(block_xt, ldx, w, in_features, sums, prefetch);
+        else
+          unpacked_tile<12, 1>(block_xt, ldx, w, in_features, sums, prefetch);
+        const int64_t stride = 16 * vectors;  // sums[r][stride]
+        for (int64_t m = 0; m < block_rows; ++m) {
+          float* out_row = out_data + (block + m) * out_features + n0;
+          for (int64_t r = 0; r < tile_outputs; ++r)
+            out_row[r] = bias_data != nullptr ? sums[r * stride + m] + bias_data[n0 + r] : sums[r * stride + m];
+        }
+      }
+    }
+  }
+  return out;
+}
+#endif
+
 bool fixed_order_linear_vectorized() {
 #if defined(__AVX512F__)
   return true;
@@ -294,9 +401,13 @@ TORCH_LIBRARY_FRAGMENT(autobucket, m) {
   m.def("fixed_order_linear(Tensor rows, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("fixed_order_linear_staging(Tensor rows, Tensor panels, Tensor? bias, int out_features, bool stage_aliased_rows) -> Tensor");
   m.def("fixed_order_linear_vectorized() -> bool", &fixed_order_linear_vectorized);
+  m.def("fixed_order_linear_unpacked(Tensor rows, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("fixed_order_linear", &fixed_order_linear);
   m.impl("fixed_order_linear_staging", &fixed_order_linear_staging);
+#if defined(__AVX512F__)
+  m.impl("fixed_order_linear_unpacked", &fixed_order_linear_unpacked);
+#endif
 }
