@@ -350,20 +350,40 @@ def test_greedy_selection_breaks_ties_like_argmax():
     assert tokens.tolist()[:3] == [0, 3, 2048]
 
 
-@pytest.mark.parametrize("vocab", [32000, 32003, 4095, 5000])
-def test_first_argmax_is_argmax_on_planted_ties_tails_infinities_and_nan(vocab):
-    """Oracle: torch.argmax (first maximal value). Ties inside one block, across block boundaries, in the
-    tail past the last whole block, a row of equal values, an all -inf row and a NaN row."""
-    from autobucket.engine.selection import ARGMAX_BLOCK, first_argmax
+@pytest.mark.parametrize("form", ["kernel", "two_pass"])
+@pytest.mark.parametrize("vocab", [32000, 32003, 4095, 5000, 17])
+def test_first_argmax_is_argmax_on_planted_ties_tails_infinities_and_nan(vocab, form):
+    """Oracle: torch.argmax (first maximal value). Ties inside one block and vector, across block
+    boundaries, in the tail past the last whole block or vector, a row of equal values, an all -inf row,
+    NaN rows (argmax answers the first NaN), +inf and a -0.0 / 0.0 tie; both forms (the kernel library's
+    op and the torch-op fallback)."""
+    from autobucket.engine import selection
+    from autobucket.engine.selection import ARGMAX_BLOCK
 
-    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
-    block = ARGMAX_BLOCK
+    if form == "kernel" and selection._argmax_kernel() is None:
+        pytest.skip("the kernel library does not build here")
+    argmax = selection.first_argmax if form == "kernel" else selection.two_pass_argmax
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(vocab))
+    block = min(ARGMAX_BLOCK, vocab - 3)
     planted = [(5, 9), (block - 1, block), (3 * block + 7, block + 2), (vocab - 1, vocab - 2), (vocab - 1,)]
     for row, ids in enumerate(planted):
-        logits[row, list(ids)] = logits[row].max() + 1.0
+        logits[row, [i % vocab for i in ids]] = logits[row].max() + 1.0
     logits[5] = 0.25
     logits[6] = -torch.inf
-    logits[7, [11, vocab - 3]] = torch.nan
+    logits[7, [11 % vocab, vocab - 3]] = torch.nan
+    logits[8, [vocab - 1, 2]] = torch.inf
+    logits[9] = -1.0
+    logits[9, [3, 4]] = torch.tensor([-0.0, 0.0])
+    logits[10, vocab - 1] = torch.nan
+    logits[11, 0] = torch.nan
     with torch.inference_mode():
-        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
-    assert first_argmax(logits)[:2].tolist() == [5, block - 1]
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    if vocab > 2 * ARGMAX_BLOCK:
+        assert argmax(logits)[:2].tolist() == [5, block - 1]
+
+
+def test_control_an_argmax_that_takes_the_last_maximal_value_fails_the_oracle():
+    logits = torch.randn(3, 4000, generator=torch.Generator().manual_seed(1))
+    logits[:, [7, 3000]] = 9.0
+    last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
+    assert not torch.equal(last, logits.argmax(dim=-1))

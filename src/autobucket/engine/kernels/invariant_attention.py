@@ -32,7 +32,7 @@ from autobucket.engine.model_access.attention import hf_sdpa
 from autobucket.engine.model_access.function_routes import dropout_suppressed
 from autobucket.engine.model_access.weight_versions import in_place_version
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp", "first_argmax.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "cpu_vendor.h"]  # in the build's digest: an edit rebuilds
 
 
