@@ -80,6 +80,8 @@ struct SpreadPrefetch {
     const int64_t fetches = (lines + burst - 1) / burst;
     period = std::max<int64_t>(1, depth / std::max<int64_t>(1, fetches));
   }
+  // `lines` lines of one contiguous run from `start`
+  SpreadPrefetch(const float* start, int64_t lines, int64_t depth) : SpreadPrefetch(start, lines, 0, 0, lines, depth) {}
   __attribute__((always_inline)) inline void step() {
     if (left <= 0 || --countdown > 0) return;
     countdown = period;
@@ -188,6 +190,14 @@ constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequenc
   return {&tile<R + 1>...};
 }
 
+// A call's bias as contiguous fp32 [N] (undefined: none), checked; `op` names the kernel in the error.
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t out_features, const char* op) {
+  const at::Tensor values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!values.defined() || (values.numel() == out_features && values.scalar_type() == at::kFloat), op,
+              " takes an fp32 bias [N]");
+  return values;
+}
+
 // `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB apart
 // computes through a staging buffer (`fixed_order_linear` chooses by the CPU; either way the same values).
 at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
@@ -201,9 +211,7 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   const int64_t count = rows.size(0), in_features = rows.size(1);
   at::Tensor out = at::empty({count, out_features}, rows.options());
   if (count == 0 || out_features == 0) return out;
-  const at::Tensor bias_values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!bias_values.defined() || (bias_values.numel() == out_features && bias_values.scalar_type() == at::kFloat),
-              "fixed_order_linear takes an fp32 bias [N]");
+  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear");
   if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
   const float* rows_data = rows.data_ptr<float>();
   const float* panel_data = panels.data_ptr<float>();
@@ -330,9 +338,7 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
   const int64_t count = rows.size(0), in_features = rows.size(1), out_features = dense.size(0);
   at::Tensor out = at::empty({count, out_features}, rows.options());
   if (count == 0 || out_features == 0) return out;
-  const at::Tensor bias_values = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!bias_values.defined() || (bias_values.numel() == out_features && bias_values.scalar_type() == at::kFloat),
-              "fixed_order_linear_unpacked takes an fp32 bias [N]");
+  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear_unpacked");
   if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
   const float* rows_data = rows.data_ptr<float>();
   const float* weight_data = dense.data_ptr<float>();
@@ -366,7 +372,7 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
         const int64_t block_rows = std::min(kUnpackedBlock, chunk_end - block);
         const float* block_xt = xt.data() + (block - chunk);
         const int64_t next_lines = block == chunk && next != nullptr ? next_outputs * in_features / 16 : 0;
-        const SpreadPrefetch prefetch(next, next_lines, 0, 0, next_lines, in_features);
+        const SpreadPrefetch prefetch(next, next_lines, in_features);
         const int vectors = narrow || block_rows <= 16 ? 1 : 2;
         if (narrow)
           unpacked_tile<24, 1>(block_xt, ldx, w, in_features, sums, prefetch);
