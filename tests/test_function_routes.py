@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -150,3 +151,92 @@ def test_control_a_linear_bound_before_the_routers_is_not_routed():
         F.linear(x, weight)
     assert packs.calls == 1
     assert function_routes._OPEN_SCOPES == 0
+
+
+class Ready(PackedLinears):
+    """PackedLinears that counts the calls its quick path took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = 0
+
+    def ready_linear(self, *args, **kwargs):  # type: ignore[override]
+        out = super().ready_linear(*args, **kwargs)
+        self.ready += out is not None
+        return out
+
+
+def _quick_path_available(packs: PackedLinears) -> bool:
+    return packs.fixed_order  # the quick path serves the fixed-order kernel's fp32 panels
+
+
+def test_call_linear_takes_the_quick_path_with_the_modules_values_and_follows_weight_updates():
+    packs, layer = Ready(), torch.nn.Linear(64, 48)
+    x = torch.randn(5, 1, 64)
+    with packed_linears(packs):
+        with torch.no_grad():
+            want = layer(x)  # the module's call packs the weight
+            got = function_routes.call_linear(layer, x)
+        assert torch.equal(got, want)
+        assert packs.ready == (1 if _quick_path_available(packs) else 0)
+        with torch.no_grad():
+            layer.weight.mul_(2.0)  # an in-place update: the quick path must not serve the old panels
+            updated = function_routes.call_linear(layer, x)
+    with torch.no_grad():
+        fresh = PackedLinears().linear(x, layer.weight, layer.bias)  # oracle: packs made after the update
+    assert torch.equal(updated, fresh) and not torch.equal(updated, want)
+
+
+def test_call_linear_runs_the_module_wherever_its_call_could_be_observed():
+    packs, x = Ready(), torch.randn(3, 16)
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, input):
+            return 2 * super().forward(input)
+
+    hooked, seen = torch.nn.Linear(16, 8), []
+    hooked.register_forward_hook(lambda module, args, out: seen.append("module hook"))
+    replaced = torch.nn.Linear(16, 8)
+    replaced.forward = lambda input: torch.zeros(3, 8)  # instrumentation replacing one instance's forward
+    plain, subclass = torch.nn.Linear(16, 8), Scaled(16, 8)
+    with torch.no_grad(), packed_linears(packs):
+        for layer in (hooked, replaced, plain, subclass):
+            layer(x)  # packed by the module call
+        seen.clear()
+        assert torch.equal(function_routes.call_linear(hooked, x), hooked(x)) and seen == ["module hook"] * 2
+        assert torch.equal(function_routes.call_linear(replaced, x), torch.zeros(3, 8))
+        assert torch.equal(function_routes.call_linear(subclass, x), 2 * plain.__class__.forward(subclass, x))
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append("global"))
+        try:
+            function_routes.call_linear(plain, x)
+        finally:
+            handle.remove()
+        assert seen[-1] == "global"
+        assert packs.ready == 0  # none of them took the quick path
+        function_routes.call_linear(plain, x)
+        assert packs.ready == (1 if _quick_path_available(packs) else 0)  # control: the plain one does
+    assert torch.equal(function_routes.call_linear(plain, x), plain(x))  # no scope: the module
+
+
+def test_call_linear_under_autograd_runs_the_module_and_its_gradients():
+    packs, layer = Ready(), torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16, requires_grad=True)
+    with packed_linears(packs):
+        function_routes.call_linear(layer, x).sum().backward()
+    assert packs.ready == 0 and x.grad is not None and layer.weight.grad is not None
+    assert torch.allclose(x.grad, layer.weight.sum(0).expand(3, -1))
+
+
+def test_control_a_quick_path_blind_to_weight_versions_serves_stale_values(monkeypatch):
+    """Negative control for the update test above: with the version check defeated, the quick path
+    serves the panels of the weight as it was, so that test's oracle can fail."""
+    from autobucket.engine.kernels import packed_linear
+
+    packs, layer, x = Ready(), torch.nn.Linear(64, 48), torch.randn(5, 1, 64)
+    if not _quick_path_available(packs):
+        pytest.skip("no fixed-order kernel on this CPU: no quick path to defeat")
+    monkeypatch.setattr(packed_linear, "tensor_version", lambda weight: (0, 0, 0))
+    with torch.no_grad(), packed_linears(packs):
+        before = layer(x)
+        layer.weight.mul_(2.0)
+        assert torch.equal(function_routes.call_linear(layer, x), before)

@@ -250,6 +250,21 @@ class PackedLinears:
             self.fusion.observe(x, weight, bias)
         return _packed_matmul(x, pack, bias)
 
+    def ready_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`linear(x, weight, bias)` without its general checks, for the call a decode step makes most: an
+        fp32 weight whose fixed-order panels are current, contiguous fp32 rows, no autograd. The same op
+        on the same panels, so the same values. None for any other call (the caller runs `linear`, which
+        packs or repacks first)."""
+        pack = self._packs.get(id(weight))
+        if pack is None or not pack.fixed_order or pack.unpacked or weight.dtype != torch.float32:
+            return None
+        if x.dtype != torch.float32 or not x.is_contiguous() or (bias is not None and bias.dtype != torch.float32):
+            return None
+        if _needs_grad(x, weight, bias) or pack.owner() is not weight or pack.version != tensor_version(weight):
+            return None
+        out = _fixed_order_op()(x.view(-1, x.shape[-1]), pack.packed, bias, pack.out_features)
+        return out.view(*x.shape[:-1], pack.out_features)
+
     def _fused_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fusion: LinearFusion
     ) -> torch.Tensor | None:
@@ -529,6 +544,9 @@ class _Route:
 
     def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.packs.addmm(bias, x, weight, self.recompute_safe)
+
+    def ready_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self.packs.ready_linear(x, weight, bias)
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.model_access.attention import dispatch_sdpa, dispatches
-from autobucket.engine.model_access.function_routes import builtin_behind
+from autobucket.engine.model_access.function_routes import builtin_behind, call_linear
 from autobucket.engine.model_access.hf_compat import sliding_window_limit
 
 # Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
@@ -106,7 +106,7 @@ class DirectDecode:
             hidden = type(layer.mlp).forward(layer.mlp, hidden)
             hidden = residual + hidden
         hidden = inner.norm(hidden)
-        return self.model.lm_head(hidden[:, 0:, :])  # the model slices `logits_to_keep=0` the same way
+        return call_linear(self.model.lm_head, hidden[:, 0:, :])  # the model slices `logits_to_keep=0` the same way
 
     def _attention(
         self,
@@ -122,12 +122,12 @@ class DirectDecode:
         hidden_shape = (*input_shape, -1, attention.head_dim)  # [rows, 1, heads, head_dim]
         # The projections in the model's order (a fused group learns its members from that order).
         if self.qk_norm:
-            query = attention.q_norm(attention.q_proj(hidden).view(hidden_shape)).transpose(1, 2)
-            key = attention.k_norm(attention.k_proj(hidden).view(hidden_shape)).transpose(1, 2)
+            query = attention.q_norm(call_linear(attention.q_proj, hidden).view(hidden_shape)).transpose(1, 2)
+            key = attention.k_norm(call_linear(attention.k_proj, hidden).view(hidden_shape)).transpose(1, 2)
         else:
-            query = attention.q_proj(hidden).view(hidden_shape).transpose(1, 2)
-            key = attention.k_proj(hidden).view(hidden_shape).transpose(1, 2)
-        value = attention.v_proj(hidden).view(hidden_shape).transpose(1, 2)
+            query = call_linear(attention.q_proj, hidden).view(hidden_shape).transpose(1, 2)
+            key = call_linear(attention.k_proj, hidden).view(hidden_shape).transpose(1, 2)
+        value = call_linear(attention.v_proj, hidden).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = self.apply_rotary(query, key, cos, sin)
         key, value = write(attention.layer_idx, key, value)
@@ -140,7 +140,7 @@ class DirectDecode:
             scaling=attention.scaling, **keywords,
         )  # fmt: skip
         output = output.reshape(*input_shape, -1).contiguous()
-        return attention.o_proj(output)
+        return call_linear(attention.o_proj, output)
 
 
 # The transformers releases whose Llama-family decoder layers the step was checked against, bitwise, by

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 
 # the builtins, for the engine's own calls and for every call outside a routed scope
@@ -52,6 +53,11 @@ class LinearRoute(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
     def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def ready_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`linear`'s values for a call its quick path takes (a weight already prepared, no autograd), else
+        None: then the caller runs the linear the ordinary way."""
+        ...
 
 
 _LINEAR_ROUTE: contextvars.ContextVar[LinearRoute | None] = contextvars.ContextVar("autobucket_linears", default=None)
@@ -71,6 +77,36 @@ def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if route is None:
         return original_linear(input, weight, bias)
     return route.linear(input, weight, bias)
+
+
+_LINEAR_FORWARD = torch.nn.Linear.forward
+
+
+def call_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`, for the engine's own calls of a model's linear layers (the direct decode step, the
+    fused MLP): a plain `nn.Linear` whose call nothing can observe goes straight to this thread's linear
+    route's quick path, skipping the module call, `Linear.forward` and the `F.linear` router (on
+    bench-qwen2's decode step, B = 16, context 256, ~0.6 ms of 5.9: 29 linears at ~20 us of Python each).
+    The values are the route's, which is what `module(x)` reaches. Anything else — a LoRA layer, a
+    subclass, a replaced forward, hooks (the module's or global ones: `Module.__call__` skips them only
+    when there are none), no route, a call the quick path does not take — is `module(x)`."""
+    route = None if _tracing() else _LINEAR_ROUTE.get()
+    if route is not None and type(module) is torch.nn.Linear and _call_unobserved(module):
+        out = route.ready_linear(x, module.weight, module.bias)
+        if out is not None:
+            return out
+    return module(x)
+
+
+def _call_unobserved(module: torch.nn.Module) -> bool:
+    """Whether `module(...)` is exactly its class's forward: no hooks of any kind (module or global, as
+    `Module._call_impl` checks them) and `nn.Linear`'s own forward, on the class and the instance."""
+    return not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+        or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks
+        or torch.nn.Linear.forward is not _LINEAR_FORWARD or "forward" in module.__dict__
+    )  # fmt: skip
 
 
 class Conv1dAddmmMode(TorchFunctionMode):

@@ -21,6 +21,7 @@ import torch
 
 from autobucket.engine.kernels.elementwise.routes import router, wants_grad
 from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+from autobucket.engine.model_access.function_routes import call_linear
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -70,9 +71,9 @@ def _fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
     same values as the class's forward."""
     if not _plain_silu(mlp.act_fn):
         return NotImplemented
-    gate = mlp.gate_proj(hidden)
-    up = mlp.up_proj(hidden)
-    return mlp.down_proj(silu_and_mul(gate, up) if _fusable(gate, up) else mlp.act_fn(gate) * up)
+    gate = call_linear(mlp.gate_proj, hidden)
+    up = call_linear(mlp.up_proj, hidden)
+    return call_linear(mlp.down_proj, silu_and_mul(gate, up) if _fusable(gate, up) else mlp.act_fn(gate) * up)
 
 
 @functools.cache
