@@ -318,6 +318,25 @@ def test_rms_norm_is_bitwise_the_module_on_any_row_length(tiny_models, threads, 
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 3.3e-7])
+def test_rms_norm_rounds_each_rows_variance_eps_and_rsqrt_as_the_module(tiny_models, eps):
+    """The kernel divides, adds eps and takes 1 / sqrt per row itself: on many rows whose variances lie
+    near eps (where its rounding to float matters) and far from it, bitwise the module's ATen ops."""
+    if not rms_norm.available():
+        pytest.skip("ATen's sum does not run its 8-float vector kernel here: the eager module runs")
+    norm = type(tiny_models("tiny-llama").model.norm)(64, eps=eps)
+    generator = torch.Generator().manual_seed(2)
+    scales = 10 ** (5 * torch.rand(20_000, 1, generator=generator) - 4)  # row magnitudes 1e-4 .. 10
+    hidden = torch.randn(20_000, 64, generator=generator) * scales
+    with torch.inference_mode():
+        want = norm(hidden)
+        assert torch.equal(rms_norm.rms_norm(hidden, norm.weight, eps), want)
+        # control: the same sums with the scale as the expression `1 / sqrt(v)` (torch divides through a
+        # reciprocal) must miss the module somewhere, or this test could not see the per-row rounding
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        assert not torch.equal(norm.weight * (hidden * (1.0 / torch.sqrt(variance + eps))), want)
+
+
 def test_control_an_rms_norm_summing_in_another_order_fails_the_comparison(tiny_models):
     norm = type(tiny_models("tiny-llama").model.norm)(256, eps=1e-6)
     generator = torch.Generator().manual_seed(1)

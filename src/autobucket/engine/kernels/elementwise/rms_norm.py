@@ -2,10 +2,11 @@
 engine forwards.
 
 `weight * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))` writes three temporaries the size of x.
-`csrc/rms_norm.cpp` sums each row's squares in the order ATen's sum kernel adds them, and applies the
-two products in one pass; the division by the row's length, `+ eps` and `rsqrt` stay ATen's own ops on
-the [rows, 1] variances. So the output is bitwise the module's (tested on row lengths with and without
-vector tails, on 1 and 2 threads).
+`csrc/rms_norm.cpp` sums each row's squares in the order ATen's sum kernel adds them, rounds the
+division by the row's length, `+ eps` and `rsqrt` on each row's variance as ATen's ops do (one rounded
+division, one rounded add, 1 / sqrt), and applies the two products in one pass, all in one op call. So
+the output is bitwise the module's (tested on row lengths with and without vector tails, eps values
+that round differently in fp32, on 1 and 2 threads).
 
 The RMSNorm class's `forward` reaches it through a router (`routes.py`) where it can take the call: fp32
 or bf16 CPU tensors, contiguous, no gradient wanted, ATen on its AVX2 or AVX-512 kernels (whose sum is the same,
@@ -26,8 +27,7 @@ from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The module's forward on contiguous `hidden` [..., H] and `weight` [H] (fp32, or bf16 computed in fp32
     as the module does), bitwise its values."""
-    variance = torch.ops.autobucket.rms_norm_sum_of_squares(hidden).div_(hidden.shape[-1])  # as ATen's mean
-    return torch.ops.autobucket.rms_norm_apply(hidden, weight, torch.rsqrt(variance + eps))
+    return torch.ops.autobucket.rms_norm(hidden, weight, eps)
 
 
 @functools.cache
