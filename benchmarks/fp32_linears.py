@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from interleave import interleaved
 
-from autobucket.engine.kernels.packed_linear import _fixed_order_op, fixed_order_panels
+from autobucket.engine.kernels.packed_linear import fixed_order_op, fixed_order_panels
 
 # (rows, in_features, out_features)
 SHAPES = [
@@ -31,7 +31,7 @@ SHAPES = [
 
 def contenders(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> dict:
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
-    panels, fixed_order = fixed_order_panels(weight), _fixed_order_op()
+    panels, fixed_order = fixed_order_panels(weight), fixed_order_op()
     out_features = weight.shape[0]
     functions = {
         "mkl": lambda rows=x: F.linear(rows, weight, bias),

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from autobucket.engine.kernels import packed_linear
-from autobucket.engine.kernels.packed_linear import PackedLinears, _fixed_order_op, fixed_order_panels
+from autobucket.engine.kernels.packed_linear import PackedLinears, fixed_order_op, fixed_order_panels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _kernel():
-    op = _fixed_order_op()
+    op = fixed_order_op()
     if op is None:
         pytest.skip("the kernel library has no AVX-512 build here (oneDNN's fp32 GEMM serves)")
     return op

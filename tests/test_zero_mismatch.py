@@ -181,7 +181,7 @@ def test_the_onednn_fp32_fallback_keeps_the_equality(tiny_models, monkeypatch):
     and the scoped trainer still agree bitwise (both sides choose the kernel the same way)."""
     from autobucket.engine.kernels import packed_linear, trainer_scope
 
-    monkeypatch.setattr(packed_linear, "_fixed_order_op", lambda: None)
+    monkeypatch.setattr(packed_linear, "fixed_order_op", lambda: None)
     model = model_in("tiny-qwen2", torch.float32, tiny_models)
     prompts, completions, logprobs = sample(model, "invariant", "bucketed", 16, 1)
     assert max_abs_diff(trainer_side(model, prompts, completions, True), completions, logprobs) == 0.0

@@ -22,6 +22,7 @@ from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
 from autobucket.engine.kernels.cascade_attention import cascade_attention
+from autobucket.engine.kernels.kernel_decode import KernelDecode
 from autobucket.engine.model_access.attention import (
     AttentionFunction,
     engine_attention,
@@ -78,6 +79,8 @@ class ModelRunner:
         # Eager decode steps of Llama-family models run from the model's parts, bitwise its forward's
         # values without transformers' per-layer Python (`direct_decode.py`); None: the model's forward.
         self.direct = DirectDecode.of(model)
+        # ... and under the invariant kernels, with every part called straight on its kernel (`kernel_decode.py`)
+        self.kernel_step = KernelDecode.of(self.direct)
         self.compiled = compiled  # the compiled decode step, or None: every step eager
         # Rows may read one shared copy of K/V (cascade decode attention): a prefix shared inside an
         # admission, and with `share_samples` the samples of one prompt admitted together.
@@ -259,7 +262,8 @@ class ModelRunner:
         """Logits [rows, 1, vocab] of one forward of every active row's next token."""
         tokens, positions, mask = self.rows.tokens[:, None], self.rows.positions[:, None], self.store.step_mask()
         if self.direct is not None:
-            return self.direct.step(tokens, positions, mask, self.store.write_step)
+            logits = self.kernel_step.step(tokens, positions, mask, self.store.write_step) if self.kernel_step else None
+            return logits if logits is not None else self.direct.step(tokens, positions, mask, self.store.write_step)
         output = self.model(
             input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
             **{self.spec.cache_keyword: self.cache},

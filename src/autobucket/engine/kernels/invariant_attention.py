@@ -132,6 +132,11 @@ def _allowed_or_none(mask: torch.Tensor, rows: int, columns: int) -> torch.Tenso
 _version = in_place_version
 
 
+def allowed_for(attention_mask: torch.Tensor | None, rows: int, columns: int) -> torch.Tensor:
+    """The kernel's `allowed` argument for a forward's mask: `allowed_keys`, or an empty tensor for no mask."""
+    return _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
+
+
 def invariant_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -145,8 +150,7 @@ def invariant_attention(
     attention_mask: 4-D (bool or 0/-inf additive) or None (causal: query i sees the first
     columns - queries + i + 1 keys; not causal: all)."""
     load_invariant_kernels()
-    rows, columns = query.shape[0], key.shape[2]
-    allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
+    allowed = allowed_for(attention_mask, query.shape[0], key.shape[2])
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _InvariantAttention.apply(query, key, value, allowed, causal, float(scale))
     return torch.ops.autobucket.invariant_attention(query, key, value, allowed, causal, float(scale))

@@ -52,7 +52,12 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
-from autobucket.engine.model_access.function_routes import linears_routed_to, original_addmm, original_linear
+from autobucket.engine.model_access.function_routes import (
+    linear_route,
+    linears_routed_to,
+    original_addmm,
+    original_linear,
+)
 from autobucket.engine.model_access.weight_versions import tensor_version
 
 ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
@@ -208,7 +213,7 @@ class PackedLinears:
         self.fusion = LinearFusion() if fuse else None
         # fp32 GEMMs on `fixed_order_linear` (None: wherever it is vectorized) or on oneDNN (False: the
         # benchmarks' comparison)
-        self.fixed_order = _fixed_order_op() is not None if fixed_order is None else fixed_order
+        self.fixed_order = fixed_order_op() is not None if fixed_order is None else fixed_order
 
     @property
     def nbytes(self) -> int:
@@ -255,15 +260,25 @@ class PackedLinears:
         fp32 weight whose fixed-order panels are current, contiguous fp32 rows, no autograd. The same op
         on the same panels, so the same values. None for any other call (the caller runs `linear`, which
         packs or repacks first)."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or (bias is not None and bias.dtype != torch.float32):
+            return None
+        if _needs_grad(x, weight, bias):
+            return None
+        panels = self.ready_panels(weight)
+        if panels is None:
+            return None
+        out = fixed_order_op()(x.view(-1, x.shape[-1]), panels, bias, weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    def ready_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The fixed-order panels `[ceil(N / 32), K, 32]` of an fp32 `weight`, where they are current
+        (made from this weight at its present version); else None."""
         pack = self._packs.get(id(weight))
         if pack is None or not pack.fixed_order or pack.unpacked or weight.dtype != torch.float32:
             return None
-        if x.dtype != torch.float32 or not x.is_contiguous() or (bias is not None and bias.dtype != torch.float32):
+        if pack.owner() is not weight or pack.version != tensor_version(weight):
             return None
-        if _needs_grad(x, weight, bias) or pack.owner() is not weight or pack.version != tensor_version(weight):
-            return None
-        out = _fixed_order_op()(x.view(-1, x.shape[-1]), pack.packed, bias, pack.out_features)
-        return out.view(*x.shape[:-1], pack.out_features)
+        return pack.packed
 
     def _fused_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fusion: LinearFusion
@@ -533,6 +548,15 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+def current_packs() -> PackedLinears | None:
+    """The packs this thread's linears run on now (`packed_linears`), where the scope computes values only
+    (no gradient checkpointing); else None."""
+    route = linear_route()
+    if isinstance(route, _Route) and not route.recompute_safe:
+        return route.packs
+    return None
+
+
 class _Route:
     """What this thread's routed linear calls run on: `packs`, with the scope's `recompute_safe`."""
 
@@ -596,7 +620,7 @@ def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> 
 
 
 @functools.cache
-def _fixed_order_op():
+def fixed_order_op():
     """The fixed-order fp32 linear where the kernel library builds with AVX-512, else None (oneDNN's fp32
     GEMM instead: see the module docstring)."""
     from autobucket.engine.kernels.invariant_attention import kernel_library_builds

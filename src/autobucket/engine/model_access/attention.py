@@ -63,6 +63,12 @@ def kernel_attention_active() -> bool:
     return _KERNEL_ATTENTION.get() is not None
 
 
+def chosen_attention() -> AttentionFunction | None:
+    """What `dispatch_sdpa` calls for this thread's eager forward now: the engine's attention, else the
+    kernel attention, else None (transformers' SDPA)."""
+    return _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
+
+
 def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' attention-function interface: the attention this forward asked for (a forward
     keyword, else this thread's engine or kernel attention), else transformers' own SDPA. Registered as
@@ -70,7 +76,7 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     models that `dispatches` accepted, so the dispatcher is installed by then)."""
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():
-        chosen = _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
+        chosen = chosen_attention()
     if chosen is None:
         return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
     return chosen(module, query, key, value, attention_mask, *args, **kwargs)

@@ -79,6 +79,11 @@ def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return route.linear(input, weight, bias)
 
 
+def linear_route() -> LinearRoute | None:
+    """The linear route of this thread's forwards (None: outside a scope, or under dynamo's tracing)."""
+    return None if _tracing() else _LINEAR_ROUTE.get()
+
+
 _LINEAR_FORWARD = torch.nn.Linear.forward
 
 
@@ -90,22 +95,24 @@ def call_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     The values are the route's, which is what `module(x)` reaches. Anything else — a LoRA layer, a
     subclass, a replaced forward, hooks (the module's or global ones: `Module.__call__` skips them only
     when there are none), no route, a call the quick path does not take — is `module(x)`."""
-    route = None if _tracing() else _LINEAR_ROUTE.get()
-    if route is not None and type(module) is torch.nn.Linear and _call_unobserved(module):
+    route = linear_route()
+    if route is not None and type(module) is torch.nn.Linear and call_unobserved(module):
         out = route.ready_linear(x, module.weight, module.bias)
         if out is not None:
             return out
     return module(x)
 
 
-def _call_unobserved(module: torch.nn.Module) -> bool:
-    """Whether `module(...)` is exactly its class's forward: no hooks of any kind (module or global, as
-    `Module._call_impl` checks them) and `nn.Linear`'s own forward, on the class and the instance."""
+def call_unobserved(module: torch.nn.Module) -> bool:
+    """Whether `module(...)` is exactly its class's forward: no hooks of any kind (the module's or global
+    ones, as `Module._call_impl` checks them), no forward set on the instance, and for an `nn.Linear`
+    the class's own forward."""
     return not (
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
         or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
         or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks
-        or torch.nn.Linear.forward is not _LINEAR_FORWARD or "forward" in module.__dict__
+        or "forward" in module.__dict__
+        or (isinstance(module, torch.nn.Linear) and torch.nn.Linear.forward is not _LINEAR_FORWARD)
     )  # fmt: skip
 
 

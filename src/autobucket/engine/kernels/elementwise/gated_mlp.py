@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import router, wants_grad
+from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
 from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 from autobucket.engine.model_access.function_routes import call_linear
 
@@ -64,6 +64,12 @@ def _fusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
         gate.dtype == torch.float32 and up.dtype == gate.dtype and gate.device.type == "cpu"
         and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and not wants_grad(gate, up)
     )  # fmt: skip
+
+
+def routed_module(mlp: Any) -> bool:
+    """Whether the MLP class's forward on `mlp` (as the direct decode step calls it) runs `_fused_forward`
+    with the fused product for fp32 inputs: the router is in and the activation is the plain SiLU."""
+    return is_router(type(mlp).forward) and "forward" not in vars(mlp) and _plain_silu(mlp.act_fn)
 
 
 def _fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:

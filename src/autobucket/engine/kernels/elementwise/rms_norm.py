@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import router, wants_grad
+from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
 from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
 
@@ -49,6 +49,16 @@ def _takes(norm: Any, hidden: Any) -> bool:
         and hidden.dim() >= 1 and hidden.numel() > 0 and hidden.is_contiguous() and weight.is_contiguous()
         and weight.dim() == 1 and weight.shape[0] == hidden.shape[-1]
         and isinstance(getattr(norm, "variance_epsilon", None), float) and not wants_grad(hidden, weight)
+    )  # fmt: skip
+
+
+def routed_module(norm: Any) -> bool:
+    """Whether `norm(hidden)` for contiguous fp32 hidden states reaches the kernel: its class's forward is
+    the router and its weight and epsilon are what `_takes` wants."""
+    weight = getattr(norm, "weight", None)
+    return (
+        is_router(type(norm).forward) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+        and weight.dim() == 1 and weight.is_contiguous() and isinstance(getattr(norm, "variance_epsilon", None), float)
     )  # fmt: skip
 
 

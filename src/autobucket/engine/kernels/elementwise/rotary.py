@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import router, wants_grad
+from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
 
 NAME = "apply_rotary_pos_emb"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -49,6 +49,11 @@ def kernel_takes(q: Any, k: Any, cos: Any, sin: Any, args: tuple, kwargs: dict) 
     )  # fmt: skip
     layouts_fit = q.stride(3) == 1 and k.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin.stride()
     return shapes_fit and layouts_fit and not wants_grad(*tensors)
+
+
+def routed(function: Any) -> bool:
+    """Whether the modeling module's `apply_rotary_pos_emb` is this kernel's router."""
+    return is_router(function)
 
 
 def _fused(q, k, cos, sin, *args, **kwargs):

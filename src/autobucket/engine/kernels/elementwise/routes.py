@@ -75,6 +75,11 @@ def routed(owner: Any, name: str, modeling: Any, router_for: Callable[[Callable]
         yield
 
 
+def is_router(function: Any) -> bool:
+    """Whether `function` is one of these routers (the fused scope put it in front of the model's code)."""
+    return getattr(function, "_autobucket_builtin", None) is not None
+
+
 def router(builtin: Callable, fused: Callable, name: str) -> Callable:
     """A router in front of `builtin`: `fused(*args)` where this thread's engine forward runs (it returns
     NotImplemented where its kernel cannot take the call), `builtin(*args)` otherwise."""
