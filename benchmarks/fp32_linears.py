@@ -1,5 +1,5 @@
 """fp32 linears, one thread: MKL (`F.linear`, the default kernels), oneDNN on a prepacked weight, and the
-engine's fixed-order kernel (`kernels="invariant"` on AVX-512 builds), interleaved per shape.
+engine's fixed-order kernel (`kernels="invariant"` on AVX-512 and AVX2 builds), interleaved per shape.
 
     taskset -c 0 python benchmarks/fp32_linears.py --out results/fp32_linears.json
 

@@ -1,4 +1,4 @@
-"""`fixed_order_linear`, the fp32 linear of `kernels="invariant"` on AVX-512 builds.
+"""`fixed_order_linear`, the fp32 linear of `kernels="invariant"` on AVX-512 and AVX2 builds.
 
 Its contract: every output is one fused multiply-add chain over k = 0 .. K-1 in order, then + bias. The
 oracle computes that chain in float64: a product of two fp32 values is exact there, and each step's sum
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def _kernel():
     op = fixed_order_op()
     if op is None:
-        pytest.skip("the kernel library has no AVX-512 build here (oneDNN's fp32 GEMM serves)")
+        pytest.skip("the kernel library has no vector build here (oneDNN's fp32 GEMM serves)")
     return op
 
 
@@ -180,31 +180,44 @@ def test_bad_panels_are_refused_with_the_expected_layout():
         kernel(x, weight, None, 40)
 
 
-def test_the_portable_build_gives_the_vectorized_builds_values(tmp_path):
-    """The contract holds across builds: the portable `std::fma` loop, compiled without AVX-512, gives
-    bitwise the AVX-512 tiles' outputs (so a rollout and a trainer on CPUs of different kinds agree on
-    these linears). Builds the portable form under its own library name (~20 s once, then cached)."""
+# (form, flags on top of the library's): the portable std::fma loops, and the AVX2 tiles (on an AVX-512
+# CPU a second vector form; on an AVX2 CPU the library's own)
+OTHER_BUILDS = [("portable", ["-mno-avx512f", "-mno-avx2"]), ("avx2", ["-mno-avx512f"])]
+
+
+@pytest.mark.parametrize("form,extra_flags", OTHER_BUILDS, ids=[form for form, _ in OTHER_BUILDS])
+def test_every_build_gives_the_same_values(tmp_path, form, extra_flags):
+    """The contract holds across builds: the portable `std::fma` loop and the AVX2 tiles give bitwise
+    the library's tiles' outputs (so a rollout and a trainer on CPUs of different kinds agree on these
+    linears), the packed kernel and the unpacked one. Builds each form under its own library name
+    (~20 s once, then cached)."""
     import hashlib
 
     from torch.utils import cpp_extension
 
     kernel = _kernel()
+    if form == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
     csrc = Path(packed_linear.__file__).parent / "csrc"
     source = (csrc / "fixed_order_linear.cpp").read_text()
     header = (csrc / "cpu_vendor.h").read_text()  # included by the source, so copied beside it
-    namespace = "autobucket_portable_check"
+    namespace = f"autobucket_{form}_check"
     source = source.replace("TORCH_LIBRARY_FRAGMENT(autobucket,", f"TORCH_LIBRARY({namespace},")
     source = source.replace("TORCH_LIBRARY_IMPL(autobucket,", f"TORCH_LIBRARY_IMPL({namespace},")
-    path = tmp_path / "portable.cpp"
+    path = tmp_path / f"{form}.cpp"
     path.write_text(source)
     (tmp_path / "cpu_vendor.h").write_text(header)
-    flags = ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off"]
+    flags = ["-O3", "-march=native", *extra_flags, "-ffp-contract=off"]
     digest = hashlib.sha256(f"{source}|{header}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
     if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "fixed_order_linear"):
         cpp_extension.load(name=f"{namespace}_{digest}", sources=[str(path)], extra_cflags=flags,
                            is_python_module=False, verbose=False)  # fmt: skip
-    portable = getattr(torch.ops, namespace)
-    assert not portable.fixed_order_linear_vectorized()
-    x, weight, bias = _case(29, 300, 70, seed=9)
-    panels = fixed_order_panels(weight)
-    assert torch.equal(portable.fixed_order_linear(x, panels, bias, 70), kernel(x, panels, bias, 70))
+    other = getattr(torch.ops, namespace)
+    assert other.fixed_order_linear_vectorized() == (form == "avx2")
+    for rows, in_features, out_features in [(29, 300, 70), (7, 520, 33), (130, 64, 96)]:
+        x, weight, bias = _case(rows, in_features, out_features, seed=rows)
+        panels = fixed_order_panels(weight)
+        expected = kernel(x, panels, bias, out_features)
+        assert torch.equal(other.fixed_order_linear(x, panels, bias, out_features), expected)
+        if form == "avx2":  # the portable build registers no unpacked kernel
+            assert torch.equal(other.fixed_order_linear_unpacked(x, weight, bias), expected)

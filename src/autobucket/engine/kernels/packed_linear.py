@@ -30,7 +30,7 @@ A shape that fails, or a CPU without a native bf16 GEMM, gets its weight packed 
 fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower.
 
 fp32 GEMMs (fp32 weights, and those bf16-as-fp32 packs) run the engine's own fixed-order kernel where
-its library builds with AVX-512 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in
+its library builds with AVX-512 or AVX2 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in
 order, so invariant by construction, no probe and no M = 1 workaround), else oneDNN's fp32 GEMM. On an
 AMD EPYC (Zen 5) it took 0.35-0.84x oneDNN's time at a decode step's 8-32 rows and 1.00-1.11x at
 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x slower than both
@@ -621,7 +621,7 @@ def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> 
 
 @functools.cache
 def fixed_order_op():
-    """The fixed-order fp32 linear where the kernel library builds with AVX-512, else None (oneDNN's fp32
+    """The fixed-order fp32 linear where the kernel library builds with AVX-512 or AVX2, else None (oneDNN's fp32
     GEMM instead: see the module docstring)."""
     from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 

@@ -36,15 +36,31 @@
 
 #include "cpu_vendor.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// The vector form this build runs: AVX-512 (Intel Xeon, AMD Zen 4/5), AVX2 with FMA (AMD Zen 2/3,
+// older Intel) or none (portable std::fma loops). Every form computes the same chains, so the same bits.
+#if defined(__AVX512F__)
+#define AUTOBUCKET_FIXED_ORDER_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AUTOBUCKET_FIXED_ORDER_AVX2 1
 #endif
 
 namespace {
 
 constexpr int64_t kPanel = 32;      // output columns per packed panel
-constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the 32 vector registers
 constexpr int64_t kDepth = 256;     // k per slice: a panel slice is 32 KB (L1)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
+constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the 32 vector registers
+#else
+// AVX2 has 16 vector registers of 8 floats: a tile runs its panel as two 16-column halves of 6 rows x 2
+// accumulators each (the 6 x 16 register block of AVX2 SGEMMs: 12 accumulators, 2 weight vectors, 1
+// broadcast). Zen 3, interleaved: slices of 256 k beat 128 and 64 on every shape (32 x 576 x 49,152:
+// 27.1, 29.0, 32.7 ms), as on the AVX-512 CPUs. Neither constant changes a value.
+constexpr int64_t kRowTile = 6;
+#endif
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
@@ -99,7 +115,7 @@ struct SpreadPrefetch {
 // One tile: out[r, c] (+)= sum_k rows[r][k] * panel[k][c] for R rows, `columns` <= 32 valid columns.
 // `rows` starts at the slice's first k of the tile's first row, rows `row_stride` apart; `panel` is a
 // [depth][32] slice; `out` row-major with `ld`.
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
 template <int R>
 void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
           bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
@@ -162,6 +178,53 @@ void pair_tile(const float* rows, int64_t row_stride, const float* panel, const 
       _mm512_storeu_ps(out + r * ld + 16 * v, bias != nullptr ? _mm512_add_ps(sums[v][r], b) : sums[v][r]);
   }
 }
+#elif defined(AUTOBUCKET_FIXED_ORDER_AVX2)
+// Lanes [0, valid) of an 8-float vector (valid clamped to 0 .. 8), for masked loads and stores.
+inline __m256i lane_mask(int64_t valid) {
+  const int32_t n = static_cast<int32_t>(std::clamp<int64_t>(valid, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The AVX2 tile: R <= 6 rows, the panel's two 16-column halves one after the other (the next slices'
+// prefetches ride on the first half's k steps). The same chains as the AVX-512 tile.
+template <int R>
+void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
+          bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
+  SpreadPrefetch prefetch = next_slices;
+  for (int64_t half = 0; half < 2 && columns > 16 * half; ++half) {
+    const int64_t valid = columns - 16 * half;
+    const __m256i low = lane_mask(valid), high = lane_mask(valid - 8);
+    const float* weights = panel + 16 * half;
+    float* target = out + 16 * half;
+    __m256 left[R], right[R];
+    for (int r = 0; r < R; ++r) {
+      left[r] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(target + r * ld, low);
+      right[r] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(target + r * ld + 8, high);
+    }
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < depth; ++k) {
+      if (half == 0) prefetch.step();
+      const __m256 w_left = _mm256_loadu_ps(weights + k * kPanel), w_right = _mm256_loadu_ps(weights + k * kPanel + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(rows + r * row_stride + k);
+        left[r] = _mm256_fmadd_ps(x, w_left, left[r]);
+        right[r] = _mm256_fmadd_ps(x, w_right, right[r]);
+      }
+    }
+    if (bias != nullptr) {
+      const __m256 b_left = _mm256_maskload_ps(bias + 16 * half, low), b_right = _mm256_maskload_ps(bias + 16 * half + 8, high);
+      for (int r = 0; r < R; ++r) {
+        left[r] = _mm256_add_ps(left[r], b_left);
+        right[r] = _mm256_add_ps(right[r], b_right);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_maskstore_ps(target + r * ld, low, left[r]);
+      _mm256_maskstore_ps(target + r * ld + 8, high, right[r]);
+    }
+  }
+}
 #else
 // The same chains with std::fma on 32 columns at a time; the compiler vectorizes the column loop.
 template <int R>
@@ -218,12 +281,12 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   static const auto tiles = tile_table(std::make_integer_sequence<int, kRowTile>{});
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
   constexpr bool kPairs = true;
   static const std::array<PairFunction, kPairRows> pair_tiles = {&pair_tile<1>, &pair_tile<2>, &pair_tile<3>,
                                                                  &pair_tile<4>, &pair_tile<5>, &pair_tile<6>};
 #else
-  constexpr bool kPairs = false;  // the portable tile only (its values are the pair tile's)
+  constexpr bool kPairs = false;  // single-panel tiles only (their values are the pair tile's)
   static const std::array<PairFunction, kPairRows> pair_tiles = {};
 #endif
   const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
@@ -287,47 +350,69 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
   return fixed_order_linear_staging(input, panels, bias, out_features, stage_aliased_rows);
 }
 
-// Whether this build runs the AVX-512 tiles (else the portable ones: the same values, slower).
 // The same chains from the weight as the model holds it, [N, K] row-major, with no packed copy: for a
 // `PackedLinears` whose memory budget (`RolloutConfig(packed_weights_mb=...)`) leaves a weight unpacked.
-// The roles of the two operands swap: the rows are transposed once per call into [K][M] (16 rows a
-// vector), each output's weight at step k is broadcast, and an accumulator vector holds one output for
-// 16 rows. fma(x, w, acc) and fma(w, x, acc) round alike, so every output is still one FMA chain over
-// k = 0 .. K-1 in order, then + bias: bitwise `fixed_order_linear` on the weight's panels (tested).
-// Slower than the panels at most shapes (measured in docs/benchmarks.md), far faster than making the
-// panels for each call.
+// The roles of the two operands swap: the rows are transposed once per call into [K][M] (one vector of
+// rows at a time), each output's weight at step k is broadcast, and an accumulator vector holds one
+// output for a vector of rows. fma(x, w, acc) and fma(w, x, acc) round alike, so every output is still
+// one FMA chain over k = 0 .. K-1 in order, then + bias: bitwise `fixed_order_linear` on the weight's
+// panels (tested). Slower than the panels at most shapes (measured in docs/benchmarks.md), far faster
+// than making the panels for each call.
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
+struct RowVector {  // 16 rows' values of one k (or one output)
+  static constexpr int64_t kFloats = 16;
+  __m512 v;
+  static RowVector zero() { return {_mm512_setzero_ps()}; }
+  static RowVector load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static RowVector broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+  static RowVector fmadd(RowVector x, RowVector w, RowVector acc) { return {_mm512_fmadd_ps(x.v, w.v, acc.v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#else
+struct RowVector {  // 8 rows' values of one k (or one output)
+  static constexpr int64_t kFloats = 8;
+  __m256 v;
+  static RowVector zero() { return {_mm256_setzero_ps()}; }
+  static RowVector load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static RowVector broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  static RowVector fmadd(RowVector x, RowVector w, RowVector acc) { return {_mm256_fmadd_ps(x.v, w.v, acc.v)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+#endif
+constexpr int64_t kRowVector = RowVector::kFloats;
 constexpr int64_t kUnpackedChunk = 256;  // rows transposed at a time ([K][256 + 16] floats stay in L2)
-constexpr int64_t kUnpackedBlock = 32;   // rows per tile: two vectors
+constexpr int64_t kUnpackedBlock = 2 * kRowVector;  // rows per tile: two vectors
 
-#if defined(__AVX512F__)
-// R outputs x V vectors of 16 rows over all K: xt [K][ldx] (the tile's rows from column 0), w the R
-// weight rows K apart; sums[r][16 V] out (one output's rows contiguous). Prefetches `next_lines` lines
+// R outputs x V vectors of rows over all K: xt [K][ldx] (the tile's rows from column 0), w the R weight
+// rows K apart; sums[r][kRowVector V] out (one output's rows contiguous). Prefetches `next_lines` lines
 // from `next` (the next tile's weight rows) spread over the k steps.
 template <int R, int V>
 void unpacked_tile(const float* xt, int64_t ldx, const float* w, int64_t in_features, float* sums,
                    const SpreadPrefetch& next_rows) {
   SpreadPrefetch prefetch = next_rows;
-  __m512 acc[R][V];
+  RowVector acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = RowVector::zero();
 #pragma GCC unroll 2
   for (int64_t k = 0; k < in_features; ++k) {
     prefetch.step();
-    __m512 x[V];
-    for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_ps(xt + k * ldx + 16 * v);
+    RowVector x[V];
+    for (int v = 0; v < V; ++v) x[v] = RowVector::load(xt + k * ldx + kRowVector * v);
 #pragma GCC unroll 24
     for (int r = 0; r < R; ++r) {
-      const __m512 weight = _mm512_set1_ps(w[r * in_features + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x[v], weight, acc[r][v]);
+      const RowVector weight = RowVector::broadcast(w + r * in_features + k);
+      for (int v = 0; v < V; ++v) acc[r][v] = RowVector::fmadd(x[v], weight, acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(sums + r * 16 * V + 16 * v, acc[r][v]);
+    for (int v = 0; v < V; ++v) acc[r][v].store(sums + r * kRowVector * V + kRowVector * v);
 }
 
-// Outputs per tile: 12 with two row vectors (24 accumulators), 24 with one (calls of at most 16 rows).
+// Outputs per tile, filling the accumulator registers: with two row vectors 12 (AVX-512: 24 of 32
+// registers) or 6 (AVX2: 12 of 16), with one vector (calls of at most one vector of rows) twice that.
 template <int V>
-constexpr int unpacked_outputs() { return V == 2 ? 12 : 24; }
+constexpr int unpacked_outputs() { return (kRowVector == 16 ? 12 : 6) * (V == 2 ? 1 : 2); }
 
 at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor& weight,
                                        const c10::optional<at::Tensor>& bias) {
@@ -344,11 +429,12 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
   const float* weight_data = dense.data_ptr<float>();
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  // outputs per tile, fixed for the call: a call of at most 16 rows takes 24 (its one vector per output
-  // would leave 12 accumulators waiting on the loads), larger calls 12
-  const bool narrow = count <= 16;
-  const int64_t outputs = narrow ? unpacked_outputs<1>() : unpacked_outputs<2>();
-  const int64_t chunk_rows = std::min(kUnpackedChunk, (count + 15) / 16 * 16);
+  // outputs per tile, fixed for the call: a call of at most one vector of rows takes twice as many (its
+  // one vector per output would leave half the accumulators waiting on the loads)
+  const bool narrow = count <= kRowVector;
+  constexpr int kNarrowOutputs = unpacked_outputs<1>(), kWideOutputs = unpacked_outputs<2>();
+  const int64_t outputs = narrow ? kNarrowOutputs : kWideOutputs;
+  const int64_t chunk_rows = std::min(kUnpackedChunk, (count + kRowVector - 1) / kRowVector * kRowVector);
   const int64_t ldx = chunk_rows + 16;  // not a multiple of 4 KB apart: the k steps' loads share no L1 set
   std::vector<float> xt(static_cast<size_t>(in_features * ldx));
   std::vector<float> tail_rows;  // the last tile's weight rows, zero-padded to `outputs` rows
@@ -373,14 +459,14 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
         const float* block_xt = xt.data() + (block - chunk);
         const int64_t next_lines = block == chunk && next != nullptr ? next_outputs * in_features / 16 : 0;
         const SpreadPrefetch prefetch(next, next_lines, in_features);
-        const int vectors = narrow || block_rows <= 16 ? 1 : 2;
+        const int vectors = narrow || block_rows <= kRowVector ? 1 : 2;
         if (narrow)
-          unpacked_tile<24, 1>(block_xt, ldx, w, in_features, sums, prefetch);
+          unpacked_tile<kNarrowOutputs, 1>(block_xt, ldx, w, in_features, sums, prefetch);
         else if (vectors == 2)
-          unpacked_tile<12, 2>(block_xt, ldx, w, in_features, sums, prefetch);
+          unpacked_tile<kWideOutputs, 2>(block_xt, ldx, w, in_features, sums, prefetch);
         else
-          unpacked_tile<12, 1>(block_xt, ldx, w, in_features, sums, prefetch);
-        const int64_t stride = 16 * vectors;  // sums[r][stride]
+          unpacked_tile<kWideOutputs, 1>(block_xt, ldx, w, in_features, sums, prefetch);
+        const int64_t stride = kRowVector * vectors;  // sums[r][stride]
         for (int64_t m = 0; m < block_rows; ++m) {
           float* out_row = out_data + (block + m) * out_features + n0;
           for (int64_t r = 0; r < tile_outputs; ++r)
@@ -393,8 +479,9 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
 }
 #endif
 
+// Whether this build runs vector tiles, AVX-512 or AVX2 (else the portable ones: the same values, slower).
 bool fixed_order_linear_vectorized() {
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)
   return true;
 #else
   return false;
@@ -413,7 +500,7 @@ TORCH_LIBRARY_FRAGMENT(autobucket, m) {
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("fixed_order_linear", &fixed_order_linear);
   m.impl("fixed_order_linear_staging", &fixed_order_linear_staging);
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)
   m.impl("fixed_order_linear_unpacked", &fixed_order_linear_unpacked);
 #endif
 }
