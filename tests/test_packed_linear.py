@@ -197,11 +197,16 @@ def test_a_shape_failing_the_bf16_probe_is_packed_as_fp32_and_stays_invariant(mo
         return out if rows.shape[0] == 1 else out + torch.randn_like(out) * 1e-3
 
     with torch.inference_mode():
-        monkeypatch.setattr(packed_linear, "_onednn_linear", noisy_when_batched)
-        assert not bf16_blocks_invariant.__wrapped__(1024, 256)
-        monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: True)
-        assert not packed_linear.bf16_small_blocks_agree.__wrapped__(1024, 256)  # 16-row calls differ too
-        monkeypatch.undo()
+        # the probes themselves run oneDNN's bf16 GEMM, which a CPU without AVX512-BF16 / AVX-NE-CONVERT
+        # lacks (there the probe answers False before any GEMM, and the fallback below is what runs)
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            monkeypatch.setattr(packed_linear, "_onednn_linear", noisy_when_batched)
+            assert not bf16_blocks_invariant.__wrapped__(1024, 256)
+            monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: True)
+            assert not packed_linear.bf16_small_blocks_agree.__wrapped__(1024, 256)  # 16-row calls differ too
+            monkeypatch.undo()
+        else:
+            assert not bf16_blocks_invariant.__wrapped__(1024, 256)
         monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: False)
         packs = PackedLinears()
         assert invariance_failures(packs.linear, 1024, 256, batch=40, dtype=torch.bfloat16) == []
