@@ -12,8 +12,11 @@
 //   time with the last < 32 elements scalar. This runs the same split, so every element takes the same
 //   branch it takes in the eager op on the same tensor with the same threads;
 // - the product: an IEEE multiply, the same in a vector or a scalar.
-// Only for ATen's AVX-512 kernels (torch.backends.cpu.get_cpu_capability() == "AVX512", checked by the
-// caller) and AVX-512 builds of this library; anything else runs the eager code.
+// Two forms, one per build, each for the ATen kernels of its width (checked by the caller against
+// torch.backends.cpu.get_cpu_capability() and vector_bits()): AVX-512 builds for ATen's AVX-512 kernels
+// (16-float vectors, Sleef_expf16_u10, two vectors a step), AVX2 builds for ATen's AVX2 kernels (8-float
+// vectors, Sleef_expf8_u10, two vectors a step; bf16 vectors round NaN to 0xffff as ATen's AVX2
+// conversion does). Anything else runs the eager code.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,17 +30,24 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);
+#define AUTOBUCKET_SILU_VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#define AUTOBUCKET_SILU_VECTORS 1
 #endif
 
 namespace {
+
+#if defined(AUTOBUCKET_SILU_VECTORS)
+inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 silu16(__m512 x) {
   const __m512 negated = _mm512_xor_ps(_mm512_set1_ps(-0.0f), x);  // Vectorized<float>::neg
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(negated)));
 }
-
-inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 
 // fp32: out[i] = silu(gate[i]) * up[i] for i in [begin, end), one ATen chunk; ATen's vector loop takes
 // two 16-float vectors a step
@@ -91,6 +101,65 @@ void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10:
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 silu8(__m256 x) {
+  const __m256 negated = _mm256_xor_ps(_mm256_set1_ps(-0.0f), x);  // Vectorized<float>::neg
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(negated)));
+}
+
+// fp32, one ATen chunk; ATen's AVX2 vector loop takes two 8-float vectors a step
+void silu_and_mul_chunk(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
+  constexpr int64_t kStep = 16;
+  const int64_t count = end - begin;
+  gate += begin, up += begin, out += begin;
+  int64_t i = 0;
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t half = 0; half < kStep; half += 8) {
+      const __m256 s = silu8(_mm256_loadu_ps(gate + i + half));
+      _mm256_storeu_ps(out + i + half, _mm256_mul_ps(s, _mm256_loadu_ps(up + i + half)));
+    }
+  }
+  for (; i < count; ++i) out[i] = silu_scalar(gate[i]) * up[i];
+}
+
+// fp32 -> bf16 as ATen's AVX2 cvtfp32_bf16: round to nearest even, a NaN becomes 0xffff
+inline __m128i to_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), bits), 16);
+  rounded = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), rounded, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xd8);
+  return _mm256_castsi256_si128(packed);
+}
+
+inline __m256 from_bf16(__m128i half) {  // exact: a bf16 is the top half of its fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// bf16: ATen's AVX2 reduced-precision silu widens each 16-bf16 vector to two fp32 vectors, computes as
+// above and rounds to bf16, two such vectors (32 elements) a step; tails as in the AVX-512 form.
+void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t begin,
+                        int64_t end) {
+  constexpr int64_t kStep = 32;
+  const int64_t count = end - begin;
+  gate += begin, up += begin, out += begin;
+  int64_t i = 0;
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t part = i; part < i + kStep; part += 8) {
+      const __m256 x = from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gate + part)));
+      const __m256 silu = from_bf16(to_bf16(silu8(x)));
+      const __m256 u = from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(up + part)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + part), to_bf16(_mm256_mul_ps(silu, u)));
+    }
+  }
+  for (; i < count; ++i) {
+    const c10::BFloat16 rounded(silu_scalar(static_cast<float>(gate[i])));
+    out[i] = c10::BFloat16(static_cast<float>(rounded) * static_cast<float>(up[i]));
+  }
+}
+#endif
+
+#if defined(AUTOBUCKET_SILU_VECTORS)
 // The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
 // elements among the threads: run here one after another (this library is built without OpenMP, where
 // at::parallel_for would not split at all), so each element takes the branch it takes there.
@@ -110,7 +179,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
                   up.scalar_type() == gate.scalar_type() && gate.sizes() == up.sizes() && gate.is_contiguous() &&
                   up.is_contiguous(),
               "silu_and_mul takes two contiguous fp32 or bf16 tensors of one shape and dtype");
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_SILU_VECTORS)
   at::Tensor out = at::empty_like(gate);
   if (gate.scalar_type() == at::kFloat)
     silu_and_mul_as_aten_splits(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), gate.numel());
@@ -119,7 +188,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
                                 out.data_ptr<c10::BFloat16>(), gate.numel());
   return out;
 #else
-  TORCH_CHECK(false, "silu_and_mul needs an AVX-512 build");
+  TORCH_CHECK(false, "silu_and_mul needs an AVX-512 or AVX2 build");
 #endif
 }
 

@@ -8,7 +8,7 @@ same split among threads), so it is bitwise `F.silu(gate) * up` (tested).
 The MLP class's `forward` reaches it through a router (`routes.py`) that runs the same three linears in
 the model's order and the fused product, where it can take the call: fp32 contiguous CPU tensors (in
 bf16 the kernel is bitwise but was not faster), no gradient
-wanted, the activation transformers' own SiLU with no hooks, ATen on its AVX-512 kernels. The direct
+wanted, the activation transformers' own SiLU with no hooks, ATen on the kernels of the width the library builds (AVX-512 or AVX2). The direct
 decode step (`direct_decode.py`) calls the class's `forward`, so it takes the router too."""
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def available() -> bool:
-    """The fused op reproduces ATen's kernels here: this library builds it (AVX-512), and ATen runs its
-    AVX-512 kernels (`ATEN_CPU_CAPABILITY` can lower them)."""
-    return (
-        kernel_library_builds()
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-        and torch.ops.autobucket.vector_bits() >= 512
-    )
+    """The fused op reproduces ATen's kernels here: this library builds the form of the width ATen's
+    kernels run (AVX-512 or AVX2; `ATEN_CPU_CAPABILITY` can lower ATen's below the library's, and then
+    the eager ops run)."""
+    if not kernel_library_builds():
+        return False
+    library_form = {512: "AVX512", 256: "AVX2"}.get(torch.ops.autobucket.vector_bits())
+    return library_form is not None and torch.backends.cpu.get_cpu_capability() == library_form
 
 
 @functools.cache
