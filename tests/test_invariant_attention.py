@@ -180,7 +180,7 @@ def differing_layouts(outputs: dict[str, torch.Tensor]) -> list[str]:
     return failures
 
 
-# AVX-512 builds run the vector forms for head_dim a multiple of 16 (a prefill's many queries the tiled
+# AVX-512 and AVX2 builds run the vector forms for head_dim a multiple of 16 (a prefill's many queries the tiled
 # one, a decode's few the per-key one), the portable loop otherwise; (heads, kv_heads) = (6, 2): SmolLM2's
 # group of 3.
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
@@ -454,3 +454,47 @@ def test_default_decode_attention_falls_back_to_sdpa_where_the_kernel_cannot_tak
         assert torch.equal(ours, theirs)
         on_kernel, _ = decode_sdpa(layer, query, key, value, per_head[:, :1])
         torch.testing.assert_close(on_kernel, hf_sdpa()(layer, query, key, value, per_head[:, :1])[0])
+
+
+def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
+    """The vector form is written once over 16-lane vectors (one AVX-512 register or two AVX2 ones) with
+    lane-by-lane IEEE operations and fixed trees, so an AVX2 machine and an AVX-512 one give a token the
+    same attention output. Builds the kernel's AVX2 form under its own library name (~40 s once, then
+    cached) and compares decode (the per-key form) and prefill (the tiled form) outputs, fp32 and bf16, with
+    the library's: on an AVX-512 CPU that is the cross-width check; on an AVX2 CPU the library is that
+    form, and the comparison only checks this test's own plumbing."""
+    import hashlib
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from autobucket.engine.kernels import invariant_attention as module
+
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    load_invariant_kernels()
+    csrc = Path(module.__file__).parent / "csrc"
+    source = (csrc / "invariant_attention.cpp").read_text()
+    header = (csrc / "cpu_vendor.h").read_text()
+    namespace = "autobucket_avx2_attention_check"
+    source = source.replace("TORCH_LIBRARY(autobucket,", f"TORCH_LIBRARY({namespace},")
+    source = source.replace("TORCH_LIBRARY_IMPL(autobucket,", f"TORCH_LIBRARY_IMPL({namespace},")
+    (tmp_path / "attention.cpp").write_text(source)
+    (tmp_path / "cpu_vendor.h").write_text(header)
+    flags = ["-O3", "-march=native", "-mno-avx512f", "-fno-fast-math", "-ffp-contract=off"]
+    digest = hashlib.sha256(f"{source}|{header}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "invariant_attention"):
+        cpp_extension.load(name=f"{namespace}_{digest}", sources=[str(tmp_path / "attention.cpp")],
+                           extra_cflags=flags, is_python_module=False, verbose=False)  # fmt: skip
+    other = getattr(torch.ops, namespace)
+    assert other.vector_bits() == 256
+    generator = torch.Generator().manual_seed(3)
+    empty = torch.empty(0, dtype=torch.bool)
+    for dtype in (torch.float32, torch.bfloat16):
+        for queries, dim in ((1, 64), (1, 128), (150, 64), (150, 48)):  # decode and prefill, two head sizes
+            query = torch.randn(2, 6, queries, dim, generator=generator).to(dtype)
+            key, value = (torch.randn(2, 2, 150, dim, generator=generator).to(dtype) for _ in range(2))
+            with torch.inference_mode():
+                ours = torch.ops.autobucket.invariant_attention(query, key, value, empty, True, dim**-0.5)
+                theirs = other.invariant_attention(query, key, value, empty, True, dim**-0.5)
+            assert torch.equal(ours, theirs), (dtype, queries, dim)

@@ -14,15 +14,17 @@
 // Grouped-query attention reads each K/V head once for all query heads that share it (no repeat_kv).
 //
 // Two forms of that algorithm, one per build (so one per machine, and a model's every call runs the same
-// one): AVX-512 builds with head_dim a multiple of 16 (up to 128) run the vector form; every other build or
-// head_dim runs the portable `attend_one`. Each is invariant; they differ from each other in the last bits.
+// one): AVX-512 and AVX2 builds with head_dim a multiple of 16 (up to 128) run the vector form (written
+// once over 16-lane vectors, so both widths give the same bits); every other build or head_dim runs the
+// portable `attend_one`. Each is invariant; the two forms differ from each other in the last bits.
 // The vector form has two ways of forming the same scores, bitwise equal by construction (and tested):
 // `attend_query` for work items of few queries (decode: one dot product per key, the cache read in place)
 // and `attend_queries_tiled` for many (prefill, chunks: each key list transposed once, 16 keys' scores per
 // vector, the queries of a tile sharing each key block in L1). Both end in the same softmax_block and
 // add_values, which run the P.V of several heads together without changing any head's sums.
 // Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
-// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill.
+// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill, and
+// docs/benchmarks.md for the AVX2 form on an AMD EPYC Zen 3.
 //
 // Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
 // compiler never reassociates a sum, and -ffp-contract=off, so it never fuses a multiply and an add
@@ -46,7 +48,7 @@
 
 #include "cpu_vendor.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -98,51 +100,149 @@ inline float dot(const float* q, const T* k, int64_t head_dim) {
 }
 
 
-#if defined(__AVX512F__)
-// The AVX-512 form of the same algorithm (the build's choice, fixed per machine: a model's every call runs
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define AUTOBUCKET_ATTENTION_VECTORS 1
+// The vector form of the same algorithm (the build's choice, fixed per machine: a model's every call runs
 // the same code). head_dim = 16 * C: a dot product is 16 lanes' partial sums, one FMA chain over the C
 // chunks each, then a fixed halving tree over the lanes (sum_lanes); the block's exponentials and their
 // sum run as 16-lane vectors, unused lanes exactly zero. keys[j] / values[j] point at fp32 vectors, or at
 // bf16 ones widened as they are loaded (exact: a bf16 is the top half of its fp32, so both give the
 // kernel the same fp32 values and the same bits out). A bf16 cache is read in place by work items of few
 // queries (decode) and widened once per key list for many (prefill), see attend_all. head_dim up to 128.
+//
+// It is written once against `Lanes`, 16 fp32 lanes: one AVX-512 register, or two AVX2 ones (AMD Zen 2/3
+// and other CPUs without AVX-512). Every operation is lane by lane (IEEE add, mul, max, fused
+// multiply-add) or a fixed tree over the lanes, so both widths compute the same values: an AVX2 machine
+// and an AVX-512 one give a token bitwise the same attention output.
 
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 shifter = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23: rounds to nearest
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), exponent));
-}
+#if defined(__AVX512F__)
+struct Lanes {
+  __m512 v;
+};
+using LaneMask = __mmask16;
 
-inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
-
-inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> fp32, exactly: each one's bits shifted up 16
+inline Lanes splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Lanes zeros() { return {_mm512_setzero_ps()}; }
+inline Lanes load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Lanes load16(const c10::BFloat16* p) {  // 16 bf16 -> fp32, exactly: each one's bits shifted up 16
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
 }
+inline Lanes load_aligned(const float* p) { return {_mm512_load_ps(p)}; }
+inline void store_aligned(float* p, Lanes x) { _mm512_store_ps(p, x.v); }
+inline Lanes operator+(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Lanes operator-(Lanes a, Lanes b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Lanes operator*(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Lanes max(Lanes a, Lanes b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Lanes fmadd(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c, one rounding
+inline Lanes fnmadd(Lanes a, Lanes b, Lanes c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; } // c - a * b, one rounding
+inline LaneMask lanes_below(int64_t n) { return n >= 16 ? LaneMask(0xFFFF) : LaneMask((1u << n) - 1u); }
+// lanes under the mask from p (64-byte aligned), the others from `rest` / zero
+inline Lanes load_aligned_or(Lanes rest, LaneMask live, const float* p) { return {_mm512_mask_load_ps(rest.v, live, p)}; }
+inline Lanes load_aligned_or_zero(LaneMask live, const float* p) { return {_mm512_maskz_load_ps(live, p)}; }
+inline Lanes keep(LaneMask live, Lanes x) { return {_mm512_maskz_mov_ps(live, x.v)}; }
+// exponent bits: round each lane to an integer (nearest), shift it to the exponent field and add it to p's bits
+inline Lanes add_exponents(Lanes p, Lanes n) {
+  const __m512i exponent = _mm512_slli_epi32(_mm512_cvtps_epi32(n.v), 23);
+  return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p.v), exponent))};
+}
+inline float first_lane(Lanes x) { return _mm512_cvtss_f32(x.v); }
+// lanes l + 8 and l for l < 8 (the first step of every tree over the lanes), as 8 lanes
+inline __m256 fold_halves_add(Lanes x) {
+  return _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)), _mm512_castps512_ps256(x.v));
+}
+inline __m256 fold_halves_max(Lanes x) {
+  return _mm256_max_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)), _mm512_castps512_ps256(x.v));
+}
+#else
+struct alignas(64) Lanes {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+struct LaneMask {
+  __m256i lo, hi;  // all ones in a live lane
+};
 
-// q.k of one key: the 16 lanes' partial sums over head_dim's C chunks, then a fixed halving tree over the
-// lanes (l + l+8, l + l+4, l + l+2, l + l+1). Written out rather than _mm512_reduce_add_ps, whose tree is
-// the header's choice: the tiled form below forms exactly these sums for 16 keys at once.
-inline float sum_lanes(__m512 x) {
-  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(x),
-                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes zeros() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const c10::BFloat16* p) {  // 8 bf16 -> fp32, exactly
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline Lanes load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline Lanes load_aligned(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+inline void store_aligned(float* p, Lanes x) { _mm256_store_ps(p, x.lo), _mm256_store_ps(p + 8, x.hi); }
+inline Lanes operator+(Lanes a, Lanes b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Lanes operator-(Lanes a, Lanes b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Lanes operator*(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Lanes max(Lanes a, Lanes b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Lanes fmadd(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Lanes fnmadd(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline LaneMask lanes_below(int64_t n) {
+  const __m256i count = _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 16)));
+  return {_mm256_cmpgt_epi32(count, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+          _mm256_cmpgt_epi32(count, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15))};
+}
+inline Lanes load_aligned_or(Lanes rest, LaneMask live, const float* p) {
+  return {_mm256_blendv_ps(rest.lo, _mm256_maskload_ps(p, live.lo), _mm256_castsi256_ps(live.lo)),
+          _mm256_blendv_ps(rest.hi, _mm256_maskload_ps(p + 8, live.hi), _mm256_castsi256_ps(live.hi))};
+}
+inline Lanes load_aligned_or_zero(LaneMask live, const float* p) {
+  return {_mm256_maskload_ps(p, live.lo), _mm256_maskload_ps(p + 8, live.hi)};
+}
+inline Lanes keep(LaneMask live, Lanes x) {
+  return {_mm256_and_ps(x.lo, _mm256_castsi256_ps(live.lo)), _mm256_and_ps(x.hi, _mm256_castsi256_ps(live.hi))};
+}
+inline Lanes add_exponents(Lanes p, Lanes n) {
+  const auto add = [](__m256 pv, __m256 nv) {
+    const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(nv), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(pv), exponent));
+  };
+  return {add(p.lo, n.lo), add(p.hi, n.hi)};
+}
+inline float first_lane(Lanes x) { return _mm256_cvtss_f32(x.lo); }
+inline __m256 fold_halves_add(Lanes x) { return _mm256_add_ps(x.hi, x.lo); }
+inline __m256 fold_halves_max(Lanes x) { return _mm256_max_ps(x.hi, x.lo); }
+#endif
+
+// The lanes' sum by a fixed halving tree: l + l+8, l + l+4, l + l+2, l + l+1 (the tree GCC's
+// _mm512_reduce_add_ps also uses; written out so no header's choice can change it, and the tiled form
+// below forms exactly these sums for 16 keys at once).
+inline float sum_lanes(Lanes x) {
+  const __m256 eight = fold_halves_add(x);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
+
+// The lanes' maximum (any order gives the same value up to the sign of a zero, which no later value sees)
+inline float max_lanes(Lanes x) {
+  const __m256 eight = fold_halves_max(x);
+  const __m128 four = _mm_max_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+
+inline Lanes exp_nonpositive(Lanes x) {
+  x = max(x, splat(-87.0f));
+  const Lanes shifter = splat(12582912.0f);  // 1.5 * 2^23: rounds to nearest
+  const Lanes n = fmadd(x, splat(1.44269504088896341f), shifter) - shifter;
+  const Lanes r = fmadd(n, splat(2.12194440e-4f), fnmadd(n, splat(0.693359375f), x));
+  Lanes p = splat(1.9875691500e-4f);
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(p, r * r, r) + splat(1.0f);
+  return add_exponents(p, n);
+}
+
+inline float exp_nonpositive_scalar(float x) { return first_lane(exp_nonpositive(splat(x))); }
 
 // One head's online-softmax state over its blocks.
 template <int C>
@@ -161,21 +261,21 @@ struct HeadState {
 // form it identically.
 template <int C>
 inline float softmax_block(float* scores, int64_t n, bool first_block, HeadState<C>& head) {
-  __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  Lanes maxv = splat(-std::numeric_limits<float>::infinity());
   for (int64_t v = 0; v * 16 < n; ++v) {  // max is exact: any order gives the same value
-    maxv = _mm512_max_ps(maxv, _mm512_mask_load_ps(maxv, lanes_below(n - v * 16), scores + v * 16));
+    maxv = max(maxv, load_aligned_or(maxv, lanes_below(n - v * 16), scores + v * 16));
   }
-  const float new_max = std::max(head.max, _mm512_reduce_max_ps(maxv));
+  const float new_max = std::max(head.max, max_lanes(maxv));
   const float rescale = first_block ? 0.0f : exp_nonpositive_scalar(head.max - new_max);
-  __m512 sum = _mm512_setzero_ps();
+  Lanes sum = zeros();
   for (int64_t v = 0; v * 16 < n; ++v) {
-    const __mmask16 live = lanes_below(n - v * 16);
-    const __m512 x = _mm512_sub_ps(_mm512_maskz_load_ps(live, scores + v * 16), _mm512_set1_ps(new_max));
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
-    _mm512_store_ps(scores + v * 16, e);
-    sum = _mm512_add_ps(sum, e);
+    const LaneMask live = lanes_below(n - v * 16);
+    const Lanes x = load_aligned_or_zero(live, scores + v * 16) - splat(new_max);
+    const Lanes e = keep(live, exp_nonpositive(x));
+    store_aligned(scores + v * 16, e);
+    sum = sum + e;
   }
-  head.sum = head.sum * rescale + _mm512_reduce_add_ps(sum);
+  head.sum = head.sum * rescale + sum_lanes(sum);
   head.max = new_max;
   return rescale;
 }
@@ -187,26 +287,26 @@ inline float softmax_block(float* scores, int64_t n, bool first_block, HeadState
 template <int C, int R, typename KV>
 inline void add_values(const float* const* p, const int64_t* n, const float* rescale, const KV* const* values,
                        HeadState<C>* const* head) {
-  __m512 av[R][C];
+  Lanes av[R][C];
   for (int r = 0; r < R; ++r) {
-    const __m512 scale = _mm512_set1_ps(rescale[r]);
-    for (int c = 0; c < C; ++c) av[r][c] = _mm512_mul_ps(_mm512_load_ps(head[r]->acc + 16 * c), scale);
+    const Lanes scale = splat(rescale[r]);
+    for (int c = 0; c < C; ++c) av[r][c] = load_aligned(head[r]->acc + 16 * c) * scale;
   }
   int64_t common = n[0];
   for (int r = 1; r < R; ++r) common = std::min(common, n[r]);
   for (int64_t j = 0; j < common; ++j) {
     const KV* v = values[j];
     for (int c = 0; c < C; ++c) {
-      const __m512 x = load16(v + 16 * c);
-      for (int r = 0; r < R; ++r) av[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), x, av[r][c]);
+      const Lanes x = load16(v + 16 * c);
+      for (int r = 0; r < R; ++r) av[r][c] = fmadd(splat(p[r][j]), x, av[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {  // the rows' keys past the shortest one's, each row alone
     for (int64_t j = common; j < n[r]; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[r][j]);
-      for (int c = 0; c < C; ++c) av[r][c] = _mm512_fmadd_ps(pj, load16(values[j] + 16 * c), av[r][c]);
+      const Lanes pj = splat(p[r][j]);
+      for (int c = 0; c < C; ++c) av[r][c] = fmadd(pj, load16(values[j] + 16 * c), av[r][c]);
     }
-    for (int c = 0; c < C; ++c) _mm512_store_ps(head[r]->acc + 16 * c, av[r][c]);
+    for (int c = 0; c < C; ++c) store_aligned(head[r]->acc + 16 * c, av[r][c]);
   }
 }
 
@@ -214,7 +314,12 @@ inline void add_values(const float* const* p, const int64_t* n, const float* res
 // shared by several rows, and at most 16 accumulators in registers. Interleaved against 12 / C and
 // 24 / C on the Xeon (benchmarks/prefill_attention.py shapes): within noise at head_dim 64, 2-5%
 // faster than one row at head_dim 128.
-constexpr int rows_together(int C) { return std::max(1, std::min(8, 16 / C)); }
+#if defined(__AVX512F__)
+constexpr int kAccumulatorLanes = 16;  // Lanes accumulators add_values keeps in registers (32 registers)
+#else
+constexpr int kAccumulatorLanes = 6;   // 12 of AVX2's 16 registers
+#endif
+constexpr int rows_together(int C) { return std::max(1, std::min(8, kAccumulatorLanes / C)); }
 
 // add_values for `rows` <= rows_together(C) rows (the min only keeps templates of more rows than C
 // allows from being built).
@@ -303,16 +408,16 @@ void attend_query(const float* q, int64_t group, const KV* const* keys, const KV
     const int64_t n = std::min(kBlockKeys, count - first);
     pending.start(values + first);
     for (int64_t g = 0; g < group; ++g) {  // the block's keys stay in L1 across the group's heads
-      __m512 qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * 16 * C + 16 * c);
+      Lanes qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load16(q + g * 16 * C + 16 * c);
       float* scores = pending.next_scores();
       const bool prefetch = prefetch_ahead && g == 0;  // the first head's pass brings the block in
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = keys[first + j];
         if (prefetch && first + j + kPrefetchKeys < count)
           prefetch_key<C>(keys[first + j + kPrefetchKeys], values[first + j + kPrefetchKeys]);
-        __m512 dot = _mm512_mul_ps(qv[0], load16(k));
-        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), dot);
+        Lanes dot = qv[0] * load16(k);
+        for (int c = 1; c < C; ++c) dot = fmadd(qv[c], load16(k + 16 * c), dot);
         scores[j] = sum_lanes(dot) * scale;
       }
       pending.add(n, softmax_block<C>(scores, n, first == 0, heads[g]), &heads[g]);
@@ -328,44 +433,48 @@ void attend_query(const float* q, int64_t group, const KV* const* keys, const KV
 // the same chunk order, for each of the 16 keys), added by sum_lanes' halving tree as vector adds: no
 // horizontal sum per key, and bitwise attend_query's scores. RS rows (query heads) at a time share each
 // tile load. lane_sums .. tree_sum evaluate that tree depth first, so few vectors are live at once.
+#if defined(__AVX512F__)
 constexpr int kScoreRows = 4;
+#else
+constexpr int kScoreRows = 2;  // AVX2: a Lanes is two registers, so half the rows keep the tree's vectors in registers
+#endif
 
 template <int C, int RS>
-inline void lane_sums(const float* const* q, const float* tile, int l, __m512* out) {
-  const __m512 first = _mm512_loadu_ps(tile + l * 16);  // tile row d: the 16 keys' element d
-  for (int r = 0; r < RS; ++r) out[r] = _mm512_mul_ps(_mm512_set1_ps(q[r][l]), first);
+inline void lane_sums(const float* const* q, const float* tile, int l, Lanes* out) {
+  const Lanes first = load16(tile + l * 16);  // tile row d: the 16 keys' element d
+  for (int r = 0; r < RS; ++r) out[r] = splat(q[r][l]) * first;
   for (int c = 1; c < C; ++c) {
-    const __m512 t = _mm512_loadu_ps(tile + (16 * c + l) * 16);
-    for (int r = 0; r < RS; ++r) out[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][16 * c + l]), t, out[r]);
+    const Lanes t = load16(tile + (16 * c + l) * 16);
+    for (int r = 0; r < RS; ++r) out[r] = fmadd(splat(q[r][16 * c + l]), t, out[r]);
   }
 }
 
 // The sum of lanes l, l + step, l + 2 step, ... below 16, by the tree of sum_lanes (pairs step 8 apart
 // first): tree_sum(0, 1) is the whole score.
 template <int C, int RS>
-inline void tree_sum(const float* const* q, const float* tile, int l, int step, __m512* out) {
+inline void tree_sum(const float* const* q, const float* tile, int l, int step, Lanes* out) {
   if (step == 8) {
-    __m512 high[RS];
+    Lanes high[RS];
     lane_sums<C, RS>(q, tile, l, out);
     lane_sums<C, RS>(q, tile, l + 8, high);
-    for (int r = 0; r < RS; ++r) out[r] = _mm512_add_ps(out[r], high[r]);
+    for (int r = 0; r < RS; ++r) out[r] = out[r] + high[r];
     return;
   }
-  __m512 other[RS];
+  Lanes other[RS];
   tree_sum<C, RS>(q, tile, l, step * 2, out);
   tree_sum<C, RS>(q, tile, l + step, step * 2, other);
-  for (int r = 0; r < RS; ++r) out[r] = _mm512_add_ps(out[r], other[r]);
+  for (int r = 0; r < RS; ++r) out[r] = out[r] + other[r];
 }
 
 // RS rows' scaled scores for the block's keys [0, n): scores[r][0, n) (64-byte aligned rows).
 template <int C, int RS>
 inline void tile_scores(const float* const* q, const float* block_tiles, int64_t n, float scale, float* const* scores) {
   constexpr int64_t kTile = 16 * 16 * C;  // floats per tile
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  const Lanes scale_v = splat(scale);
   for (int64_t v = 0; v * 16 < n; ++v) {
-    __m512 sums[RS];
+    Lanes sums[RS];
     tree_sum<C, RS>(q, block_tiles + v * kTile, 0, 1, sums);
-    for (int r = 0; r < RS; ++r) _mm512_store_ps(scores[r] + v * 16, _mm512_mul_ps(sums[r], scale_v));
+    for (int r = 0; r < RS; ++r) store_aligned(scores[r] + v * 16, sums[r] * scale_v);
   }
 }
 
@@ -601,7 +710,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   T* o = out.data_ptr<T>();
   const int64_t shared_max = shared.key != nullptr ? shared.key->size(2) : 0;
   const int64_t chunks = (queries + kQueryChunk - 1) / kQueryChunk;
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
   const QueryKernel<T> in_place = query_kernel_for<T>(head_dim);
   const TiledKernel tiled = tiled_kernel_for(head_dim);
 #endif
@@ -609,14 +718,14 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
     std::vector<const T*> value_ptrs(key_ptrs.size());
     std::vector<float> work, q_fp32(static_cast<size_t>(group * head_dim)), out_fp32(q_fp32.size());
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
     // the tiled form's key list, and a tile's queries, counts, outputs, per-head states (one HeadState<C>:
     // C + 1 vectors) and block probabilities
     TiledList<T> list;
     std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
     std::vector<int64_t> tile_queries, tile_counts(kQueryTile);
-    std::vector<__m512> states(tiled ? static_cast<size_t>(kQueryTile * group * (head_dim / 16 + 1)) : 0);
-    std::vector<__m512> probs(tiled ? static_cast<size_t>(kQueryTile * group * kBlockKeys / 16) : 0);
+    std::vector<Lanes> states(tiled ? static_cast<size_t>(kQueryTile * group * (head_dim / 16 + 1)) : 0);
+    std::vector<Lanes> probs(tiled ? static_cast<size_t>(kQueryTile * group * kBlockKeys / 16) : 0);
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / (kv_heads * chunks);
@@ -653,7 +762,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
         }
         return count;
       };
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
       if (in_place != nullptr) {
         // query qi's group of heads as fp32 into fp32 [group][head_dim]; its output back from it
         const auto load_query = [&](int64_t qi, float* fp32) {
@@ -863,7 +972,7 @@ int64_t vector_bits() {
 }
 
 bool set_decode_prefetch(bool on) {
-#if defined(__AVX512F__)
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
   return decode_prefetch().exchange(on);
 #else
   (void)on;
