@@ -1,0 +1,77 @@
+"""Where one warm `generate` call's time goes: a torch profile of a GRPO-like or a prefill-heavy call.
+
+    taskset -c 0 python benchmarks/call_profile.py --workload grpo --kernels invariant --out results/call_profile.json
+
+bench-qwen2, fp32, one thread. `grpo`: 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1 (the
+GRPO-like call of benchmarks/shared_decode.py); `sharegpt`: 32 ShareGPT-like prompts, 16 greedy new
+tokens (the prefill-heavy workload of bench-peers). One warm-up call, `--repeats` timed calls without
+the profiler (their medians are the call's time), then one call under `torch.profiler`: its top
+operators by self time, with each one's share. Writes the call times, the engine's profile and the
+operator table to JSON. Not a contest: it tells which kernel to work on next."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.models import build_tiny_model
+from autobucket.prompts import random_prompts
+from autobucket.tools.workloads import sharegpt_like_lengths
+
+
+def workload(name: str, vocab: int) -> tuple[list[list[int]], SamplingConfig]:
+    if name == "grpo":
+        prompts = random_prompts(sharegpt_like_lengths(8, seed=1), vocab, seed=1)
+        return prompts, SamplingConfig(max_new_tokens=64, eos_token_id=[], n=8, temperature=1.0, seed=0)
+    prompts = random_prompts(sharegpt_like_lengths(32, seed=0), vocab, seed=0)
+    return prompts, SamplingConfig(max_new_tokens=16, continuous_batch_size=32, eos_token_id=[])
+
+
+def top_operators(prof, count: int) -> list[dict]:
+    events = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)
+    total_us = sum(event.self_cpu_time_total for event in events)
+    return [{"name": event.key, "self_ms": event.self_cpu_time_total / 1e3, "calls": event.count,
+             "share": event.self_cpu_time_total / total_us} for event in events[:count]]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("grpo", "sharegpt"), default="grpo")
+    parser.add_argument("--kernels", choices=("invariant", "hf"), default="invariant")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = build_tiny_model("bench-qwen2")
+    prompts, sampling = workload(args.workload, model.config.vocab_size)
+    rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=args.kernels))
+    rollout.generate(prompts, sampling)  # warm-up: packs, kernel library, caches
+    call_ms = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        result = rollout.generate(prompts, sampling)
+        call_ms.append((time.perf_counter() - started) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rollout.generate(prompts, sampling)
+    operators = top_operators(prof, args.top)
+    print(f"{args.workload}, kernels={args.kernels}: call {statistics.median(call_ms):.0f} ms (median of {args.repeats}: "
+          f"{', '.join(f'{ms:.0f}' for ms in call_ms)}); route {result.profile.route}")  # fmt: skip
+    for operator in operators:
+        print(f"  {operator['name']:<45} {operator['self_ms']:9.1f} ms  {operator['share']:6.1%}  x{operator['calls']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"workload": args.workload, "kernels": args.kernels, "call_ms": call_ms,
+                  "profile": result.profile.to_dict(), "top_operators": operators}  # fmt: skip
+        args.out.write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
