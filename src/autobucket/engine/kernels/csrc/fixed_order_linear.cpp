@@ -61,7 +61,15 @@ constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the
 // 27.1, 29.0, 32.7 ms), as on the AVX-512 CPUs. Neither constant changes a value.
 constexpr int64_t kRowTile = 6;
 #endif
-constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles
+// AVX2 tiles a block's rows as evenly as they go, since a tile of 2 rows (4 FMA chains) waits on the FMA
+// latency: Zen 3, interleaved, 0.89-0.97x the time at 8-64 rows (bench-qwen2's head at 8 rows 3.56 ->
+// 3.18 ms), level at 20 rows and at prefill sizes. AVX-512 keeps full tiles (not measured there).
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
+constexpr bool kBalancedTiles = true;
+#else
+constexpr bool kBalancedTiles = false;
+#endif
+constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles of 12 (AVX-512), 20 of 6 (AVX2)
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
 // (Xeon, interleaved, from 33 against from 65 rows: bench-qwen2's head at 64 rows 0.88x the time, 48 rows
@@ -317,8 +325,12 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
           // each tile of the block fetching its rows' share of the lines
           const int64_t slice_lines = width * depth * 2, block_rows = block_end - block;
           const bool spread = count <= kRowBlock;
-          for (int64_t start = block; start < block_end; start += tile_height) {
-            const int64_t tile_rows = std::min(tile_height, block_end - start);
+          // the block's rows in tiles of at most tile_height, as even as they go (AVX2: a 2-row tile's 4 FMA
+          // chains would wait on the FMA latency; 32 rows run as 6, 6, 5, 5, 5, 5 instead of 6 x 5 + 2)
+          const int64_t block_tiles = (block_end - block + tile_height - 1) / tile_height;
+          for (int64_t t = 0, start = block; t < block_tiles; ++t) {
+            const int64_t tile_rows = kBalancedTiles ? (block_end - start) / (block_tiles - t) + ((block_end - start) % (block_tiles - t) != 0)
+                                                     : std::min(tile_height, block_end - start);
             const float* tile_input = rows_data + start * in_features + k0;
             float* tile_out = target + (start - block) * ld;
             const int64_t first_line = spread ? slice_lines * (start - block) / block_rows : 0;
@@ -331,6 +343,7 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
                                         first, bias_slice, prefetch);
             else
               tiles[tile_rows - 1](tile_input, in_features, slice, depth, tile_out, ld, first, bias_slice, columns, prefetch);
+            start += tile_rows;
           }
         }
         if (staged)
