@@ -2,8 +2,8 @@
 // (the first index of the row's maximum; the first NaN where the row has one). torch's index-tracking
 // reductions do not vectorize on a CPU ([32, 32,000]: `argmax` 1.8 ms), and the two-pass form in
 // selection.py (`amax` per block, then `max` over one block) costs ~8 dispatched ops a step. Here:
-// pass one, the row's maximum as 16-lane vector maxima (plus whether any lane saw a NaN); pass two, the
-// first index equal to it. `max` of floats is exact and order-free, and -0.0 == 0.0 compares equal, so
+// pass one, the row's maximum as 16-lane (AVX-512) or 8-lane (AVX2) vector maxima (plus whether any lane
+// saw a NaN); pass two, the first index equal to it. `max` of floats is exact and order-free, and -0.0 == 0.0 compares equal, so
 // the first equal index is the first maximal one, as argmax's `>` scan keeps it.
 
 #include <ATen/ATen.h>
@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,34 @@ int64_t row_argmax(const float* row, int64_t count) {
   for (i = 0; i + 16 <= count; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
     if (hit != 0) return i + __builtin_ctz(hit);
+  }
+  for (; i < count; ++i)
+    if (row[i] == maximum) return i;
+  return 0;  // unreachable: the maximum is one of the row's values
+#elif defined(__AVX2__)
+  // the same two passes on 8-lane vectors (AVX2 CPUs: [32, 32,000] 1.4 ms in the scalar loop below)
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    best = _mm256_max_ps(best, v);
+  }
+  bool tail_nan = false;
+  float maximum = -std::numeric_limits<float>::infinity();
+  for (int64_t t = i; t < count; ++t) {
+    tail_nan = tail_nan || std::isnan(row[t]);
+    maximum = row[t] > maximum ? row[t] : maximum;
+  }
+  if (tail_nan || _mm256_movemask_ps(nan) != 0) return first_nan(row, count);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  for (const float lane : lanes) maximum = lane > maximum ? lane : maximum;
+  const __m256 target = _mm256_set1_ps(maximum);
+  for (i = 0; i + 8 <= count; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
+    if (hit != 0) return i + __builtin_ctz(static_cast<unsigned>(hit));
   }
   for (; i < count; ++i)
     if (row[i] == maximum) return i;
