@@ -238,7 +238,7 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] -> [rows] int64: `argmax`'s answer (the first maximal value on ties; the first NaN
     in a row that has one). torch's index-tracking reductions do not vectorize on a CPU (`[32, 32000]`
     fp32, one thread: `argmax` 1.3-1.8 ms, `max(-1).indices` 1.1 ms, `amax` 0.15 ms). fp32 CPU logits take
-    the kernel library's one-sweep op (`csrc/first_argmax.cpp`: 0.17 ms there, Intel Xeon; 0.13 ms, AMD EPYC
+    the kernel library's one-sweep op (`csrc/first_argmax.cpp`: 0.17 ms there, Intel Xeon; 0.14 ms, AMD EPYC
     Zen 3), where it builds with AVX-512 or AVX2."""
     kernel = _argmax_kernel()
     if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] > 0:
@@ -251,7 +251,7 @@ def _argmax_kernel() -> Callable[[torch.Tensor], torch.Tensor] | None:
     from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
     # the op's vector forms (AVX-512, AVX2); its scalar loop is slower than the torch ops (AMD EPYC Zen 3,
-    # [32, 32000]: 1.4 against 0.32 ms), so a build without them takes those
+    # [32, 32000], interleaved: 0.96 against 0.42 ms; the AVX2 form 0.14), so a build without them takes those
     if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:
         return None
     return torch.ops.autobucket.first_argmax
