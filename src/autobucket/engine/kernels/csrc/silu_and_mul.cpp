@@ -43,123 +43,99 @@ namespace {
 inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 #endif
 
+// One vector of ATen's width, the operations the two ops need, per build. Each form copies ATen's own
+// kernels of that width: neg as a sign flip, exp as Sleef's, IEEE add, div and mul, and fp32 -> bf16 as
+// its conversion (round to nearest even; a NaN as 0x7fc0 on AVX-512, 0xffff on AVX2).
 #if defined(__AVX512F__)
-inline __m512 silu16(__m512 x) {
-  const __m512 negated = _mm512_xor_ps(_mm512_set1_ps(-0.0f), x);  // Vectorized<float>::neg
-  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(negated)));
-}
-
-// fp32: out[i] = silu(gate[i]) * up[i] for i in [begin, end), one ATen chunk; ATen's vector loop takes
-// two 16-float vectors a step
-void silu_and_mul_chunk(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
-  constexpr int64_t kStep = 32;
-  const int64_t count = end - begin;
-  gate += begin, up += begin, out += begin;
-  int64_t i = 0;
-  for (; i <= count - kStep; i += kStep) {
-    for (int64_t half = 0; half < kStep; half += 16) {
-      const __m512 s = silu16(_mm512_loadu_ps(gate + i + half));
-      _mm512_storeu_ps(out + i + half, _mm512_mul_ps(s, _mm512_loadu_ps(up + i + half)));
-    }
+struct Floats {
+  static constexpr int64_t kWidth = 16;
+  __m512 v;
+  static Floats load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Floats load(const c10::BFloat16* p) {  // exact: a bf16 is the top half of its fp32
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
   }
-  for (; i < count; ++i) out[i] = silu_scalar(gate[i]) * up[i];
-}
-
-// fp32 -> bf16, round to nearest even (c10::BFloat16's rounding; a NaN stays a NaN)
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-inline __m512 from_bf16(__m256i half) {  // exact: a bf16 is the top half of its fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// bf16: ATen's reduced-precision silu widens each 32-bf16 vector to fp32, computes as above and rounds
-// to bf16 (nearest even), two such vectors a step; the scalar tail computes in fp32 and rounds; the mul
-// of two bf16 is their fp32 product rounded.
-void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t begin,
-                        int64_t end) {
-  constexpr int64_t kStep = 64;
-  const int64_t count = end - begin;
-  gate += begin, up += begin, out += begin;
-  int64_t i = 0;
-  for (; i <= count - kStep; i += kStep) {
-    for (int64_t part = i; part < i + kStep; part += 16) {
-      const __m512 x = from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + part)));
-      const __m512 silu = from_bf16(to_bf16(silu16(x)));
-      const __m512 u = from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up + part)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + part), to_bf16(_mm512_mul_ps(silu, u)));
-    }
+  void store(c10::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits()); }
+  Floats silu() const {
+    const __m512 negated = _mm512_xor_ps(_mm512_set1_ps(-0.0f), v);  // Vectorized<float>::neg
+    return {_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(negated)))};
   }
-  for (; i < count; ++i) {
-    const c10::BFloat16 rounded(silu_scalar(static_cast<float>(gate[i])));
-    out[i] = c10::BFloat16(static_cast<float>(rounded) * static_cast<float>(up[i]));
+  Floats operator*(Floats other) const { return {_mm512_mul_ps(v, other.v)}; }
+  __m256i bf16_bits() const {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
   }
-}
-
+  Floats rounded_to_bf16() const {  // the bf16 nearest each lane, as fp32
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits()), 16))};
+  }
+};
 #elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 silu8(__m256 x) {
-  const __m256 negated = _mm256_xor_ps(_mm256_set1_ps(-0.0f), x);  // Vectorized<float>::neg
-  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(negated)));
-}
-
-// fp32, one ATen chunk; ATen's AVX2 vector loop takes two 8-float vectors a step
-void silu_and_mul_chunk(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
-  constexpr int64_t kStep = 16;
-  const int64_t count = end - begin;
-  gate += begin, up += begin, out += begin;
-  int64_t i = 0;
-  for (; i <= count - kStep; i += kStep) {
-    for (int64_t half = 0; half < kStep; half += 8) {
-      const __m256 s = silu8(_mm256_loadu_ps(gate + i + half));
-      _mm256_storeu_ps(out + i + half, _mm256_mul_ps(s, _mm256_loadu_ps(up + i + half)));
-    }
+struct Floats {
+  static constexpr int64_t kWidth = 8;
+  __m256 v;
+  static Floats load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static Floats load(const c10::BFloat16* p) {  // exact: a bf16 is the top half of its fp32
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
   }
-  for (; i < count; ++i) out[i] = silu_scalar(gate[i]) * up[i];
-}
-
-// fp32 -> bf16 as ATen's AVX2 cvtfp32_bf16: round to nearest even, a NaN becomes 0xffff
-inline __m128i to_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), bits), 16);
-  rounded = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), rounded, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xd8);
-  return _mm256_castsi256_si128(packed);
-}
-
-inline __m256 from_bf16(__m128i half) {  // exact: a bf16 is the top half of its fp32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-// bf16: ATen's AVX2 reduced-precision silu widens each 16-bf16 vector to two fp32 vectors, computes as
-// above and rounds to bf16, two such vectors (32 elements) a step; tails as in the AVX-512 form.
-void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t begin,
-                        int64_t end) {
-  constexpr int64_t kStep = 32;
-  const int64_t count = end - begin;
-  gate += begin, up += begin, out += begin;
-  int64_t i = 0;
-  for (; i <= count - kStep; i += kStep) {
-    for (int64_t part = i; part < i + kStep; part += 8) {
-      const __m256 x = from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gate + part)));
-      const __m256 silu = from_bf16(to_bf16(silu8(x)));
-      const __m256 u = from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(up + part)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + part), to_bf16(_mm256_mul_ps(silu, u)));
-    }
+  void store(c10::BFloat16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits()); }
+  Floats silu() const {
+    const __m256 negated = _mm256_xor_ps(_mm256_set1_ps(-0.0f), v);  // Vectorized<float>::neg
+    return {_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(negated)))};
   }
-  for (; i < count; ++i) {
-    const c10::BFloat16 rounded(silu_scalar(static_cast<float>(gate[i])));
-    out[i] = c10::BFloat16(static_cast<float>(rounded) * static_cast<float>(up[i]));
+  Floats operator*(Floats other) const { return {_mm256_mul_ps(v, other.v)}; }
+  __m128i bf16_bits() const {  // ATen's AVX2 cvtfp32_bf16
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), bits), 16);
+    rounded = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), rounded, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xd8));
   }
-}
+  Floats rounded_to_bf16() const {  // the bf16 nearest each lane, as fp32
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits()), 16))};
+  }
+};
 #endif
 
 #if defined(AUTOBUCKET_SILU_VECTORS)
+// fp32: out[i] = silu(gate[i]) * up[i] for i in [begin, end), one ATen chunk; ATen's vector loop takes
+// two vectors a step, and leaves the last < 2 vectors' elements to its scalar lambda
+void silu_and_mul_chunk(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
+  constexpr int64_t kStep = 2 * Floats::kWidth;
+  const int64_t count = end - begin;
+  gate += begin, up += begin, out += begin;
+  int64_t i = 0;
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t part = i; part < i + kStep; part += Floats::kWidth)
+      (Floats::load(gate + part).silu() * Floats::load(up + part)).store(out + part);
+  }
+  for (; i < count; ++i) out[i] = silu_scalar(gate[i]) * up[i];
+}
+
+// bf16: ATen's reduced-precision silu widens each bf16 vector (two fp32 vectors' worth) to fp32,
+// computes as above and rounds to bf16, two such vectors a step; the scalar tail computes in fp32 and
+// rounds; the mul of two bf16 is their fp32 product rounded.
+void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t begin,
+                        int64_t end) {
+  constexpr int64_t kStep = 4 * Floats::kWidth;
+  const int64_t count = end - begin;
+  gate += begin, up += begin, out += begin;
+  int64_t i = 0;
+  for (; i <= count - kStep; i += kStep) {
+    for (int64_t part = i; part < i + kStep; part += Floats::kWidth)
+      (Floats::load(gate + part).silu().rounded_to_bf16() * Floats::load(up + part)).store(out + part);
+  }
+  for (; i < count; ++i) {
+    const c10::BFloat16 rounded(silu_scalar(static_cast<float>(gate[i])));
+    out[i] = c10::BFloat16(static_cast<float>(rounded) * static_cast<float>(up[i]));
+  }
+}
+
 // The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
 // elements among the threads: run here one after another (this library is built without OpenMP, where
 // at::parallel_for would not split at all), so each element takes the branch it takes there.
