@@ -340,8 +340,8 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
           // chains would wait on the FMA latency; 32 rows run as 6, 6, 5, 5, 5, 5 instead of 6 x 5 + 2)
           const int64_t block_tiles = (block_end - block + tile_height - 1) / tile_height;
           for (int64_t t = 0, start = block; t < block_tiles; ++t) {
-            const int64_t tile_rows = kBalancedTiles ? (block_end - start) / (block_tiles - t) + ((block_end - start) % (block_tiles - t) != 0)
-                                                     : std::min(tile_height, block_end - start);
+            const int64_t rows_left = block_end - start, tiles_left = block_tiles - t;
+            const int64_t tile_rows = kBalancedTiles ? (rows_left + tiles_left - 1) / tiles_left : std::min(tile_height, rows_left);
             const float* tile_input = rows_data + start * in_features + k0;
             float* tile_out = target + (start - block) * ld;
             const int64_t first_line = spread ? slice_lines * (start - block) / block_rows : 0;
