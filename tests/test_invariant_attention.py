@@ -233,9 +233,9 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_decode_with_and_without_its_kv_prefetch_gives_the_same_bits(dtype):
-    """Decode prefetches K/V a few keys ahead on Intel CPUs and not on AMD ones; both ways are run here,
-    whichever this CPU picks, on a static cache with rows of different lengths (a row's last keys are
-    where the prefetch runs out), and both match SDPA."""
+    """Decode prefetches K/V ahead (a few keys on Intel CPUs, a block on AMD ones with the eight-key
+    scores) or not; both ways are run here, whichever this CPU picks, on a static cache with rows of
+    different lengths (a row's last keys and blocks are where the prefetch runs out), and both match SDPA."""
     load_invariant_kernels()
     generator = torch.Generator().manual_seed(7)
     query = torch.randn(5, 6, 1, 64, generator=generator).to(dtype)

@@ -36,6 +36,11 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("invariant_attent
 _HEADERS = [Path(__file__).parent / "csrc" / "cpu_vendor.h"]  # in the build's digest: an edit rebuilds
 
 
+# never reassociate a sum, never fuse a multiply into an add the source did not write (both score forms of
+# the vector kernel must round the same sums the same way)
+BUILD_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math", "-ffp-contract=off"]
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -52,9 +57,7 @@ def load_invariant_kernels() -> None:
 
     Raises ValueError naming the fix when no C++ toolchain can build it."""
     source = "".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
-    # never reassociate a sum, never fuse a multiply into an add the source did not write (both score
-    # forms of the AVX-512 kernel must round the same sums the same way)
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math", "-ffp-contract=off"]
+    flags = BUILD_FLAGS
     digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
     from torch.utils import cpp_extension
 

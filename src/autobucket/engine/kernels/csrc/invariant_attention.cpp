@@ -244,6 +244,36 @@ inline Lanes exp_nonpositive(Lanes x) {
 
 inline float exp_nonpositive_scalar(float x) { return first_lane(exp_nonpositive(splat(x))); }
 
+// Whether decode forms its scores eight keys at a time (sum_lanes8) rather than key by key; the same bits.
+// AVX2 builds: on a Zen 3, with the block-ahead prefetch below and interleaved in one process against the
+// per-key form without it, 0.93-0.97x the attention's time in fp32 and 0.96-0.98x in bf16 (either change
+// alone was level or slower: the eight-key form 1.05x, the prefetch 0.99-1.06x). AVX-512 builds keep the
+// per-key form they were measured with (not measured there).
+#if defined(__AVX512F__)
+constexpr bool kEightScoresAtOnce = false;
+#else
+constexpr bool kEightScoresAtOnce = true;
+#endif
+
+// Eight keys' scores at once: lane t is sum_lanes of key t's dot product, given as its folded halves
+// (fold_halves_add, the tree's first step). The same tree, as vector steps over the eight keys: the
+// halves l + l+4 (keys t and t+4 share a vector), then l + l+2, then l + l+1; every lane adds the same
+// two values sum_lanes adds, so each score is bitwise its per-key form, with no horizontal sum per key.
+inline __m256 sum_lanes8(const __m256* folded) {
+  const auto halves = [](__m256 a, __m256 b) {  // [a's l + l+4 | b's l + l+4], l < 4
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x31), _mm256_permute2f128_ps(a, b, 0x20));
+  };
+  const __m256 k04 = halves(folded[0], folded[4]), k15 = halves(folded[1], folded[5]);
+  const __m256 k26 = halves(folded[2], folded[6]), k37 = halves(folded[3], folded[7]);
+  const auto pairs = [](__m256 x, __m256 y) {  // per 128-bit half: [x's l + l+2 | y's l + l+2], l < 2
+    return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
+  const __m256 k0145 = pairs(k04, k15), k2367 = pairs(k26, k37);
+  // l + l+1: keys 0-3 in the low half, 4-7 in the high half, in key order
+  return _mm256_add_ps(_mm256_shuffle_ps(k0145, k2367, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(k0145, k2367, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // One head's online-softmax state over its blocks.
 template <int C>
 struct HeadState {
@@ -372,27 +402,56 @@ inline void write_normalized(const HeadState<C>& head, int64_t count, float* out
   for (int64_t d = 0; d < 16 * C; ++d) out[d] = count == 0 ? 0.0f : head.acc[d] / head.sum;
 }
 
-constexpr int64_t kPrefetchKeys = 4;  // keys ahead (2-12 measured alike on the Xeon; 0.83-0.88x)
+// How decode asks for its K/V ahead of use (`attend_query`); a hint only, no value depends on it.
+// - kKeysAhead (Intel CPUs): while the first head scores key j, key j + kPrefetchKeys's K and V into L1.
+//   On the Xeon a decode step's attention streams its cache from DRAM and took 0.85x the time in fp32 and
+//   0.76x in bf16 with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/decode_attention.py),
+//   most of it from reading each value vector while the scores are formed rather than after.
+// - kBlockAhead (AMD CPUs): while the first head scores key j, key j's V into L1 (the block's P.V reads
+//   it next) and the next block's key j's K into L2 (the next block's scores read it). On an AMD EPYC
+//   Zen 3 with the eight-key scores, interleaved in one process against them without it: 0.84-0.90x
+//   the time in both dtypes (32 rows x 512 keys, 4 layers). Keys a few ahead into L1 (the Intel form)
+//   measured 0.84-0.96x there the same day but 1.04-1.05x in fp32 a session earlier, and on a Zen 4 the
+//   next 32-128 keys into L1 were 7-15% slower; a block ahead into L2 does not compete with the block in L1.
+//   With the per-key scores it was level (0.99-1.06x), so it pays beside the eight-key form only.
+// `set_decode_prefetch` turns it off or on for benchmarks.
+enum class DecodePrefetch { kKeysAhead, kBlockAhead };
+constexpr int64_t kPrefetchKeys = 4;  // kKeysAhead's distance (2-12 measured alike on the Xeon; 0.83-0.88x)
 
-// Whether decode prefetches K/V kPrefetchKeys keys ahead (`attend_query`): on Intel CPUs. On the Xeon a
-// decode step's attention streams its cache from DRAM and took 0.85x the time in fp32 and 0.76x in bf16
-// with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/decode_attention.py), most of it from
-// reading each value vector while the scores are formed rather than after. On an AMD EPYC Zen 4,
-// prefetching the next 32-128 keys was 7-15% slower, and this form has not run there: AMD CPUs keep the
-// hardware's prefetch alone. `set_decode_prefetch` turns it on or off for benchmarks (the values are the
-// same either way).
+DecodePrefetch decode_prefetch_form() {
+  static const DecodePrefetch form = cpu_vendor() == CpuVendor::kIntel ? DecodePrefetch::kKeysAhead : DecodePrefetch::kBlockAhead;
+  return form;
+}
+
+// On where it was measured to pay: Intel CPUs, and AMD ones running the eight-key scores (AVX2 builds; an
+// AVX-512 AMD CPU, a Zen 4, keeps the hardware's prefetch alone, as measured there).
 std::atomic<bool>& decode_prefetch() {
-  static std::atomic<bool> on{cpu_vendor() == CpuVendor::kIntel};
+  static std::atomic<bool> on{cpu_vendor() == CpuVendor::kIntel || (cpu_vendor() == CpuVendor::kAmd && kEightScoresAtOnce)};
   return on;
 }
 
-// One key's K and V vectors into L1 (a hint: no value depends on it).
+// `bytes` from p into L1 (T0) or L2 (T1), one line at a time.
+template <int kHint>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t byte = 0; byte < bytes; byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, static_cast<_mm_hint>(kHint));
+}
+
+// Decode's prefetch while the first head scores key `j` of `count` (block of kBlockKeys from `first`).
 template <int C, typename KV>
-inline void prefetch_key(const KV* key, const KV* value) {
-  for (int64_t byte = 0; byte < static_cast<int64_t>(16 * C * sizeof(KV)); byte += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(key) + byte, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(value) + byte, _MM_HINT_T0);
+inline void prefetch_for_key(DecodePrefetch form, const KV* const* keys, const KV* const* values, int64_t first,
+                             int64_t j, int64_t count) {
+  constexpr int64_t kBytes = 16 * C * sizeof(KV);
+  const int64_t key = first + j;
+  if (form == DecodePrefetch::kKeysAhead) {
+    if (key + kPrefetchKeys < count) {
+      prefetch_lines<_MM_HINT_T0>(keys[key + kPrefetchKeys], kBytes);
+      prefetch_lines<_MM_HINT_T0>(values[key + kPrefetchKeys], kBytes);
+    }
+    return;
   }
+  prefetch_lines<_MM_HINT_T0>(values[key], kBytes);
+  if (key + kBlockKeys < count) prefetch_lines<_MM_HINT_T1>(keys[key + kBlockKeys], kBytes);
 }
 
 // One query's group of heads over its keys; q [group][16 C] fp32 in, out [group][16 C] fp32 (normalized);
@@ -401,6 +460,7 @@ template <int C, typename KV>
 void attend_query(const float* q, int64_t group, const KV* const* keys, const KV* const* values,
                   int64_t count, float scale, float* out) {
   const bool prefetch_ahead = decode_prefetch().load(std::memory_order_relaxed);
+  const DecodePrefetch form = decode_prefetch_form();
   HeadState<C> heads[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) heads[g].reset();
   PendingRows<C, KV> pending;
@@ -412,14 +472,22 @@ void attend_query(const float* q, int64_t group, const KV* const* keys, const KV
       for (int c = 0; c < C; ++c) qv[c] = load16(q + g * 16 * C + 16 * c);
       float* scores = pending.next_scores();
       const bool prefetch = prefetch_ahead && g == 0;  // the first head's pass brings the block in
-      for (int64_t j = 0; j < n; ++j) {
+      const auto dot_of = [&](int64_t j) {  // key first + j's 16 lane sums
+        if (prefetch) prefetch_for_key<C>(form, keys, values, first, j, count);
         const KV* k = keys[first + j];
-        if (prefetch && first + j + kPrefetchKeys < count)
-          prefetch_key<C>(keys[first + j + kPrefetchKeys], values[first + j + kPrefetchKeys]);
         Lanes dot = qv[0] * load16(k);
         for (int c = 1; c < C; ++c) dot = fmadd(qv[c], load16(k + 16 * c), dot);
-        scores[j] = sum_lanes(dot) * scale;
+        return dot;
+      };
+      int64_t j = 0;
+      if constexpr (kEightScoresAtOnce) {
+        for (; j + 8 <= n; j += 8) {  // eight keys' trees at once (scores is 64-byte aligned)
+          __m256 folded[8];
+          for (int t = 0; t < 8; ++t) folded[t] = fold_halves_add(dot_of(j + t));
+          _mm256_store_ps(scores + j, _mm256_mul_ps(sum_lanes8(folded), _mm256_set1_ps(scale)));
+        }
       }
+      for (; j < n; ++j) scores[j] = sum_lanes(dot_of(j)) * scale;
       pending.add(n, softmax_block<C>(scores, n, first == 0, heads[g]), &heads[g]);
     }
     pending.flush();

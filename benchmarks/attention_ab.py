@@ -1,0 +1,95 @@
+"""Decode attention, this tree's kernel against a git revision's, interleaved in one process.
+
+    taskset -c 0 python benchmarks/attention_ab.py --baseline HEAD --out results/attention_ab.json
+
+On this VM the same code runs up to 25% faster or slower from one process to the next, so two builds
+timed in separate processes cannot be told apart by a few percent. Here the revision's
+`invariant_attention.cpp` (and the header it includes) is built beside this tree's, under its own
+operator namespace, and both run the same decode step's caches in turn (`decode_attention.py`'s layout:
+bench-qwen2's heads, `--layers` layers, a 64 MB write before every timed call so the cache comes from
+DRAM), each build with its own default choices for this CPU. The outputs must be bitwise equal (no
+change to the kernel may change a value). Medians, ratios this tree / baseline, raw samples to JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from decode_attention import HEAD_DIM, decode_layers
+from interleave import interleaved
+
+from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, load_invariant_kernels
+
+CSRC = "src/autobucket/engine/kernels/csrc"
+NAMESPACE = "autobucket_baseline"
+
+
+def build_baseline(revision: str) -> None:
+    """The revision's attention source under the operator namespace `autobucket_baseline`."""
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    commit = subprocess.check_output(["git", "rev-parse", revision], cwd=root, text=True).strip()
+    folder = Path(tempfile.mkdtemp(prefix="attention_ab_"))
+    for name in ("invariant_attention.cpp", "cpu_vendor.h"):
+        text = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, text=True)
+        if name.endswith(".cpp"):  # TORCH_LIBRARY(autobucket, m), TORCH_LIBRARY_IMPL(autobucket, CPU, m), ...
+            text = re.sub(r"(TORCH_LIBRARY(?:_IMPL)?\()autobucket\b", rf"\g<1>{NAMESPACE}", text)
+        (folder / name).write_text(text)
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=f"attention_ab_{commit[:12]}", sources=[str(folder / "invariant_attention.cpp")],
+                       extra_cflags=BUILD_FLAGS, is_python_module=False, verbose=False)  # fmt: skip
+
+
+def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: int) -> dict:
+    cache = decode_layers(rows, context, layers, dtype)
+    ops = {
+        "tree": torch.ops.autobucket.invariant_attention,
+        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention,
+    }
+
+    def attend(op):
+        return lambda: [op(q, k, v, a, False, HEAD_DIM**-0.5) for q, k, v, a in cache]
+
+    functions = {name: attend(op) for name, op in ops.items()}
+    equal = all(torch.equal(a, b) for a, b in zip(functions["tree"](), functions["baseline"](), strict=True))
+    flush = torch.empty(64 << 20, dtype=torch.uint8)
+    samples = interleaved(functions, repeats, before=lambda: flush.fill_(1))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"rows": rows, "context": context, "layers": layers, "dtype": str(dtype).removeprefix("torch."),
+            "medians_ms": medians, "samples_ms": samples, "bitwise_equal": equal,
+            "ratio_tree_to_baseline": medians["tree"] / medians["baseline"]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision to compare against (default HEAD)")
+    parser.add_argument("--shapes", default="32x512,64x800", help="rows x context, comma-separated")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--out", default="results/attention_ab.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_invariant_kernels()
+    build_baseline(args.baseline)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in args.shapes.split(","):
+            rows, context = (int(part) for part in shape.split("x"))
+            result = measure(rows, context, args.layers, dtype, args.repeats)
+            results.append(result)
+            m = result["medians_ms"]
+            print(f"{result['dtype']} rows {rows} context {context}: tree {m['tree']:.2f} ms, baseline "
+                  f"{m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
+                  f"{result['bitwise_equal']}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"baseline": args.baseline, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
