@@ -4,7 +4,8 @@
 
 bench-qwen2, fp32, one thread. `grpo`: 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1 (the
 GRPO-like call of benchmarks/shared_decode.py); `sharegpt`: 32 ShareGPT-like prompts, 16 greedy new
-tokens (the prefill-heavy workload of bench-peers). One warm-up call, `--repeats` timed calls without
+tokens (the prefill-heavy workload of bench-peers); `short_tail`: bench-peers' 1 x 20 + 31 x 1 tokens,
+16 greedy new tokens (decode-bound at tiny contexts). One warm-up call, `--repeats` timed calls without
 the profiler (their medians are the call's time), then one call under `torch.profiler`: its top
 operators by self time, with each one's share. Writes the call times, the engine's profile and the
 operator table to JSON. Not a contest: it tells which kernel to work on next."""
@@ -30,8 +31,12 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], SamplingConfig]:
     if name == "grpo":
         prompts = random_prompts(sharegpt_like_lengths(8, seed=1), vocab, seed=1)
         return prompts, SamplingConfig(max_new_tokens=64, eos_token_id=[], n=8, temperature=1.0, seed=0)
-    prompts = random_prompts(sharegpt_like_lengths(32, seed=0), vocab, seed=0)
+    lengths = sharegpt_like_lengths(32, seed=0) if name == "sharegpt" else SHORT_TAIL
+    prompts = random_prompts(lengths, vocab, seed=0)
     return prompts, SamplingConfig(max_new_tokens=16, continuous_batch_size=32, eos_token_id=[])
+
+
+SHORT_TAIL = (20,) + (1,) * 31  # bench-peers' decode-bound workload: 32 rows, contexts of 2-36 keys
 
 
 def top_operators(prof, count: int) -> list[dict]:
@@ -43,7 +48,7 @@ def top_operators(prof, count: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("grpo", "sharegpt"), default="grpo")
+    parser.add_argument("--workload", choices=("grpo", "sharegpt", "short_tail"), default="grpo")
     parser.add_argument("--kernels", choices=("invariant", "hf"), default="invariant")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)

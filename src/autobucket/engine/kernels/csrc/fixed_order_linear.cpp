@@ -74,6 +74,7 @@ constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
 // (Xeon, interleaved, from 33 against from 65 rows: bench-qwen2's head at 64 rows 0.88x the time, 48 rows
 // 0.95x, 33-40 and 96-120 rows within 1-2%; at 13-32 rows pairs were 2-5% slower than 12-row tiles)
+constexpr int64_t kSmallWeightBytes = int64_t{8} << 20;  // weights this small skip the next-slice prefetch on AMD (below)
 constexpr int64_t kStagedStride = 80;  // floats per row of a block's staged outputs (>= 64; not a multiple of 4 KB)
 
 // Prefetches of the next panel slice into L2, spread evenly over a tile's k steps. In a call of one row
@@ -315,6 +316,12 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   // unstaged, 129 staged; oneDNN 151), so only AMD stages. A decode step's few rows store directly
   // (staging cost a head 5%). Staged or not, every output is the same chain: the choice changes no value.
   const bool staged = stage_aliased_rows && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
+  // The next panel's slice is prefetched (SpreadPrefetch) except on AMD CPUs for weights of at most
+  // kSmallWeightBytes, where the hardware's own prefetch did better: on a Zen 3, interleaved, with the
+  // weights from DRAM, no software prefetch took 0.80-0.93x the time on 0.5-1.5 MB layers at 8-64 rows
+  // (bench-qwen2's and SmolLM2's projections; 0.75-0.95x with the weights in L3), while the 33 and 113
+  // MB heads took 1.03-1.20x without it. Intel CPUs keep it everywhere (measured to pay from L3 there).
+  const bool prefetch_next = cpu_vendor() != CpuVendor::kAmd || panels.numel() * static_cast<int64_t>(sizeof(float)) > kSmallWeightBytes;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
     for (int64_t block = 0; block < count; block += kRowBlock) {
@@ -330,7 +337,7 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
           const int64_t depth = std::min(kDepth, in_features - k0);
           const bool first = k0 == 0, last = k0 + depth == in_features;
           const float* slice = panel_data + (p * in_features + k0) * kPanel;
-          const float* next_slice = p + width < end_panel ? slice + width * in_features * kPanel : nullptr;
+          const float* next_slice = prefetch_next && p + width < end_panel ? slice + width * in_features * kPanel : nullptr;
           const float* bias_slice = last && bias_data != nullptr ? bias_data + p * kPanel : nullptr;
           // the next pass's slice (`width` panels of `depth` x 32 floats, two lines a panel's k step),
           // each tile of the block fetching its rows' share of the lines
