@@ -6,8 +6,9 @@ One query per row over a static cache ([rows, kv_heads, columns, head_dim], benc
 heads over 2 K/V heads of 64), `--layers` layers' caches in turn, as a decode step reads them; fp32 and
 bf16. A 64 MB write runs before every timed call, so the cache comes from DRAM, as it does in a step
 whose weights have just streamed through. The two contenders are the same kernel with its decode
-prefetch on and off (`torch.ops.autobucket.set_decode_prefetch`); the benchmark checks that their
-outputs are bitwise equal. Interleaved repeats after a warm-up; medians, the cache's read rate, ratios;
+prefetch on and off (`torch.ops.autobucket.set_decode_prefetch`; the form is this CPU's: keys ahead on
+Intel, a block ahead on AVX2 AMD CPUs); the benchmark checks that their outputs are bitwise equal. To
+compare two versions of the kernel instead, use `attention_ab.py`. Interleaved repeats after a warm-up; medians, the cache's read rate, ratios;
 raw samples to JSON."""
 
 from __future__ import annotations
