@@ -7,7 +7,8 @@ timed in separate processes cannot be told apart by a few percent. Here the revi
 `invariant_attention.cpp` (and the header it includes) is built beside this tree's, under its own
 operator namespace, and both run the same decode step's caches in turn (`decode_attention.py`'s layout:
 bench-qwen2's heads, `--layers` layers, a 64 MB write before every timed call so the cache comes from
-DRAM), each build with its own default choices for this CPU. The outputs must be bitwise equal (no
+DRAM), each build with its own default choices for this CPU; and a GRPO-like step's cascade decode
+(64 rows reading 8 prompts' shared K/V, then 32 columns of their own). The outputs must be bitwise equal (no
 change to the kernel may change a value). Medians, ratios this tree / baseline, raw samples to JSON."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from decode_attention import HEAD_DIM, decode_layers
+from decode_attention import HEAD_DIM, HEADS, KV_HEADS, decode_layers
 from interleave import interleaved
 
 from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, load_invariant_kernels
@@ -66,6 +67,51 @@ def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: i
             "ratio_tree_to_baseline": medians["tree"] / medians["baseline"]}  # fmt: skip
 
 
+# A GRPO-like step's cascade: 8 prompts (one round of benchmarks/shared_decode.py's lengths) x 8 samples, each
+# sample 32 tokens into its completion
+CASCADE_PROMPTS, CASCADE_SAMPLES, CASCADE_OWN = (459, 246, 856, 690, 179, 845, 108, 202), 8, 32
+
+
+def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
+    """Cascade decode (`invariant_attention_shared`): each row reads its prompt's one shared copy of K/V,
+    then its own columns."""
+    generator = torch.Generator().manual_seed(len(CASCADE_PROMPTS))
+    groups, longest = len(CASCADE_PROMPTS), max(CASCADE_PROMPTS)
+    rows = groups * CASCADE_SAMPLES
+    lengths = torch.tensor(CASCADE_PROMPTS)
+    row_group = torch.arange(groups).repeat_interleave(CASCADE_SAMPLES)
+    steps = []
+    for _ in range(layers):
+        shared_key, shared_value = (
+            torch.randn(groups, KV_HEADS, longest, HEAD_DIM, generator=generator).to(dtype) for _ in range(2)
+        )
+        key, value = (
+            torch.randn(rows, KV_HEADS, CASCADE_OWN, HEAD_DIM, generator=generator).to(dtype)
+            for _ in range(2)
+        )
+        query = torch.randn(rows, HEADS, 1, HEAD_DIM, generator=generator).to(dtype)
+        allowed = torch.ones(rows, 1, CASCADE_OWN, dtype=torch.bool)
+        steps.append((query, key, value, allowed, shared_key, shared_value))
+    ops = {
+        "tree": torch.ops.autobucket.invariant_attention_shared,
+        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention_shared,
+    }
+
+    def attend(op):
+        return lambda: [
+            op(q, k, v, a, HEAD_DIM**-0.5, sk, sv, lengths, row_group) for q, k, v, a, sk, sv in steps
+        ]
+
+    functions = {name: attend(op) for name, op in ops.items()}
+    equal = all(torch.equal(a, b) for a, b in zip(functions["tree"](), functions["baseline"](), strict=True))
+    flush = torch.empty(64 << 20, dtype=torch.uint8)
+    samples = interleaved(functions, repeats, before=lambda: flush.fill_(1))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"rows": rows, "cascade_prompts": list(CASCADE_PROMPTS), "own": CASCADE_OWN, "layers": layers,
+            "dtype": str(dtype).removeprefix("torch."), "medians_ms": medians, "samples_ms": samples,
+            "bitwise_equal": equal, "ratio_tree_to_baseline": medians["tree"] / medians["baseline"]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="HEAD", help="git revision to compare against (default HEAD)")
@@ -79,6 +125,12 @@ def main() -> None:
     build_baseline(args.baseline)
     results = []
     for dtype in (torch.float32, torch.bfloat16):
+        result = measure_cascade(args.layers, dtype, args.repeats)
+        results.append(result)
+        m = result["medians_ms"]
+        print(f"{result['dtype']} cascade, {result['rows']} rows over 8 shared prompts: tree {m['tree']:.2f} ms, "
+              f"baseline {m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
+              f"{result['bitwise_equal']}")  # fmt: skip
         for shape in args.shapes.split(","):
             rows, context = (int(part) for part in shape.split("x"))
             result = measure(rows, context, args.layers, dtype, args.repeats)

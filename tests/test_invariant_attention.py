@@ -24,6 +24,7 @@ from conftest import ARCHS, random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.kernels.invariant_attention import (
     invariant_attention,
+    invariant_attention_shared,
     invariant_sdpa,
     load_invariant_kernels,
 )
@@ -229,6 +230,51 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
         assert not together[1, :30].any()
     differing = (together != alone).flatten(2).any(-1).nonzero().tolist()
     assert differing == [], f"(row, query) pairs that differ: {differing[:8]}"
+
+
+# (shared length, rows in the group): whole blocks and a tail, one block exactly, under one block, a group of
+# more rows than the kernel's query tile (16), and a group of one
+SHARED_GROUPS = ((150, 3), (64, 2), (40, 2), (70, 17), (200, 1))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("dim", (64, 40), ids=("vector 64", "portable 40"))
+def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim):
+    """Cascade decode (`invariant_attention_shared`): rows reading a group's shared prompt keys, then their
+    own columns (right-aligned, of different lengths), several rows to a group. The oracle is each row
+    holding [prompt | own keys] in its own cache row, in a call of its own, bitwise; rows without a group
+    ride along, and one of them is checked against SDPA."""
+    load_invariant_kernels()
+    generator = torch.Generator().manual_seed(dim)
+    heads, kv_heads, own = 6, 2, 23
+    longest = max(length for length, _ in SHARED_GROUPS)
+    shared_key, shared_value = (
+        torch.randn(len(SHARED_GROUPS), kv_heads, longest, dim, generator=generator).to(dtype) for _ in range(2)
+    )
+    shared_length = torch.tensor([length for length, _ in SHARED_GROUPS])
+    row_group = torch.tensor([g for g, (_, count) in enumerate(SHARED_GROUPS) for _ in range(count)] + [-1, -1])
+    rows = row_group.numel()
+    query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(rows, kv_heads, own, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
+    for row in range(rows):  # rows of different lengths, right-aligned, as in the static cache
+        mask[row, :, :, : row % 5] = False
+    scale = dim**-0.5
+    with torch.inference_mode():
+        together = invariant_attention_shared(
+            query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group
+        )
+        for row in range(rows):
+            group = int(row_group[row])
+            length = int(shared_length[group]) if group >= 0 else 0  # no group: an empty prompt
+            columns = mask[row, 0, 0].nonzero().flatten()
+            whole_key = torch.cat([shared_key[max(group, 0), :, :length], key[row][:, columns]], 1)
+            whole_value = torch.cat([shared_value[max(group, 0), :, :length], value[row][:, columns]], 1)
+            alone = invariant_attention(query[row : row + 1], whole_key[None], whole_value[None], None, scale, False)
+            assert torch.equal(together[row : row + 1], alone), f"row {row} (group {group}) differs"
+    want = sdpa(query[-1:].float(), key[-1:].float(), value[-1:].float(), mask[-1:], False)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
+    torch.testing.assert_close(together[-1:].float(), want, **tolerance)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
