@@ -246,9 +246,9 @@ inline float exp_nonpositive_scalar(float x) { return first_lane(exp_nonpositive
 
 // Whether decode forms its scores eight keys at a time (sum_lanes8) rather than key by key; the same bits.
 // AVX2 builds: on a Zen 3, with the block-ahead prefetch below and interleaved in one process against the
-// per-key form without it, 0.93-0.97x the attention's time in fp32 and 0.96-0.98x in bf16 (either change
-// alone was level or slower: the eight-key form 1.05x, the prefetch 0.99-1.06x). AVX-512 builds keep the
-// per-key form they were measured with (not measured there).
+// per-key form without it (benchmarks/attention_ab.py), 0.93-0.98x the attention's time in fp32 and
+// 0.96-0.99x in bf16 (either change alone was level or slower: the eight-key form 1.05x, the prefetch
+// 0.99-1.06x). AVX-512 builds keep the per-key form they were measured with (not measured there).
 #if defined(__AVX512F__)
 constexpr bool kEightScoresAtOnce = false;
 #else
@@ -413,8 +413,8 @@ inline void write_normalized(const HeadState<C>& head, int64_t count, float* out
 //   the time in both dtypes (32 rows x 512 keys, 4 layers). Keys a few ahead into L1 (the Intel form)
 //   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 a session earlier (per-key scores),
 //   and on a Zen 4 the next 32-128 keys into L1 were 7-15% slower; a block ahead into L2 does not compete
-//   with the block in use in L1.
-//   With the per-key scores it was level (0.99-1.06x), so it pays beside the eight-key form only.
+//   with the block in use in L1. Beside the per-key scores the block-ahead form was level (0.99-1.06x),
+//   so it runs beside the eight-key form only.
 // `set_decode_prefetch` turns it off or on for benchmarks.
 enum class DecodePrefetch { kKeysAhead, kBlockAhead };
 constexpr int64_t kPrefetchKeys = 4;  // kKeysAhead's distance (2-12 measured alike on the Xeon; 0.83-0.88x)
