@@ -15,36 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from decode_attention import HEAD_DIM, HEADS, KV_HEADS, decode_layers
-from interleave import interleaved
+from revision_ab import build_revision_kernel, tree_against_baseline
 
-from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, load_invariant_kernels
+from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 
-CSRC = "src/autobucket/engine/kernels/csrc"
 NAMESPACE = "autobucket_baseline"
 
 
-def build_baseline(revision: str) -> None:
-    """The revision's attention source under the operator namespace `autobucket_baseline`."""
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    commit = subprocess.check_output(["git", "rev-parse", revision], cwd=root, text=True).strip()
-    folder = Path(tempfile.mkdtemp(prefix="attention_ab_"))
-    for name in ("invariant_attention.cpp", "cpu_vendor.h"):
-        text = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, text=True)
-        if name.endswith(".cpp"):  # TORCH_LIBRARY(autobucket, m), TORCH_LIBRARY_IMPL(autobucket, CPU, m), ...
-            text = re.sub(r"(TORCH_LIBRARY(?:_IMPL)?\()autobucket\b", rf"\g<1>{NAMESPACE}", text)
-        (folder / name).write_text(text)
-    from torch.utils import cpp_extension
+_FLUSH = torch.empty(64 << 20, dtype=torch.uint8)
 
-    cpp_extension.load(name=f"attention_ab_{commit[:12]}", sources=[str(folder / "invariant_attention.cpp")],
-                       extra_cflags=BUILD_FLAGS, is_python_module=False, verbose=False)  # fmt: skip
+
+def flush_dram() -> None:
+    """A 64 MB write, so the next call finds its cache in DRAM, as a step after the weights' stream does."""
+    _FLUSH.fill_(1)
 
 
 def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: int) -> dict:
@@ -57,14 +44,11 @@ def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: i
     def attend(op):
         return lambda: [op(q, k, v, a, False, HEAD_DIM**-0.5) for q, k, v, a in cache]
 
-    functions = {name: attend(op) for name, op in ops.items()}
-    equal = all(torch.equal(a, b) for a, b in zip(functions["tree"](), functions["baseline"](), strict=True))
-    flush = torch.empty(64 << 20, dtype=torch.uint8)
-    samples = interleaved(functions, repeats, before=lambda: flush.fill_(1))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    compared = tree_against_baseline(
+        {name: attend(op) for name, op in ops.items()}, repeats, before=flush_dram
+    )
     return {"rows": rows, "context": context, "layers": layers, "dtype": str(dtype).removeprefix("torch."),
-            "medians_ms": medians, "samples_ms": samples, "bitwise_equal": equal,
-            "ratio_tree_to_baseline": medians["tree"] / medians["baseline"]}  # fmt: skip
+            **compared}  # fmt: skip
 
 
 # A GRPO-like step's cascade: 8 prompts (one round of benchmarks/shared_decode.py's lengths) x 8 samples, each
@@ -102,14 +86,11 @@ def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
             op(q, k, v, a, HEAD_DIM**-0.5, sk, sv, lengths, row_group) for q, k, v, a, sk, sv in steps
         ]
 
-    functions = {name: attend(op) for name, op in ops.items()}
-    equal = all(torch.equal(a, b) for a, b in zip(functions["tree"](), functions["baseline"](), strict=True))
-    flush = torch.empty(64 << 20, dtype=torch.uint8)
-    samples = interleaved(functions, repeats, before=lambda: flush.fill_(1))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    compared = tree_against_baseline(
+        {name: attend(op) for name, op in ops.items()}, repeats, before=flush_dram
+    )
     return {"rows": rows, "cascade_prompts": list(CASCADE_PROMPTS), "own": CASCADE_OWN, "layers": layers,
-            "dtype": str(dtype).removeprefix("torch."), "medians_ms": medians, "samples_ms": samples,
-            "bitwise_equal": equal, "ratio_tree_to_baseline": medians["tree"] / medians["baseline"]}  # fmt: skip
+            "dtype": str(dtype).removeprefix("torch."), **compared}  # fmt: skip
 
 
 def main() -> None:
@@ -122,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_invariant_kernels()
-    build_baseline(args.baseline)
+    build_revision_kernel(args.baseline, "invariant_attention.cpp", NAMESPACE)
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         result = measure_cascade(args.layers, dtype, args.repeats)

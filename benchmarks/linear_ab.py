@@ -17,50 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from decode_step import filled_runner, step_at_context
-from interleave import interleaved
+from revision_ab import build_revision_kernel, tree_against_baseline
 
 from autobucket.engine.kernels import kernel_decode
 from autobucket.engine.kernels.elementwise import fused_elementwise
-from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, load_invariant_kernels
+from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears, fixed_order_op, fixed_order_panels
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.models import build_tiny_model
 
-CSRC = "src/autobucket/engine/kernels/csrc"
 NAMESPACE = "autobucket_linear_baseline"
 # (in_features, out_features): bench-qwen2's q/o, k/v, gate/up, down and head; SmolLM2's gate/up and down
 SHAPES = [(256, 256), (256, 128), (256, 1024), (1024, 256), (256, 32000), (576, 1536), (1536, 576)]
-
-
-def build_baseline(revision: str):
-    """The revision's fixed-order linear op, under the operator namespace NAMESPACE."""
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    commit = subprocess.check_output(["git", "rev-parse", revision], cwd=root, text=True).strip()
-    folder = Path(tempfile.mkdtemp(prefix="linear_ab_"))
-    for name in ("fixed_order_linear.cpp", "cpu_vendor.h"):
-        text = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, text=True)
-        if name.endswith(".cpp"):  # TORCH_LIBRARY_FRAGMENT(autobucket, m) -> its own library
-            text = re.sub(r"TORCH_LIBRARY_FRAGMENT\(autobucket\b", f"TORCH_LIBRARY({NAMESPACE}", text)
-            text = re.sub(r"TORCH_LIBRARY_IMPL\(autobucket\b", f"TORCH_LIBRARY_IMPL({NAMESPACE}", text)
-        (folder / name).write_text(text)
-    from torch.utils import cpp_extension
-
-    cpp_extension.load(name=f"linear_ab_{commit[:12]}", sources=[str(folder / "fixed_order_linear.cpp")],
-                       extra_cflags=BUILD_FLAGS, is_python_module=False, verbose=False)  # fmt: skip
-    return getattr(torch.ops, NAMESPACE).fixed_order_linear
-
-
-def ratio_of(samples: dict[str, list[float]]) -> tuple[dict[str, float], float]:
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    return medians, medians["tree"] / medians["baseline"]
 
 
 def op_results(ops: dict, rows_list: list[int], repeats: int) -> list[dict]:
@@ -73,16 +45,15 @@ def op_results(ops: dict, rows_list: list[int], repeats: int) -> list[dict]:
             x = torch.randn(rows, in_features)
             call = (x, panels, bias, out_features)
             functions = {name: (lambda op=op, call=call: op(*call)) for name, op in ops.items()}
-            equal = torch.equal(functions["tree"](), functions["baseline"]())
             for cache in ("warm", "cold"):
                 before = (lambda: flush.fill_(1)) if cache == "cold" else None
-                medians, ratio = ratio_of(interleaved(functions, repeats, before=before))
-                gflop = 2 * rows * in_features * out_features / 1e9
-                results.append({"shape": [rows, in_features, out_features], "cache": cache, "medians_ms": medians,
-                                "ratio_tree_to_baseline": ratio, "bitwise_equal": equal,
+                compared = tree_against_baseline(functions, repeats, before=before)
+                medians, gflop = compared["medians_ms"], 2 * rows * in_features * out_features / 1e9
+                results.append({"shape": [rows, in_features, out_features], "cache": cache, **compared,
                                 "gflops": {n: gflop / (ms / 1e3) for n, ms in medians.items()}})  # fmt: skip
                 print(f"{rows} x {in_features} x {out_features} {cache}: tree {medians['tree']:.3f} ms, baseline "
-                      f"{medians['baseline']:.3f} ms, ratio {ratio:.3f}; bitwise equal {equal}")  # fmt: skip
+                      f"{medians['baseline']:.3f} ms, ratio {compared['ratio_tree_to_baseline']:.3f}; bitwise equal "
+                      f"{compared['bitwise_equal']}")  # fmt: skip
     return results
 
 
@@ -92,25 +63,29 @@ def step_result(ops: dict, rows: int, context: int, repeats: int) -> dict:
     runner = filled_runner(model, rows, context, None)
     packs = PackedLinears(fuse=True)
 
-    def step(op):
+    used: set[str] = set()  # builds whose linears a kernel step took (the direct step would take neither)
+
+    def step(name, op):
+        def linear_op():
+            used.add(name)
+            return op
+
         def run():
-            kernel_decode.fixed_order_op = lambda: op  # the kernel step's linears on this build
+            kernel_decode.fixed_order_op = linear_op  # the kernel step's linears on this build
             with invariant_kernels(packs), fused_elementwise(model):
                 return step_at_context(runner)
 
         return run
 
-    functions = {name: step(op) for name, op in ops.items()}
     try:
-        equal = torch.equal(functions["tree"](), functions["baseline"]())
-        assert runner.kernel_step is not None, "the kernel decode step did not run: nothing to compare"
-        medians, ratio = ratio_of(samples := interleaved(functions, repeats))
+        compared = tree_against_baseline({name: step(name, op) for name, op in ops.items()}, repeats)
     finally:
         kernel_decode.fixed_order_op = fixed_order_op
+    assert used == set(ops), "the kernel decode step did not run: nothing was compared"
+    medians = compared["medians_ms"]
     print(f"decode step {rows} x {context}: tree {medians['tree']:.2f} ms, baseline {medians['baseline']:.2f} ms, "
-          f"ratio {ratio:.3f}; bitwise equal {equal}")  # fmt: skip
-    return {"rows": rows, "context": context, "medians_ms": medians, "samples_ms": samples,
-            "ratio_tree_to_baseline": ratio, "bitwise_equal": equal}  # fmt: skip
+          f"ratio {compared['ratio_tree_to_baseline']:.3f}; bitwise equal {compared['bitwise_equal']}")  # fmt: skip
+    return {"rows": rows, "context": context, **compared}
 
 
 def main() -> None:
@@ -127,7 +102,8 @@ def main() -> None:
     tree = fixed_order_op()
     if tree is None:
         raise SystemExit("this CPU's kernel library has no vector fixed-order linear: nothing to compare")
-    ops = {"tree": tree, "baseline": build_baseline(args.baseline)}
+    build_revision_kernel(args.baseline, "fixed_order_linear.cpp", NAMESPACE)
+    ops = {"tree": tree, "baseline": getattr(torch.ops, NAMESPACE).fixed_order_linear}
     record = {"baseline": args.baseline, "step": step_result(ops, args.rows, args.context, 3 * args.repeats)}
     record["ops"] = op_results(ops, [int(r) for r in args.op_rows.split(",")], args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
