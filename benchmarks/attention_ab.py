@@ -1,4 +1,4 @@
-"""Decode attention, this tree's kernel against a git revision's, interleaved in one process.
+"""Decode and prefill attention, this tree's kernel against a git revision's, interleaved in one process.
 
     taskset -c 0 python benchmarks/attention_ab.py --baseline HEAD --out results/attention_ab.json
 
@@ -7,9 +7,11 @@ timed in separate processes cannot be told apart by a few percent. Here the revi
 `invariant_attention.cpp` (and the header it includes) is built beside this tree's, under its own
 operator namespace, and both run the same decode step's caches in turn (`decode_attention.py`'s layout:
 bench-qwen2's heads, `--layers` layers, a 64 MB write before every timed call so the cache comes from
-DRAM), each build with its own default choices for this CPU; and a GRPO-like step's cascade decode
-(64 rows reading 8 prompts' shared K/V, then 32 columns of their own). The outputs must be bitwise equal (no
-change to the kernel may change a value). Medians, ratios this tree / baseline, raw samples to JSON."""
+DRAM), each build with its own default choices for this CPU; a GRPO-like step's cascade decode
+(64 rows reading 8 prompts' shared K/V, then 32 columns of their own); and the prefill of bench-peers'
+spread workload (32 causal prompts of 16, 32, ..., 512 tokens, one call each, one layer: what Auto's
+bucketed route runs per layer). The outputs must be bitwise equal (no change to the kernel may change a
+value). Medians, ratios this tree / baseline, raw samples to JSON."""
 
 from __future__ import annotations
 
@@ -93,6 +95,30 @@ def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
             "dtype": str(dtype).removeprefix("torch."), **compared}  # fmt: skip
 
 
+SPREAD_LENGTHS = tuple(range(16, 513, 16))
+
+
+def measure_spread_prefill(dtype: torch.dtype, repeats: int) -> dict:
+    """Prefill attention (`invariant_attention`, causal, no mask): one call per prompt of the spread."""
+    generator = torch.Generator().manual_seed(len(SPREAD_LENGTHS))
+    prompts = [
+        tuple(torch.randn(1, heads, length, HEAD_DIM, generator=generator).to(dtype)
+              for heads in (HEADS, KV_HEADS, KV_HEADS))
+        for length in SPREAD_LENGTHS
+    ]  # fmt: skip
+    none = torch.empty(0, dtype=torch.bool)
+    ops = {
+        "tree": torch.ops.autobucket.invariant_attention,
+        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention,
+    }
+
+    def attend(op):
+        return lambda: [op(q, k, v, none, True, HEAD_DIM**-0.5) for q, k, v in prompts]
+
+    compared = tree_against_baseline({name: attend(op) for name, op in ops.items()}, repeats)
+    return {"prefill_lengths": list(SPREAD_LENGTHS), "dtype": str(dtype).removeprefix("torch."), **compared}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="HEAD", help="git revision to compare against (default HEAD)")
@@ -106,6 +132,12 @@ def main() -> None:
     build_revision_kernel(args.baseline, "invariant_attention.cpp", NAMESPACE)
     results = []
     for dtype in (torch.float32, torch.bfloat16):
+        result = measure_spread_prefill(dtype, args.repeats)
+        results.append(result)
+        m = result["medians_ms"]
+        print(f"{result['dtype']} spread prefill, 32 prompts of 16-512 tokens: tree {m['tree']:.2f} ms, baseline "
+              f"{m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
+              f"{result['bitwise_equal']}")  # fmt: skip
         result = measure_cascade(args.layers, dtype, args.repeats)
         results.append(result)
         m = result["medians_ms"]
