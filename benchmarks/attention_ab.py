@@ -36,12 +36,23 @@ def flush_dram() -> None:
     _FLUSH.fill_(1)
 
 
+def both_builds(op_name: str) -> dict:
+    """{"tree", "baseline"}: the operator `op_name` of this tree's library and of the revision's build."""
+    return {
+        "tree": getattr(torch.ops.autobucket, op_name),
+        "baseline": getattr(getattr(torch.ops, NAMESPACE), op_name),
+    }
+
+
+def report(label: str, result: dict) -> None:
+    m = result["medians_ms"]
+    print(f"{result['dtype']} {label}: tree {m['tree']:.2f} ms, baseline {m['baseline']:.2f} ms, ratio "
+          f"{result['ratio_tree_to_baseline']:.3f}; bitwise equal {result['bitwise_equal']}")  # fmt: skip
+
+
 def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: int) -> dict:
     cache = decode_layers(rows, context, layers, dtype)
-    ops = {
-        "tree": torch.ops.autobucket.invariant_attention,
-        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention,
-    }
+    ops = both_builds("invariant_attention")
 
     def attend(op):
         return lambda: [op(q, k, v, a, False, HEAD_DIM**-0.5) for q, k, v, a in cache]
@@ -78,10 +89,7 @@ def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
         query = torch.randn(rows, HEADS, 1, HEAD_DIM, generator=generator).to(dtype)
         allowed = torch.ones(rows, 1, CASCADE_OWN, dtype=torch.bool)
         steps.append((query, key, value, allowed, shared_key, shared_value))
-    ops = {
-        "tree": torch.ops.autobucket.invariant_attention_shared,
-        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention_shared,
-    }
+    ops = both_builds("invariant_attention_shared")
 
     def attend(op):
         return lambda: [
@@ -107,10 +115,7 @@ def measure_spread_prefill(dtype: torch.dtype, repeats: int) -> dict:
         for length in SPREAD_LENGTHS
     ]  # fmt: skip
     none = torch.empty(0, dtype=torch.bool)
-    ops = {
-        "tree": torch.ops.autobucket.invariant_attention,
-        "baseline": getattr(torch.ops, NAMESPACE).invariant_attention,
-    }
+    ops = both_builds("invariant_attention")
 
     def attend(op):
         return lambda: [op(q, k, v, none, True, HEAD_DIM**-0.5) for q, k, v in prompts]
@@ -133,25 +138,16 @@ def main() -> None:
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         result = measure_spread_prefill(dtype, args.repeats)
+        report("spread prefill, 32 prompts of 16-512 tokens", result)
         results.append(result)
-        m = result["medians_ms"]
-        print(f"{result['dtype']} spread prefill, 32 prompts of 16-512 tokens: tree {m['tree']:.2f} ms, baseline "
-              f"{m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
-              f"{result['bitwise_equal']}")  # fmt: skip
         result = measure_cascade(args.layers, dtype, args.repeats)
+        report(f"cascade, {result['rows']} rows over 8 shared prompts", result)
         results.append(result)
-        m = result["medians_ms"]
-        print(f"{result['dtype']} cascade, {result['rows']} rows over 8 shared prompts: tree {m['tree']:.2f} ms, "
-              f"baseline {m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
-              f"{result['bitwise_equal']}")  # fmt: skip
         for shape in args.shapes.split(","):
             rows, context = (int(part) for part in shape.split("x"))
             result = measure(rows, context, args.layers, dtype, args.repeats)
+            report(f"rows {rows} context {context}", result)
             results.append(result)
-            m = result["medians_ms"]
-            print(f"{result['dtype']} rows {rows} context {context}: tree {m['tree']:.2f} ms, baseline "
-                  f"{m['baseline']:.2f} ms, ratio {result['ratio_tree_to_baseline']:.3f}; bitwise equal "
-                  f"{result['bitwise_equal']}")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"baseline": args.baseline, "results": results}, indent=1))
 

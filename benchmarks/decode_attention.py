@@ -8,8 +8,8 @@ bf16. A 64 MB write runs before every timed call, so the cache comes from DRAM, 
 whose weights have just streamed through. The two contenders are the same kernel with its decode
 prefetch on and off (`torch.ops.autobucket.set_decode_prefetch`; the form is this CPU's: keys ahead on
 Intel, a block ahead on AVX2 AMD CPUs); the benchmark checks that their outputs are bitwise equal. To
-compare two versions of the kernel instead, use `attention_ab.py`. Interleaved repeats after a warm-up; medians, the cache's read rate, ratios;
-raw samples to JSON."""
+compare two versions of the kernel instead, use `attention_ab.py`. Interleaved repeats after a warm-up;
+medians, the cache's read rate, ratios; raw samples to JSON."""
 
 from __future__ import annotations
 
