@@ -154,9 +154,9 @@ def test_models_it_cannot_stand_in_for_get_their_own_forward(tiny_models):
 
 
 def test_a_transformers_release_it_was_not_checked_on_gets_the_models_forward(tiny_models, monkeypatch):
-    assert direct_decode.transformers_verified("4.57.6") and direct_decode.transformers_verified("5.24.0")
+    assert direct_decode.transformers_verified("4.57.6") and direct_decode.transformers_verified("5.25.0")
     assert direct_decode.transformers_verified("5.3.0.dev0")
-    assert not direct_decode.transformers_verified("5.25.0") and not direct_decode.transformers_verified("4.56.2")
+    assert not direct_decode.transformers_verified("5.26.0") and not direct_decode.transformers_verified("4.56.2")
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module the engine imports
     assert "checked on" in ineligible_reason(tiny_models("tiny-llama"))
 
