@@ -6,9 +6,10 @@
 //
 // The weight is packed once per version (packed_linear.py) as panels of 32 output columns,
 // [panels, K, 32]: one k step of a panel is two 16-float vectors. A tile of R rows x 32 columns keeps
-// 2R accumulators in registers and broadcasts each row's k-th input from the row itself (copying the
-// rows into [K][R] micro-panels first was slower on every shape: 140 vs 198 GFLOPS at 2,048 x 256 x
-// 128). Loops, outermost first: blocks of kRowBlock rows (in L2), panels (split across threads),
+// 2R accumulators in registers and broadcasts each row's k-th input from the row itself (AVX-512: copying
+// the rows into [K][R] micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x
+// 128; AVX2 calls of 65+ rows do copy them, where it paid: kPackRowsAbove). Loops, outermost first:
+// blocks of kRowBlock rows (in L2), panels (split across threads),
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
 // many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
 // that continues a slice reloads its partial sums from the output: an fp32 store and load are exact, so
@@ -70,6 +71,14 @@ constexpr bool kBalancedTiles = true;
 constexpr bool kBalancedTiles = false;
 #endif
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles of 12 (AVX-512), 20 of 6 (AVX2)
+// AVX2 calls of more rows than this copy each block's rows into per-tile micro-panels [K][6] first, so a
+// tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. Zen 3,
+// interleaved, bitwise equal: 0.88-0.95x the time where K = 1,024 (bench-qwen2's down projection at
+// 600-1,920 rows), 0.92-1.02x where K = 256; a block then holds at most kPackedBlockFloats of them (an
+// L2-sized share: 60 rows at K = 1,024), and its own smaller blocks without the copy were level (0.97-1.01x).
+// Decode-sized calls read the rows in place (a copy per call would not pay back). No value depends on it.
+constexpr int64_t kPackRowsAbove = 64;
+constexpr int64_t kPackedBlockFloats = 65536;
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
 // (Xeon, interleaved, from 33 against from 65 rows: bench-qwen2's head at 64 rows 0.88x the time, 48 rows
@@ -205,8 +214,9 @@ inline void store8(float* p, bool whole, __m256i live, __m256 x) {
 }
 
 // The AVX2 tile: R <= 6 rows, the panel's two 16-column halves one after the other (the next slices'
-// prefetches ride on the first half's k steps). The same chains as the AVX-512 tile.
-template <int R>
+// prefetches ride on the first half's k steps). The same chains as the AVX-512 tile. `kPackedRows`: the
+// rows come as a micro-panel, row r's k-th input at rows[6 k + r] (`pack_tile_rows`), else in place.
+template <int R, bool kPackedRows = false>
 void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
           bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
   SpreadPrefetch prefetch = next_slices;
@@ -227,7 +237,7 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
       const __m256 w_left = _mm256_loadu_ps(weights + k * kPanel), w_right = _mm256_loadu_ps(weights + k * kPanel + 8);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        const __m256 x = _mm256_broadcast_ss(rows + r * row_stride + k);
+        const __m256 x = _mm256_broadcast_ss(kPackedRows ? rows + 6 * k + r : rows + r * row_stride + k);
         left[r] = _mm256_fmadd_ps(x, w_left, left[r]);
         right[r] = _mm256_fmadd_ps(x, w_right, right[r]);
       }
@@ -272,6 +282,37 @@ template <int... R>
 constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
   return {&tile<R + 1>...};
 }
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
+template <int... R>
+constexpr std::array<TileFunction, sizeof...(R)> packed_tile_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, true>...};
+}
+constexpr bool kPackRows = true;
+#else
+constexpr bool kPackRows = false;  // AVX-512 tiles read their rows in place (packing not measured there)
+#endif
+
+// Rows of the next tile of a block: at most `tile_height`, as even as they go where kBalancedTiles (AVX2:
+// a 2-row tile's 4 FMA chains would wait on the FMA latency; 32 rows run as 6, 6, 5, 5, 5, 5 instead of
+// 6 x 5 + 2).
+inline int64_t next_tile_rows(int64_t rows_left, int64_t tiles_left, int64_t tile_height) {
+  return kBalancedTiles ? (rows_left + tiles_left - 1) / tiles_left : std::min(tile_height, rows_left);
+}
+
+// Rows [block, block_end) of `rows` [*, K] as the micro-panels the packed AVX2 tiles read: tile t's rows
+// (tiled as the tile loop tiles them) at micro_panels + t K 6, row r's k-th input at [6 k + r].
+void pack_tile_rows(const float* rows, int64_t in_features, int64_t block, int64_t block_end, float* micro_panels) {
+  const int64_t block_tiles = (block_end - block + kRowTile - 1) / kRowTile;
+  for (int64_t t = 0, start = block; t < block_tiles; ++t) {
+    const int64_t tile_rows = next_tile_rows(block_end - start, block_tiles - t, kRowTile);
+    float* panel = micro_panels + t * in_features * 6;
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      const float* row = rows + (start + r) * in_features;
+      for (int64_t k = 0; k < in_features; ++k) panel[6 * k + r] = row[k];
+    }
+    start += tile_rows;
+  }
+}
 
 // A call's bias as contiguous fp32 [N] (undefined: none), checked; `op` names the kernel in the error.
 at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t out_features, const char* op) {
@@ -301,6 +342,14 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   static const auto tiles = tile_table(std::make_integer_sequence<int, kRowTile>{});
+#if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
+  static const auto packed_tiles = packed_tile_table(std::make_integer_sequence<int, kRowTile>{});
+#else
+  static const auto& packed_tiles = tiles;  // never taken (kPackRows is false)
+#endif
+  const bool pack_rows = kPackRows && count > kPackRowsAbove;
+  const int64_t row_block =
+      pack_rows ? std::clamp<int64_t>(kPackedBlockFloats / in_features / kRowTile * kRowTile, kRowTile, kRowBlock) : kRowBlock;
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
   constexpr bool kPairs = true;
   static const std::array<PairFunction, kPairRows> pair_tiles = {&pair_tile<1>, &pair_tile<2>, &pair_tile<3>,
@@ -324,8 +373,10 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   const bool prefetch_next = cpu_vendor() != CpuVendor::kAmd || panels.numel() * static_cast<int64_t>(sizeof(float)) > kSmallWeightBytes;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
-    for (int64_t block = 0; block < count; block += kRowBlock) {
-      const int64_t block_end = std::min(count, block + kRowBlock);
+    std::vector<float> micro_panels(pack_rows ? static_cast<size_t>((row_block + kRowTile) * in_features) : 0);
+    for (int64_t block = 0; block < count; block += row_block) {
+      const int64_t block_end = std::min(count, block + row_block);
+      if (pack_rows) pack_tile_rows(rows_data, in_features, block, block_end, micro_panels.data());
       for (int64_t p = first_panel; p < end_panel;) {
         const bool pair = kPairs && count >= kPairMinRows && p + 1 < end_panel && out_features - p * kPanel >= 2 * kPanel;
         const int64_t width = pair ? 2 : 1;  // panels this pass covers
@@ -342,14 +393,13 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
           // the next pass's slice (`width` panels of `depth` x 32 floats, two lines a panel's k step),
           // each tile of the block fetching its rows' share of the lines
           const int64_t slice_lines = width * depth * 2, block_rows = block_end - block;
-          const bool spread = count <= kRowBlock;
-          // the block's rows in tiles of at most tile_height, as even as they go (AVX2: a 2-row tile's 4 FMA
-          // chains would wait on the FMA latency; 32 rows run as 6, 6, 5, 5, 5, 5 instead of 6 x 5 + 2)
+          const bool spread = count <= row_block;
+          // the block's rows in tiles of at most tile_height (`next_tile_rows`)
           const int64_t block_tiles = (block_end - block + tile_height - 1) / tile_height;
           for (int64_t t = 0, start = block; t < block_tiles; ++t) {
-            const int64_t rows_left = block_end - start, tiles_left = block_tiles - t;
-            const int64_t tile_rows = kBalancedTiles ? (rows_left + tiles_left - 1) / tiles_left : std::min(tile_height, rows_left);
-            const float* tile_input = rows_data + start * in_features + k0;
+            const int64_t tile_rows = next_tile_rows(block_end - start, block_tiles - t, tile_height);
+            const float* tile_input = pack_rows ? micro_panels.data() + (t * in_features + k0) * 6
+                                                : rows_data + start * in_features + k0;
             float* tile_out = target + (start - block) * ld;
             const int64_t first_line = spread ? slice_lines * (start - block) / block_rows : 0;
             const int64_t lines = spread ? slice_lines * (start - block + tile_rows) / block_rows - first_line
@@ -360,7 +410,8 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
               pair_tiles[tile_rows - 1](tile_input, in_features, slice, slice + in_features * kPanel, depth, tile_out, ld,
                                         first, bias_slice, prefetch);
             else
-              tiles[tile_rows - 1](tile_input, in_features, slice, depth, tile_out, ld, first, bias_slice, columns, prefetch);
+              (pack_rows ? packed_tiles : tiles)[tile_rows - 1](tile_input, in_features, slice, depth, tile_out, ld, first,
+                                                                bias_slice, columns, prefetch);
             start += tile_rows;
           }
         }
