@@ -47,11 +47,11 @@ def _case(rows: int, in_features: int, out_features: int, seed: int):
 
 # rows across tiles (12, and pair tiles of 6 from 33 rows on) and blocks (120); K across the 256-long
 # slices; N with a partial last panel; (100, 300, 100): pair tiles, then a single one for the partial panel;
-# AVX2 calls of 65+ rows read their rows from per-tile micro-panels, (200, 1100, 70) in blocks of 54 rows
+# AVX2 calls of 512+ rows read their rows from per-tile micro-panels, (600, 1100, 40) in blocks of 54 rows
 # (an L2-sized share at that K) with a partial last one
 @pytest.mark.parametrize(
     "rows,in_features,out_features",
-    [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96), (100, 300, 100), (200, 1100, 70)],
+    [(1, 16, 32), (13, 300, 70), (130, 64, 33), (25, 520, 96), (100, 300, 100), (600, 1100, 40)],
 )
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_features, with_bias):

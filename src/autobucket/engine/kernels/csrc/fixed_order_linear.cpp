@@ -8,7 +8,7 @@
 // [panels, K, 32]: one k step of a panel is two 16-float vectors. A tile of R rows x 32 columns keeps
 // 2R accumulators in registers and broadcasts each row's k-th input from the row itself (AVX-512: copying
 // the rows into [K][R] micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x
-// 128; AVX2 calls of 65+ rows do copy them, where it paid: kPackRowsAbove). Loops, outermost first:
+// 128; AVX2 calls of 512+ rows do copy them, where it paid: kPackRowsFrom). Loops, outermost first:
 // blocks of kRowBlock rows (in L2), panels (split across threads),
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
 // many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
@@ -71,13 +71,14 @@ constexpr bool kBalancedTiles = true;
 constexpr bool kBalancedTiles = false;
 #endif
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles of 12 (AVX-512), 20 of 6 (AVX2)
-// AVX2 calls of more rows than this copy each block's rows into per-tile micro-panels [K][6] first, so a
-// tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. Zen 3,
-// interleaved, bitwise equal: 0.88-0.95x the time where K = 1,024 (bench-qwen2's down projection at
-// 600-1,920 rows), 0.92-1.02x where K = 256; a block then holds at most kPackedBlockFloats of them (an
-// L2-sized share: 60 rows at K = 1,024), and its own smaller blocks without the copy were level (0.97-1.01x).
-// Decode-sized calls read the rows in place (a copy per call would not pay back). No value depends on it.
-constexpr int64_t kPackRowsAbove = 64;
+// AVX2 calls of at least this many rows copy each block's rows into per-tile micro-panels [K][6] first,
+// so a tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. Zen 3,
+// interleaved against reading them in place, bitwise equal (benchmarks/linear_ab.py --op-rows): at
+// 1,920 rows 0.88-0.96x the time on bench-qwen2's and SmolLM2's shapes, at 600 rows 0.89-0.95x where
+// K >= 1,024 but 0.96-1.06x where K = 256, at 100 rows 0.90-1.13x (the copy is paid before few panels).
+// A block then holds at most kPackedBlockFloats of them (an L2-sized share: 60 rows at K = 1,024; the
+// same smaller blocks without the copy were level, 0.97-1.01x). No value depends on either choice.
+constexpr int64_t kPackRowsFrom = 512;
 constexpr int64_t kPackedBlockFloats = 65536;
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
@@ -347,7 +348,7 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
 #else
   static const auto& packed_tiles = tiles;  // never taken (kPackRows is false)
 #endif
-  const bool pack_rows = kPackRows && count > kPackRowsAbove;
+  const bool pack_rows = kPackRows && count >= kPackRowsFrom;
   const int64_t row_block =
       pack_rows ? std::clamp<int64_t>(kPackedBlockFloats / in_features / kRowTile * kRowTile, kRowTile, kRowBlock) : kRowBlock;
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
