@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 # On a transformers release the step was not checked on, the engine runs the model's forward instead (the
 # test just below says so); the step's own tests then have nothing to run, and wait for a verified release.
 needs_direct_step = pytest.mark.skipif(
-    not direct_decode.transformers_verified(transformers.__version__),
+    not direct_decode.installed_release_verified(),
     reason=f"the direct step is off on transformers {transformers.__version__} (not yet checked on it)",
 )
 

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.usefixtures("single_thread"),
     pytest.mark.skipif(
-        not direct_decode.transformers_verified(transformers.__version__),
+        not direct_decode.installed_release_verified(),
         reason=f"the direct step is off on transformers {transformers.__version__} (not yet checked on it)",
     ),
 ]

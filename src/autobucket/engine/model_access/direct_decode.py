@@ -156,11 +156,19 @@ def transformers_verified(version: str) -> bool:
     return (major, minor) == low or (major == high[0] and minor <= high[1])
 
 
+def installed_release_verified() -> bool:
+    """Whether the transformers this process imports is a release the step was checked on (read at each
+    call, so a test may change `transformers.__version__`)."""
+    import transformers
+
+    return transformers_verified(transformers.__version__)
+
+
 def ineligible_reason(model: torch.nn.Module) -> str | None:
     """Why the direct step cannot stand in for `model`'s forward (None: it can)."""
     import transformers
 
-    if not transformers_verified(transformers.__version__):
+    if not installed_release_verified():
         return (f"transformers {transformers.__version__} is not a release the direct step was checked on "
                 f"({'.'.join(map(str, VERIFIED_TRANSFORMERS[0]))}.x, 5.x up to "
                 f"{'.'.join(map(str, VERIFIED_TRANSFORMERS[1]))})")  # fmt: skip
