@@ -1,12 +1,17 @@
-"""The sampler's inverse CDF: the engine's blockwise form against softmax + a full-row `cumsum`.
+"""The sampler's inverse CDF: the kernel library's op, the engine's torch-op blockwise form and softmax +
+a full-row `cumsum`, interleaved in one process.
 
     quiet-run -- .venv/bin/python benchmarks/sampler.py --out results/sampler.json
 
-`blockwise` is `autobucket.engine.selection.sample_inverse_cdf` (cumulative probability over
-128-entry block sums, then one block scanned); `full_cumsum` is the form it replaced (softmax,
-`cumsum` over the whole row, `searchsorted`). Each shape: random logits (scale 3) and draws, one
-thread, both contenders interleaved after a warm-up, medians in ms; also the share of rows where the
-two pick the same token (they differ only where rounding moves a boundary past a draw)."""
+`kernel` is `autobucket.engine.selection.sample_inverse_cdf` where the kernel library builds with AVX2
+or AVX-512 (`csrc/sample_inverse_cdf.cpp`: two sweeps over each row, nothing written but the answer);
+`blockwise` is `blockwise_inverse_cdf`, its torch-op form (cumulative probability over 128-entry block
+sums, then one block scanned); `full_cumsum` the form that replaced (softmax, `cumsum` over the whole
+row, `searchsorted`). Each shape: random logits (scale 3) and draws, one thread, the contenders
+interleaved after a warm-up, medians in ms, with the scores in cache (`warm`) or after a 64 MB write
+(`cold`: a decode step's logits arrive behind the head's weight stream); also the share of rows where
+each picks the same token as `full_cumsum` (they differ only where rounding moves a boundary past a
+draw). Raw samples, the CPU model and torch's version go to `--out`."""
 
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from autobucket.engine.selection import sample_inverse_cdf
+from autobucket.coefficients.file import host_cpu
+from autobucket.engine.selection import _sampler_kernel, blockwise_inverse_cdf, sample_inverse_cdf
 
 SHAPES = [(8, 32_000), (32, 32_000), (64, 32_000), (64, 49_152), (64, 151_936)]
 
@@ -32,24 +38,30 @@ def full_cumsum(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Ten
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
 
 
-CONTENDERS = {"blockwise": sample_inverse_cdf, "full_cumsum": full_cumsum}
+CONTENDERS = {"kernel": sample_inverse_cdf, "blockwise": blockwise_inverse_cdf, "full_cumsum": full_cumsum}
+CACHE_FLUSH_BYTES = 64 << 20
 
 
-def measure(rows: int, vocab: int, repeats: int, seed: int) -> dict:
+def measure(rows: int, vocab: int, repeats: int, seed: int, cache: str) -> dict:
     generator = torch.Generator().manual_seed(seed)
     scores = torch.randn(rows, vocab, generator=generator) * 3
     uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
+    flush = torch.empty(CACHE_FLUSH_BYTES, dtype=torch.uint8) if cache == "cold" else None
     samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for sampler in CONTENDERS.values():  # warm-up
         sampler(scores, uniforms)
     for _ in range(repeats):
         for name, sampler in CONTENDERS.items():
+            if flush is not None:
+                flush.fill_(1)
             started = time.perf_counter()
             sampler(scores, uniforms)
             samples[name].append((time.perf_counter() - started) * 1e3)
-    same = (sample_inverse_cdf(scores, uniforms)[0] == full_cumsum(scores, uniforms)[0]).double().mean().item()
+    reference = full_cumsum(scores, uniforms)[0]
+    same = {name: (sampler(scores, uniforms)[0] == reference).double().mean().item() for name, sampler in CONTENDERS.items()}
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    return {"rows": rows, "vocab": vocab, "medians_ms": medians, "samples_ms": samples, "same_token_share": same}
+    return {"rows": rows, "vocab": vocab, "cache": cache, "medians_ms": medians, "samples_ms": samples,
+            "same_token_share_vs_full_cumsum": same}  # fmt: skip
 
 
 def main() -> None:
@@ -59,15 +71,20 @@ def main() -> None:
     parser.add_argument("--out", default="results/sampler.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cpu = host_cpu()
+    print(f"CPU: {cpu}; torch {torch.__version__}; kernel op: {'yes' if _sampler_kernel() else 'no (torch form)'}")
     results = []
     for rows, vocab in SHAPES:
-        result = measure(rows, vocab, args.repeats, args.seed)
-        results.append(result)
-        m = result["medians_ms"]
-        print(f"{rows} x {vocab}: blockwise {m['blockwise']:.2f} ms, full cumsum {m['full_cumsum']:.2f} ms "
-              f"(ratio {m['blockwise'] / m['full_cumsum']:.2f}); same token {result['same_token_share']:.1%}")  # fmt: skip
+        for cache in ("warm", "cold"):
+            result = measure(rows, vocab, args.repeats, args.seed, cache)
+            results.append(result)
+            m, same = result["medians_ms"], result["same_token_share_vs_full_cumsum"]
+            print(f"{rows} x {vocab} {cache}: kernel {m['kernel']:.2f} ms, blockwise {m['blockwise']:.2f} ms, full cumsum "
+                  f"{m['full_cumsum']:.2f} ms; kernel / blockwise {m['kernel'] / m['blockwise']:.2f}; same token as "
+                  f"full cumsum: kernel {same['kernel']:.1%}, blockwise {same['blockwise']:.1%}")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"shapes": results}, indent=1))
+    payload = {"cpu": cpu, "torch": torch.__version__, "kernel_op": _sampler_kernel() is not None, "shapes": results}
+    Path(args.out).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

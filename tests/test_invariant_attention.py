@@ -503,12 +503,13 @@ def test_default_decode_attention_falls_back_to_sdpa_where_the_kernel_cannot_tak
 
 
 def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
-    """The vector form is written once over 16-lane vectors (one AVX-512 register or two AVX2 ones) with
-    lane-by-lane IEEE operations and fixed trees, so an AVX2 machine and an AVX-512 one give a token the
-    same attention output. Builds the kernel's AVX2 form under its own library name (~40 s once, then
-    cached) and compares decode (the per-key form) and prefill (the tiled form) outputs, fp32 and bf16, with
-    the library's: on an AVX-512 CPU that is the cross-width check; on an AVX2 CPU the library is that
-    form, and the comparison only checks this test's own plumbing."""
+    """The vector form is written once over 16-lane vectors (csrc/lanes.h: one AVX-512 register or two
+    AVX2 ones) with lane-by-lane IEEE operations and fixed trees, so an AVX2 machine and an AVX-512 one
+    give a token the same attention output, and draw the same sample from the same logits. Builds the
+    attention's and the sampler's AVX2 form under its own library name (~40 s once, then cached) and
+    compares decode (the per-key form) and prefill (the tiled form) outputs, fp32 and bf16, and sampled
+    tokens and logprobs, with the library's: on an AVX-512 CPU that is the cross-width check; on an AVX2
+    CPU the library is that form, and the comparison only checks this test's own plumbing."""
     import hashlib
     from pathlib import Path
 
@@ -520,18 +521,23 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
         pytest.skip("this CPU has no AVX2")
     load_invariant_kernels()
     csrc = Path(module.__file__).parent / "csrc"
-    source = (csrc / "invariant_attention.cpp").read_text()
-    header = (csrc / "cpu_vendor.h").read_text()
     namespace = "autobucket_avx2_attention_check"
-    source = source.replace("TORCH_LIBRARY(autobucket,", f"TORCH_LIBRARY({namespace},")
-    source = source.replace("TORCH_LIBRARY_IMPL(autobucket,", f"TORCH_LIBRARY_IMPL({namespace},")
-    (tmp_path / "attention.cpp").write_text(source)
-    (tmp_path / "cpu_vendor.h").write_text(header)
+    texts = []
+    for name in ("invariant_attention.cpp", "sample_inverse_cdf.cpp"):
+        source = (csrc / name).read_text()
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+            source = source.replace(f"{macro}(autobucket,", f"{macro}({namespace},")
+        (tmp_path / name).write_text(source)
+        texts.append(source)
+    for header in module._HEADERS:
+        (tmp_path / header.name).write_text(header.read_text())
+        texts.append(header.read_text())
     flags = ["-O3", "-march=native", "-mno-avx512f", "-fno-fast-math", "-ffp-contract=off"]
-    digest = hashlib.sha256(f"{source}|{header}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{'|'.join(texts)}|{flags}|{torch.__version__}".encode()).hexdigest()[:12]
     if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "invariant_attention"):
-        cpp_extension.load(name=f"{namespace}_{digest}", sources=[str(tmp_path / "attention.cpp")],
-                           extra_cflags=flags, is_python_module=False, verbose=False)  # fmt: skip
+        sources = [str(tmp_path / name) for name in ("invariant_attention.cpp", "sample_inverse_cdf.cpp")]
+        cpp_extension.load(name=f"{namespace}_{digest}", sources=sources, extra_cflags=flags, is_python_module=False,
+                           verbose=False)  # fmt: skip
     other = getattr(torch.ops, namespace)
     assert other.vector_bits() == 256
     generator = torch.Generator().manual_seed(3)
@@ -544,3 +550,9 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
                 ours = torch.ops.autobucket.invariant_attention(query, key, value, empty, True, dim**-0.5)
                 theirs = other.invariant_attention(query, key, value, empty, True, dim**-0.5)
             assert torch.equal(ours, theirs), (dtype, queries, dim)
+    scores = torch.randn(64, 32000, generator=generator) * 3
+    scores[::5, 20000:] = float("-inf")
+    uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
+    ours = torch.ops.autobucket.sample_inverse_cdf(scores, uniforms)
+    theirs = other.sample_inverse_cdf(scores, uniforms)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

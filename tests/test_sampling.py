@@ -14,7 +14,14 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.selection import request_seed, sample_inverse_cdf, stream_uniforms, warp_logits
+from autobucket.engine import selection
+from autobucket.engine.selection import (
+    blockwise_inverse_cdf,
+    request_seed,
+    sample_inverse_cdf,
+    stream_uniforms,
+    warp_logits,
+)
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.planning.planner import plan_prefill, shared_prefill_costs
@@ -101,8 +108,21 @@ def assert_inverse_cdf(tokens: torch.Tensor, scores: torch.Tensor, uniforms: tor
     return ~differs
 
 
+def sampler_form(form: str):
+    """The kernel library's one-sweep op (`csrc/sample_inverse_cdf.cpp`, called directly so a declined row
+    shows as -1) or the torch-op form it falls back to."""
+    if form == "torch":
+        return blockwise_inverse_cdf
+    kernel = selection._sampler_kernel()
+    if kernel is None:
+        pytest.skip("the kernel library does not build here, or the CPU has neither AVX2 nor AVX-512")
+    return lambda scores, uniforms: kernel(scores.float(), uniforms.double())
+
+
+@pytest.mark.parametrize("form", ["kernel", "torch"])
 @pytest.mark.parametrize("vocab", [7, 128, 1000, 32_000, 50_257])
-def test_sampler_is_the_exact_inverse_cdf_up_to_rounding(vocab):
+def test_sampler_is_the_exact_inverse_cdf_up_to_rounding(vocab, form):
+    sample_inverse_cdf = sampler_form(form)
     generator = torch.Generator().manual_seed(vocab)
     scores = torch.randn(300, vocab, generator=generator) * 4
     scores[::3, vocab // 2 :] = float("-inf")  # filtered tails, as top-k / top-p leave them
@@ -127,7 +147,9 @@ def test_the_inverse_cdf_check_rejects_a_shifted_sampler():
         assert_inverse_cdf((tokens + 1).clamp(max=999), scores, uniforms)
 
 
-def test_a_rows_sample_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_a_rows_sample_does_not_depend_on_the_other_rows(form):
+    sample_inverse_cdf = sampler_form(form)
     generator = torch.Generator().manual_seed(1)
     scores = torch.randn(64, 32_000, generator=generator) * 3
     uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
@@ -136,6 +158,39 @@ def test_a_rows_sample_does_not_depend_on_the_other_rows():
         alone_tokens, alone_logprobs = sample_inverse_cdf(scores[row : row + 1], uniforms[row : row + 1])
         assert alone_tokens.item() == tokens[row].item()
         assert alone_logprobs.item() == logprobs[row].item()  # bitwise
+
+
+def test_the_kernel_and_the_torch_form_draw_the_same_tokens():
+    """Two computations of one contract: they differ only where rounding moves a boundary past a draw,
+    so on random rows (and filtered tails) almost every token is equal, and every logprob is close."""
+    kernel = sampler_form("kernel")
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(2000, 1000, generator=generator) * 4
+    scores[::4, 700:] = float("-inf")
+    uniforms = torch.rand(2000, dtype=torch.float64, generator=generator)
+    kernel_tokens, kernel_logprobs = kernel(scores, uniforms)
+    torch_tokens, torch_logprobs = blockwise_inverse_cdf(scores, uniforms)
+    assert (kernel_tokens == torch_tokens).double().mean() > 0.999
+    same = kernel_tokens == torch_tokens
+    torch.testing.assert_close(kernel_logprobs[same], torch_logprobs[same], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_rows_without_a_distribution_raise_naming_them(form):
+    """A NaN or +inf score, or a row with every token filtered, defines no distribution: both forms refuse
+    the call naming the rows (as torch.multinomial refuses such probabilities); the kernel answers -1 there."""
+    generator = torch.Generator().manual_seed(6)
+    scores = torch.randn(5, 300, generator=generator)
+    uniforms = torch.rand(5, dtype=torch.float64, generator=generator)
+    scores[1, 17], scores[2, 299], scores[3] = float("nan"), float("inf"), float("-inf")
+    if form == "kernel":
+        tokens, _ = sampler_form("kernel")(scores, uniforms)
+        assert tokens.tolist()[1:4] == [-1, -1, -1] and (tokens[[0, 4]] >= 0).all()
+        with pytest.raises(RuntimeError, match=r"cannot sample rows \[1, 2, 3\].*NaN or \+inf"):
+            sample_inverse_cdf(scores, uniforms)
+    with pytest.raises(RuntimeError, match=r"cannot sample rows \[1, 2, 3\]"):
+        blockwise_inverse_cdf(scores, uniforms)
+    assert sample_inverse_cdf(scores[[0, 4]], uniforms[[0, 4]])[0].shape == (2,)  # the good rows still sample
 
 
 def test_temperature_one_warps_to_the_logits_values():

@@ -166,21 +166,59 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
 
     scores: [rows, vocab] warped logits; uniforms: [rows] in [0, 1). The token is the first whose
     cumulative probability (softmax in fp32) exceeds the draw u x total; filtered tokens (-inf) weigh 0
-    and are never chosen, and the draw is kept strictly below the total.
+    and are never chosen, and the draw is kept strictly below the total. A row holding NaN or +inf, or
+    with every token filtered, defines no distribution: RuntimeError naming it.
 
     Why in blocks: torch's `cumsum` over a row is one sequential loop (2.0 ms for [64, 32000], one
     thread, AMD EPYC Zen 4). So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
-    (vectorized), and only the block the draw lands in is scanned entry by entry: 0.51-0.73x the
-    full-row form's time with the softmax included (`benchmarks/sampler.py`; a GRPO-like call's 63
-    steps at 64 rows: 249 -> 166 ms in the sampler). Every value is a function of the row alone (the
-    same on every route and batch); rounding moves token boundaries by ~1e-7 of probability mass
-    against the exact CDF.
+    (vectorized), and only the block the draw lands in is scanned entry by entry. CPUs with AVX2 or
+    AVX-512 run that as one op (`csrc/sample_inverse_cdf.cpp`: two sweeps over a row, nothing written
+    but the answer; `benchmarks/sampler.py` has its times), elsewhere `blockwise_inverse_cdf` in torch
+    ops (0.51-0.73x the full-row form's time). Every value is a function of the row alone (the same on
+    every route and batch); rounding moves token boundaries by ~1e-7 of probability mass against the
+    exact CDF, differently in the two forms.
     """
+    kernel = _sampler_kernel()
+    if kernel is None or scores.device.type != "cpu":
+        return blockwise_inverse_cdf(scores, uniforms)
+    tokens, logprobs = kernel(scores.float(), uniforms.double())
+    declined = tokens < 0  # [rows]: the kernel's answer for a row holding NaN or +inf, or all -inf
+    if bool(declined.any()):
+        raise _unsamplable(declined)
+    return tokens, logprobs
+
+
+def _unsamplable(rows: torch.Tensor) -> RuntimeError:
+    """The error for rows [rows] bool whose scores define no distribution (as torch.multinomial refuses them)."""
+    which = rows.nonzero().flatten().tolist()
+    return RuntimeError(
+        f"cannot sample rows {which[:8]}{' ...' if len(which) > 8 else ''} of this step: their logits hold NaN or "
+        "+inf, or every token was filtered to -inf. The model's forward produced them: check its weights and "
+        "inputs (an fp16 overflow, a diverged update)"
+    )
+
+
+@functools.cache
+def _sampler_kernel() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The kernel library's one-sweep sampler (`csrc/sample_inverse_cdf.cpp`), built where the CPU has
+    AVX2 or AVX-512; elsewhere `blockwise_inverse_cdf`."""
+    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+
+    if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:
+        return None
+    return torch.ops.autobucket.sample_inverse_cdf
+
+
+def blockwise_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_inverse_cdf` in torch ops, where the kernel is not built."""
     vocab = scores.shape[1]
     weights = torch.softmax(scores.float(), dim=-1)  # [rows, vocab]: one fused pass (aten's exp is 2x slower)
     block_sums = _block_sums(weights)  # [rows, blocks]
     cumulative = block_sums.cumsum(dim=-1)
     total = cumulative[:, -1:]  # [rows, 1]
+    defined = torch.isfinite(total) & (total > 0)  # softmax of a row with NaN / +inf / only -inf is NaN
+    if not bool(defined.all()):
+        raise _unsamplable(~defined.squeeze(-1))
     draws = torch.minimum(uniforms.to(total)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     # the first block whose cumulative weight exceeds the draw (always one: draw < total)
     block = torch.searchsorted(cumulative, draws, right=True).clamp_(max=cumulative.shape[1] - 1)  # [rows, 1]

@@ -32,8 +32,12 @@ from autobucket.engine.model_access.attention import hf_sdpa
 from autobucket.engine.model_access.function_routes import dropout_suppressed
 from autobucket.engine.model_access.weight_versions import in_place_version
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp", "first_argmax.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / "cpu_vendor.h"]  # in the build's digest: an edit rebuilds
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp",
+                 "first_argmax.cpp", "sample_inverse_cdf.cpp")
+]  # fmt: skip
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "lanes.h")]  # in the build's digest: an edit rebuilds
 
 
 # never reassociate a sum, never fuse a multiply into an add the source did not write (both score forms of
