@@ -19,17 +19,18 @@ CSRC = "src/autobucket/engine/kernels/csrc"
 
 
 def build_revision_kernel(revision: str, source: str, namespace: str) -> None:
-    """`source` (a file of csrc/, with the header it includes) as `revision` had it, its operators registered
-    under `namespace` (its TORCH_LIBRARY or TORCH_LIBRARY_FRAGMENT becomes that namespace's library)."""
+    """`source` (a file of csrc/, with the headers of csrc/ it includes) as `revision` had it, its operators
+    registered under `namespace` (its TORCH_LIBRARY or TORCH_LIBRARY_FRAGMENT becomes that namespace's library)."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
     commit = subprocess.check_output(["git", "rev-parse", revision], cwd=root, text=True).strip()
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}_"))
-    for name in (source, "cpu_vendor.h"):
-        text = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, text=True)
-        if name == source:
-            text = re.sub(r"TORCH_LIBRARY(?:_FRAGMENT)?\(autobucket\b", f"TORCH_LIBRARY({namespace}", text)
-            text = re.sub(r"TORCH_LIBRARY_IMPL\(autobucket\b", f"TORCH_LIBRARY_IMPL({namespace}", text)
-        (folder / name).write_text(text)
+    text = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{source}"], cwd=root, text=True)
+    for header in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
+        included = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{header}"], cwd=root, text=True)
+        (folder / header).write_text(included)
+    text = re.sub(r"TORCH_LIBRARY(?:_FRAGMENT)?\(autobucket\b", f"TORCH_LIBRARY({namespace}", text)
+    text = re.sub(r"TORCH_LIBRARY_IMPL\(autobucket\b", f"TORCH_LIBRARY_IMPL({namespace}", text)
+    (folder / source).write_text(text)
     from torch.utils import cpp_extension
 
     cpp_extension.load(name=f"{namespace}_{commit[:12]}", sources=[str(folder / source)], extra_cflags=BUILD_FLAGS,

@@ -238,12 +238,14 @@ SHARED_GROUPS = ((150, 3), (64, 2), (40, 2), (70, 17), (200, 1))
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
-@pytest.mark.parametrize("dim", (64, 40), ids=("vector 64", "portable 40"))
+@pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
 def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim):
     """Cascade decode (`invariant_attention_shared`): rows reading a group's shared prompt keys, then their
     own columns (right-aligned, of different lengths), several rows to a group. The oracle is each row
     holding [prompt | own keys] in its own cache row, in a call of its own, bitwise; rows without a group
-    ride along, and one of them is checked against SDPA."""
+    ride along, and one of them is checked against SDPA. In the vector form a group of 2+ rows takes its
+    prompt's whole 64-key blocks as one tile and each row resumes from their softmax states (the 150-,
+    64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row)."""
     load_invariant_kernels()
     generator = torch.Generator().manual_seed(dim)
     heads, kv_heads, own = 6, 2, 23
