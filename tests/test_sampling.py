@@ -442,3 +442,27 @@ def test_control_an_argmax_that_takes_the_last_maximal_value_fails_the_oracle():
     logits[:, [7, 3000]] = 9.0
     last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
     assert not torch.equal(last, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_nan_logits_raise_naming_the_rows_and_the_rollout_stays_usable(kernels):
+    """A model whose forward yields NaN logits (here one poisoned head row: every row's logit for that
+    token) makes a sampled call raise, naming the rows, as torch.multinomial would; once the weights are
+    repaired the same Rollout samples again, bitwise as a fresh one does."""
+    from autobucket.models import build_tiny_model
+
+    model = build_tiny_model("tiny-llama", seed=3)
+    prompts = random_prompts([5, 9, 3])
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels=kernels, persist_costs=False))
+    head = model.get_output_embeddings().weight
+    saved = head[7].clone()
+    with torch.no_grad():
+        head[7] = float("nan")
+    with pytest.raises(RuntimeError, match=r"cannot sample rows \[0\] of this step.*NaN"):  # aligned: one row a step
+        rollout.generate(prompts, sampling())
+    with torch.no_grad():
+        head[7] = saved
+    repaired = rollout.generate(prompts, sampling())
+    fresh = Rollout(model, config=RolloutConfig(route="aligned", kernels=kernels, persist_costs=False))
+    expected = fresh.generate(prompts, sampling())
+    assert repaired.tokens == expected.tokens and repaired.logprobs == expected.logprobs
