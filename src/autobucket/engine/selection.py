@@ -198,15 +198,23 @@ def _unsamplable(rows: torch.Tensor) -> RuntimeError:
     )
 
 
-@functools.cache
 def _sampler_kernel() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
     """The kernel library's one-sweep sampler (`csrc/sample_inverse_cdf.cpp`), built where the CPU has
     AVX2 or AVX-512; elsewhere `blockwise_inverse_cdf`."""
+    return _vector_op("sample_inverse_cdf")
+
+
+@functools.cache
+def _vector_op(name: str) -> Callable | None:
+    """`torch.ops.autobucket.<name>` where the kernel library builds with a vector form (AVX-512 or AVX2),
+    else None: the selection ops' scalar loops are slower than their torch-op fallbacks (first_argmax on
+    AMD EPYC Zen 3, [32, 32000], interleaved: 0.96 against 0.42 ms; the AVX2 form 0.14), and the sampler
+    registers only its vector form."""
     from autobucket.engine.kernels.invariant_attention import kernel_library_builds
 
     if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:
         return None
-    return torch.ops.autobucket.sample_inverse_cdf
+    return getattr(torch.ops.autobucket, name)
 
 
 def blockwise_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,15 +292,8 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return two_pass_argmax(logits)
 
 
-@functools.cache
 def _argmax_kernel() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
-
-    # the op's vector forms (AVX-512, AVX2); its scalar loop is slower than the torch ops (AMD EPYC Zen 3,
-    # [32, 32000], interleaved: 0.96 against 0.42 ms; the AVX2 form 0.14), so a build without them takes those
-    if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:
-        return None
-    return torch.ops.autobucket.first_argmax
+    return _vector_op("first_argmax")
 
 
 def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -643,13 +643,24 @@ struct TiledList {
 };
 
 #if defined(AUTOBUCKET_ATTENTION_VECTORS)
+// Query `qi` of `row`: the group of heads sharing K/V head `kv_head`, as fp32 [group][head_dim] into fp32.
+template <typename T>
+inline void load_query_group(const T* q, Strides qs, int64_t row, int64_t kv_head, int64_t group, int64_t qi,
+                             int64_t head_dim, float* fp32) {
+  for (int64_t h = 0; h < group; ++h) {
+    const T* src = q + row * qs.row + (kv_head * group + h) * qs.head + qi * qs.token;
+    for (int64_t d = 0; d < head_dim; ++d) fp32[h * head_dim + d] = as_float(src[d]);
+  }
+}
+
 // Cascade decode's shared prefix as one tile. A decode step's rows that share a prompt copy (`Shared`) all
 // read its keys first, in the same blocks: the prefix's whole blocks are the same work for every row of the
 // group but its query. So the group's queries take them together in attend_queries_tiled (16 keys' scores
-// per vector, each key block read from L1 by all of them: on a Zen 3, 8 rows x 8 queries over 432 keys took
-// 0.29-0.38x the time of 64 single-query rows), and each row goes on from its states (attend_query's
-// `resume`) over the prefix's last partial block and its own keys: the same blocks in the same order, so
-// bitwise the per-row result. Groups with fewer rows in the call than this keep the per-row form.
+// per vector, each key block read from L1 by all of them), and each row goes on from its states
+// (attend_query's `resume`) over the prefix's last partial block and its own keys: the same blocks in the
+// same order, so bitwise the per-row result. Zen 3, benchmarks/attention_ab.py (64 rows over 8 prompts of
+// 108-856 keys, 4 layers): 0.91x the per-row walk's time in fp32, 0.93x in bf16 (the group's rows already
+// found the shared keys in L2). Groups with fewer rows in the call than this keep the per-row form.
 constexpr int64_t kCascadeMinRows = 2;
 
 // Per (row, K/V head): the group's HeadStates after the row's shared prefix's whole blocks.
@@ -701,13 +712,8 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
       list.take(key_ptrs, value_ptrs, whole, head_dim);
       for (size_t first = 0; first < group_rows.size(); first += kQueryTile) {
         const int64_t n = std::min<int64_t>(kQueryTile, static_cast<int64_t>(group_rows.size() - first));
-        for (int64_t t = 0; t < n; ++t) {  // row's one query, its group of heads, as fp32 [group][head_dim]
-          const int64_t row = group_rows[first + t];
-          for (int64_t h = 0; h < group; ++h) {
-            const T* src = q + row * qs.row + (kv_head * group + h) * qs.head;
-            float* dst = tile_q.data() + (t * group + h) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = as_float(src[d]);
-          }
+        for (int64_t t = 0; t < n; ++t) {  // each row's one query
+          load_query_group(q, qs, group_rows[first + t], kv_head, group, 0, head_dim, tile_q.data() + t * group * head_dim);
           counts[t] = whole;
         }
         tiled(tile_q.data(), n, group, list.tiles.data(), list.value_fp32.data(), counts.data(), scale,
@@ -803,10 +809,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       if (in_place != nullptr) {
         // query qi's group of heads as fp32 into fp32 [group][head_dim]; its output back from it
         const auto load_query = [&](int64_t qi, float* fp32) {
-          for (int64_t h = 0; h < group; ++h) {
-            const T* src = q + row * qs.row + (kv_head * group + h) * qs.head + qi * qs.token;
-            for (int64_t d = 0; d < head_dim; ++d) fp32[h * head_dim + d] = as_float(src[d]);
-          }
+          load_query_group(q, qs, row, kv_head, group, qi, head_dim, fp32);
         };
         const auto store_output = [&](int64_t qi, const float* fp32) {
           for (int64_t h = 0; h < group; ++h) {
