@@ -394,5 +394,5 @@ class Selection:
         if self.want_logprobs and not processed:
             # The model's own logits (fp32 copies of its dtype's values, so the cast back is exact).
             temperature = 1.0 if self.sampler.greedy else self.sampler.temperature
-            logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature).float()
+            logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature, kernel=True).float()
         return tokens, logprobs

@@ -14,16 +14,30 @@ from collections.abc import Sequence
 import torch
 
 
-def trainer_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits [..., vocab] (the model's dtype), tokens [...] long -> logprobs [...] in logits' dtype."""
+def trainer_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *, kernel: bool = False
+) -> torch.Tensor:
+    """logits [..., vocab] (the model's dtype), tokens [...] long -> logprobs [...] in logits' dtype.
+
+    kernel=True (the engine's decode steps): fp32 logits [rows, vocab] take their `logsumexp` through
+    the kernel library where it takes the call (`engine/kernels/trainer_logsumexp.py`), bitwise torch's
+    op in one pass per row. The default is torch's op alone, as the trainer runs it."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature!r} is invalid: pass a positive temperature (1.0 when greedy)")
     if temperature != 1.0:
         logits = logits / temperature
     index = tokens.unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
-        return (logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(-1)
+        return (logits.gather(-1, index) - _logsumexp(logits, kernel)).squeeze(-1)
     return torch.log_softmax(logits, dim=-1).gather(-1, index).squeeze(-1)
+
+
+def _logsumexp(logits: torch.Tensor, kernel: bool) -> torch.Tensor:
+    if kernel and logits.dim() == 2:
+        from autobucket.engine.kernels import trainer_logsumexp  # torch-only callers never build the library
+
+        return trainer_logsumexp.logsumexp(logits)
+    return torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 def teacher_forced_batch(

@@ -6,13 +6,8 @@
 // reads a row, keeps it in L1, and writes the output once. Bitwise the eager ops', by doing ATen's
 // arithmetic in ATen's order:
 // - pow(2) is x * x (ATen squares for the exponent 2);
-// - mean over the last dimension is ATen's sum, then a division by the row's length (a float: ATen's
-//   true division by a wrapped integer scalar); ATen's sum of a contiguous row of fp32 (SumKernel.cpp's cascade_sum ->
-//   vectorized_inner_sum) adds 8-float vectors (its sum kernel has no AVX-512 variant, so AVX-512 CPUs
-//   run the AVX2 one: found by comparing against torch, 16-float vectors differ) into 4 interleaved
-//   accumulators, with a cascade of levels once there are more than 16 groups of 4 vectors; the
-//   leftover vectors go into the first accumulator, the 4 accumulators are added in order, the elements
-//   past the last whole vector are added to a scalar starting at 0, and then the 8 lanes in order;
+// - mean over the last dimension is ATen's sum (in its order: aten_sum.h), then a division by the row's
+//   length (a float: ATen's true division by a wrapped integer scalar);
 // - + eps is one rounded float add (eps rounded to float first, as ATen reads a wrapped scalar), and
 //   rsqrt is ATen's 1 / sqrt: a rounded square root, then a rounded division, in its vector lanes
 //   (_mm512_div_ps(1, _mm512_sqrt_ps)) and its scalar tails alike (the Python expression `1 / sqrt(v)`
@@ -29,61 +24,20 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "aten_sum.h"
 
 namespace {
 
 #if defined(__AVX2__)
-constexpr int kIlp = 4;     // ATen's row_sum: accumulators interleaved over consecutive vectors
-constexpr int kLevels = 4;  // ATen's multi_row_sum: cascade levels
-constexpr int kWidth = 8;   // floats per vector of ATen's (AVX2) sum kernel
-
-inline __m256 square8(const float* x) {
-  const __m256 v = _mm256_loadu_ps(x);
-  return _mm256_mul_ps(v, v);
-}
-
-inline int64_t ceil_log2(int64_t n) {
-  int64_t log = 0;
-  while ((int64_t{1} << log) < n) ++log;
-  return log;
-}
-
-// ATen's sum of x[k]^2 over one contiguous row of `length` floats (see the file's comment).
+// ATen's sum of x[k]^2 over one contiguous row of `length` floats (aten_sum.h; `pow(2)` is x * x)
 float sum_of_squares(const float* x, int64_t length) {
-  const int64_t vectors = length / kWidth, groups = vectors / kIlp;
-  __m256 acc[kLevels][kIlp];
-  for (auto& level : acc)
-    for (auto& a : level) a = _mm256_setzero_ps();
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
-  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
-  int64_t i = 0;
-  while (i + level_step <= groups) {
-    for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], square8(x + (i * kIlp + k) * kWidth));
-    for (int j = 1; j < kLevels; ++j) {
-      for (int k = 0; k < kIlp; ++k) {
-        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
-        acc[j - 1][k] = _mm256_setzero_ps();
-      }
-      if ((i & (level_mask << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < groups; ++i)
-    for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], square8(x + (i * kIlp + k) * kWidth));
-  for (int j = 1; j < kLevels; ++j)
-    for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
-  __m256 total = acc[0][0];
-  for (int64_t v = groups * kIlp; v < vectors; ++v) total = _mm256_add_ps(total, square8(x + v * kWidth));
-  for (int k = 1; k < kIlp; ++k) total = _mm256_add_ps(total, acc[0][k]);
-  float result = 0.0f;
-  for (int64_t k = vectors * kWidth; k < length; ++k) result += x[k] * x[k];
-  alignas(32) float lanes[kWidth];
-  _mm256_store_ps(lanes, total);
-  for (float lane : lanes) result += lane;
-  return result;
+  return autobucket_sum::aten_row_sum(
+      x, length,
+      [](const float* p) {
+        const __m256 v = _mm256_loadu_ps(p);
+        return _mm256_mul_ps(v, v);
+      },
+      [](float value) { return value * value; });
 }
 #endif
 
