@@ -1,23 +1,25 @@
-"""What trainer-mode logprobs cost an RL call, with the logsumexp kernel and with torch's op, interleaved in
-one process; and the op alone.
+"""What trainer-mode logprobs cost an RL call, with the trainer-reduction kernels and with torch's ops,
+interleaved in one process; and the ops alone.
 
     quiet-run -- .venv/bin/python benchmarks/trainer_logprobs.py --out results/trainer_logprobs.json
-    # smoke: --prompts 2 --n 4 --new-tokens 8 --repeats 1 --op-repeats 3 --out /tmp/tl/smoke.json
+    # a bf16 model: --dtype bf16; smoke: --prompts 2 --n 4 --new-tokens 8 --repeats 1 --op-repeats 3
 
 The call: `benchmarks/shared_decode.py`'s GRPO-like one (`--prompts` 8 fresh ShareGPT-like prompts x `--n`
-8 samples, `--new-tokens` 64, temperature 1, EOS off, `kernels="invariant"`, cascade decode on), each round
-with fresh prompts and seed. Contenders, interleaved per round after `--warmup` rounds, each its own Rollout:
+8 samples, `--new-tokens` 64, temperature 1, EOS off, `kernels="invariant"`, cascade decode on, the model in
+`--dtype`), each round with fresh prompts and seed. Contenders, interleaved per round after `--warmup`
+rounds, each its own Rollout:
 - "no logprobs": `logprobs=False`;
 - "trainer logprobs, kernel": `logprobs=True` (the default `logprobs_mode="trainer"`, which the TRL adapter
-  uses): each decode step's `logit - logsumexp(logits)` with the logsumexp through
-  `engine/kernels/trainer_logsumexp.py` (`csrc/trainer_logsumexp.cpp`);
-- "trainer logprobs, torch op": the same with the kernel refused (its `_takes` patched to False around
-  this contender's calls only), so torch's `logsumexp` runs, as before the kernel.
+  uses): each decode step's fp32 `logit - logsumexp(logits)` or bf16 `log_softmax(logits)[token]` through
+  `engine/kernels/trainer_reductions.py` (`csrc/trainer_logprobs.cpp`);
+- "trainer logprobs, torch op": the same with the kernels refused (patched around this contender's calls
+  only), so torch's `logsumexp` / `log_softmax` run, as before the kernels.
 The two trainer contenders must return the same tokens and logprobs bitwise (checked each round).
 
-The op: `torch.logsumexp(x, -1, keepdim=True)` against the kernel on [rows, vocab] fp32 logits (scale
-3), one thread, interleaved after a warm-up, with the logits in cache (`warm`) or after a 64 MB write
-(`cold`, as a decode step's logits arrive behind the head's weight stream).
+The ops: `torch.logsumexp(x, -1, keepdim=True)` against the fp32 kernel, and `torch.log_softmax(x,
+-1).gather(token)` against the bf16 one (where each runs), on [rows, vocab] logits (scale 3), one thread,
+interleaved after a warm-up, with the logits in cache (`warm`) or after a 64 MB write (`cold`, as a decode
+step's logits arrive behind the head's weight stream).
 
 Prints medians and ratios; raw samples, the CPU model and torch's version go to `--out`."""
 
@@ -36,7 +38,7 @@ from shared_decode import CONTINUOUS_BATCH_SIZE, round_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.file import host_cpu
-from autobucket.engine.kernels import trainer_logsumexp
+from autobucket.engine.kernels import trainer_reductions
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 
@@ -46,19 +48,21 @@ CACHE_FLUSH_BYTES = 64 << 20
 
 
 @contextmanager
-def torch_logsumexp_only():
-    saved = trainer_logsumexp._takes
-    trainer_logsumexp._takes = lambda logits: False
+def torch_ops_only():
+    """The kernels refused: trainer-mode logprobs take torch's logsumexp / log_softmax."""
+    saved = trainer_reductions._takes_fp32, trainer_reductions._takes_bf16
+    trainer_reductions._takes_fp32 = lambda logits: False
+    trainer_reductions._takes_bf16 = lambda logits, tokens: False
     try:
         yield
     finally:
-        trainer_logsumexp._takes = saved
+        trainer_reductions._takes_fp32, trainer_reductions._takes_bf16 = saved
 
 
 def call(rollout: Rollout, args, prompts: list[list[int]], seed: int, logprobs: bool, torch_op: bool):
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
                               continuous_batch_size=CONTINUOUS_BATCH_SIZE, logprobs=logprobs)  # fmt: skip
-    with torch_logsumexp_only() if torch_op else nullcontext():
+    with torch_ops_only() if torch_op else nullcontext():
         started = time.perf_counter()
         result = rollout.generate(prompts, sampling)
         return (time.perf_counter() - started) * 1e3, result
@@ -85,23 +89,29 @@ def measure_calls(args, model) -> dict:
     return {"medians_ms": medians, "samples_ms": samples, "bitwise_equal_rounds": bitwise_rounds}
 
 
-def measure_op(rows: int, vocab: int, repeats: int, cache: str) -> dict:
-    logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
+def measure_op(dtype: torch.dtype, rows: int, vocab: int, repeats: int, cache: str) -> dict:
+    generator = torch.Generator().manual_seed(rows + vocab)
+    logits = (3 * torch.randn(rows, vocab, generator=generator)).to(dtype)
+    tokens = torch.randint(0, vocab, (rows,), generator=generator)
     flush = torch.empty(CACHE_FLUSH_BYTES, dtype=torch.uint8) if cache == "cold" else None
-    contenders = {"kernel": torch.ops.autobucket.trainer_logsumexp,
-                  "torch": lambda x: torch.logsumexp(x, dim=-1, keepdim=True)}  # fmt: skip
-    if not torch.equal(contenders["kernel"](logits), contenders["torch"](logits)):
-        raise SystemExit(f"{rows} x {vocab}: the kernel differs from torch.logsumexp")
+    if dtype == torch.float32:
+        contenders = {"kernel": lambda x, t: torch.ops.autobucket.trainer_logsumexp(x),
+                      "torch": lambda x, t: torch.logsumexp(x, dim=-1, keepdim=True)}  # fmt: skip
+    else:
+        contenders = {"kernel": torch.ops.autobucket.trainer_log_softmax_at,
+                      "torch": lambda x, t: torch.log_softmax(x, dim=-1).gather(-1, t[:, None])[:, 0]}  # fmt: skip
+    if not torch.equal(contenders["kernel"](logits, tokens), contenders["torch"](logits, tokens)):
+        raise SystemExit(f"{dtype} {rows} x {vocab}: the kernel differs from torch's op")
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, op in contenders.items():
             if flush is not None:
                 flush.fill_(1)
             started = time.perf_counter()
-            op(logits)
+            op(logits, tokens)
             samples[name].append((time.perf_counter() - started) * 1e3)
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    return {"rows": rows, "vocab": vocab, "cache": cache, "medians_ms": medians, "samples_ms": samples}
+    return {"dtype": str(dtype), "rows": rows, "vocab": vocab, "cache": cache, "medians_ms": medians, "samples_ms": samples}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,24 +123,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--op-repeats", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype for the call")
     parser.add_argument("--out", default="results/trainer_logprobs.json")
     args = parser.parse_args(argv)
     threads = set_torch_threads(1)
-    if not trainer_logsumexp.available():
-        raise SystemExit("the trainer_logsumexp kernel is not available here (kernel library or torch's MKL)")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    available = {torch.float32: trainer_reductions.fp32_available(), torch.bfloat16: trainer_reductions.bf16_available()}
+    if not available[dtype]:
+        raise SystemExit(f"the {args.dtype} kernel does not run here (kernel library, torch's MKL, or not an AVX2 build)")
     cpu = host_cpu()
     print(f"CPU: {cpu}; torch {torch.__version__}; {threads} thread(s)")
     ops = []
-    for rows, vocab in OP_SHAPES:
-        for cache in ("warm", "cold"):
-            result = measure_op(rows, vocab, args.op_repeats, cache)
-            ops.append(result)
-            m = result["medians_ms"]
-            print(f"op {rows} x {vocab} {cache}: kernel {m['kernel']:.2f} ms, torch {m['torch']:.2f} ms, "
-                  f"kernel / torch {m['kernel'] / m['torch']:.2f}")  # fmt: skip
-    calls = measure_calls(args, build_tiny_model("bench-qwen2"))
+    for op_dtype in (op_dtype for op_dtype, there in available.items() if there):
+        for rows, vocab in OP_SHAPES:
+            for cache in ("warm", "cold"):
+                result = measure_op(op_dtype, rows, vocab, args.op_repeats, cache)
+                ops.append(result)
+                m = result["medians_ms"]
+                name = "logsumexp" if op_dtype == torch.float32 else "log_softmax at token, bf16"
+                print(f"{name} {rows} x {vocab} {cache}: kernel {m['kernel']:.2f} ms, torch {m['torch']:.2f} ms, "
+                      f"kernel / torch {m['kernel'] / m['torch']:.2f}")  # fmt: skip
+    calls = measure_calls(args, build_tiny_model("bench-qwen2").to(dtype))
     m = calls["medians_ms"]
-    print(f"\nGRPO-like call (bench-qwen2 fp32, {args.prompts} prompts x n = {args.n}, {args.new_tokens} new tokens, "
+    print(f"\nGRPO-like call (bench-qwen2 {args.dtype}, {args.prompts} prompts x n = {args.n}, {args.new_tokens} new tokens, "
           f"kernels='invariant'), medians of {args.repeats}:")  # fmt: skip
     for name in m:
         print(f"  {name}: {m[name] / 1e3:.3f} s, / no logprobs {m[name] / m[NONE]:.3f}")

@@ -19,25 +19,23 @@ def trainer_logprobs(
 ) -> torch.Tensor:
     """logits [..., vocab] (the model's dtype), tokens [...] long -> logprobs [...] in logits' dtype.
 
-    kernel=True (the engine's decode steps): fp32 logits [rows, vocab] take their `logsumexp` through
-    the kernel library where it takes the call (`engine/kernels/trainer_logsumexp.py`), bitwise torch's
-    op in one pass per row. The default is torch's op alone, as the trainer runs it."""
+    kernel=True (the engine's decode steps): logits [rows, vocab] take the fp32 logsumexp or the bf16
+    log_softmax through the kernel library where it takes the call (`engine/kernels/trainer_reductions.py`),
+    bitwise torch's ops in one pass per row. The default is torch's ops alone, as the trainer runs them."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature!r} is invalid: pass a positive temperature (1.0 when greedy)")
     if temperature != 1.0:
         logits = logits / temperature
+    if kernel and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16):
+        from autobucket.engine.kernels import trainer_reductions  # torch-only callers never build the library
+
+        if logits.dtype == torch.bfloat16:
+            return trainer_reductions.log_softmax_at(logits, tokens)
+        return (logits.gather(-1, tokens.unsqueeze(-1)) - trainer_reductions.logsumexp(logits)).squeeze(-1)
     index = tokens.unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
-        return (logits.gather(-1, index) - _logsumexp(logits, kernel)).squeeze(-1)
+        return (logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(-1)
     return torch.log_softmax(logits, dim=-1).gather(-1, index).squeeze(-1)
-
-
-def _logsumexp(logits: torch.Tensor, kernel: bool) -> torch.Tensor:
-    if kernel and logits.dim() == 2:
-        from autobucket.engine.kernels import trainer_logsumexp  # torch-only callers never build the library
-
-        return trainer_logsumexp.logsumexp(logits)
-    return torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 def teacher_forced_batch(

@@ -35,7 +35,7 @@ from autobucket.engine.model_access.weight_versions import in_place_version
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp",
-                 "first_argmax.cpp", "sample_inverse_cdf.cpp", "trainer_logsumexp.cpp")
+                 "first_argmax.cpp", "sample_inverse_cdf.cpp", "trainer_logprobs.cpp")
 ]  # fmt: skip
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "lanes.h", "aten_sum.h")]  # in the build's digest: an edit rebuilds
 
