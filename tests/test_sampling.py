@@ -458,8 +458,9 @@ def test_nan_logits_raise_naming_the_rows_and_the_rollout_stays_usable(kernels):
     saved = head[7].clone()
     with torch.no_grad():
         head[7] = float("nan")
-    with pytest.raises(RuntimeError, match=r"cannot sample rows \[0\] of this step.*NaN"):  # aligned: one row a step
-        rollout.generate(prompts, sampling())
+    with pytest.raises(RuntimeError, match=r"cannot sample prompt \d \(sample 0, new token 0\) of this step.*NaN") as raised:
+        rollout.generate(prompts, sampling())  # aligned: one prompt's row a step
+    assert isinstance(raised.value, selection.UnsamplableRows) and raised.value.rows == [0]
     with torch.no_grad():
         head[7] = saved
     repaired = rollout.generate(prompts, sampling())

@@ -188,14 +188,25 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
     return tokens, logprobs
 
 
-def _unsamplable(rows: torch.Tensor) -> RuntimeError:
-    """The error for rows [rows] bool whose scores define no distribution (as torch.multinomial refuses them)."""
-    which = rows.nonzero().flatten().tolist()
-    return RuntimeError(
-        f"cannot sample rows {which[:8]}{' ...' if len(which) > 8 else ''} of this step: their logits hold NaN or "
-        "+inf, or every token was filtered to -inf. The model's forward produced them: check its weights and "
-        "inputs (an fp16 overflow, a diverged update)"
-    )
+class UnsamplableRows(RuntimeError):
+    """A step's rows whose scores define no distribution (NaN or +inf, or every token filtered to -inf), as
+    torch.multinomial refuses them. `rows` are the step's row indices; `where` names them for the caller
+    (`select_tokens`: by prompt, sample and token), else they are named as rows."""
+
+    def __init__(self, rows: list[int], where: list[str] | None = None) -> None:
+        self.rows = rows
+        named = where if where is not None else [f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''}"]
+        shown = ", ".join(named[:8]) + (" ..." if where is not None and len(named) > 8 else "")
+        super().__init__(
+            f"cannot sample {shown} of this step: their logits hold NaN or +inf, or every token was filtered "
+            "to -inf. The model's forward produced them: check its weights and inputs (an fp16 overflow, a "
+            "diverged update)"
+        )
+
+
+def _unsamplable(rows: torch.Tensor) -> UnsamplableRows:
+    """The error for rows [rows] bool whose scores define no distribution."""
+    return UnsamplableRows(rows.nonzero().flatten().tolist())
 
 
 def _sampler_kernel() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
@@ -336,7 +347,11 @@ def select_tokens(
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     seeds = [settings.request_seeds[p] for p in prompts]
     uniforms = torch.from_numpy(stream_uniforms(seeds, samples, steps)).to(logits.device)
-    tokens, logprobs = sample_inverse_cdf(settings.warp(logits), uniforms)
+    try:
+        tokens, logprobs = sample_inverse_cdf(settings.warp(logits), uniforms)
+    except UnsamplableRows as error:  # named for the caller: which prompt, sample and new token
+        where = [f"prompt {prompts[row]} (sample {samples[row]}, new token {steps[row]})" for row in error.rows]
+        raise UnsamplableRows(error.rows, where) from error
     return tokens, (logprobs if want_logprobs else None)
 
 
