@@ -1070,6 +1070,16 @@ int64_t vector_bits() {
 #endif
 }
 
+// Whether at::parallel_for splits this library's loops among torch's threads: ATen inlines it as an OpenMP
+// loop, so it does only in a build with -fopenmp (invariant_attention.py's PARALLEL_FLAGS)
+bool splits_among_threads() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool set_decode_prefetch(bool on) {
 #if defined(AUTOBUCKET_ATTENTION_VECTORS)
   return decode_prefetch().exchange(on);
@@ -1088,6 +1098,7 @@ TORCH_LIBRARY(autobucket, m) {
   m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
   m.def("set_decode_prefetch(bool on) -> bool", &set_decode_prefetch);
   m.def("vector_bits() -> int", &vector_bits);
+  m.def("splits_among_threads() -> bool", &splits_among_threads);
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {

@@ -137,8 +137,9 @@ void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10:
 }
 
 // The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
-// elements among the threads: run here one after another (this library is built without OpenMP, where
-// at::parallel_for would not split at all), so each element takes the branch it takes there.
+// elements among the threads: the same chunks, run here one after another, so each element takes the
+// branch (vector lanes or scalar tail) it takes there. The chunks' boundaries are what matters to the
+// values; running them in turn keeps a one-pass op that is bound by memory simple.
 template <typename T>
 void silu_and_mul_as_aten_splits(const T* gate, const T* up, T* out, int64_t count) {
   const int64_t grain = at::internal::GRAIN_SIZE;

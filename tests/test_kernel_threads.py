@@ -1,0 +1,60 @@
+"""The engine's kernels on torch's threads: the library is built so that `at::parallel_for` splits its loops
+(ATen inlines it as an OpenMP loop, which runs on one thread in a build without OpenMP), on the one OpenMP
+runtime torch loaded; and a rollout whose kernels split their loops over two threads gives bitwise the
+tokens and logprobs of the same rollout on one thread (linears split by panels, attention by rows and K/V
+heads, the cascade's shared blocks by groups). Oracle: the one-thread rollout; the engine's own invariance
+claim is that threads change speed, never a value."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import routes
+from autobucket.engine.batching import model_runner
+from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+
+pytestmark = [pytest.mark.engine]
+
+
+@pytest.fixture
+def library():
+    if not kernel_library_builds():
+        pytest.skip("no C++ toolchain: the kernel library is not built here")
+
+
+def openmp_runtimes() -> set[str]:
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+
+
+def test_the_library_splits_its_loops_on_torchs_openmp_runtime(library):
+    assert torch.ops.autobucket.splits_among_threads()
+    assert len(openmp_runtimes()) == 1, openmp_runtimes()  # torch's: the library shares it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rollout_on_two_threads_is_bitwise_the_one_thread_rollout(library, dtype, tiny_models, monkeypatch):
+    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)  # cascade decode for every n > 1 prompt
+    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
+    model = copy.deepcopy(tiny_models("tiny-qwen2")).to(dtype)  # the shared fixture stays fp32
+    prompts = random_prompts([70, 130, 9, 200, 33], seed=8)  # shared prompts with whole 64-key blocks
+    sampling = SamplingConfig(max_new_tokens=6, eos_token_id=[], n=3, temperature=1.0, seed=5, logprobs=True,
+                              continuous_batch_size=8)  # fmt: skip
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            rollout = Rollout(model, config=RolloutConfig(kernels="invariant", persist_costs=False, compile=False))
+            results.append(rollout.generate(prompts, sampling))
+    finally:
+        torch.set_num_threads(before)
+    one, two = results
+    assert one.profile.shared_kv_rows > 0  # the cascade ran
+    assert one.tokens == two.tokens and one.logprobs == two.logprobs
