@@ -58,3 +58,29 @@ def test_a_rollout_on_two_threads_is_bitwise_the_one_thread_rollout(library, dty
     one, two = results
     assert one.profile.shared_kv_rows > 0  # the cascade ran
     assert one.tokens == two.tokens and one.logprobs == two.logprobs
+
+
+def test_a_toolchain_without_openmp_gets_a_one_thread_build_and_a_warning(monkeypatch):
+    """The build with OpenMP fails (no libgomp to link): the library is built without it, warned once;
+    when that fails too, the error names the fix. (The builds themselves are stubbed: the library is
+    already loaded in this process.)"""
+    from autobucket.engine.kernels import invariant_attention
+
+    builds = []
+
+    def build(parallel_flags):
+        builds.append(list(parallel_flags))
+        if parallel_flags:
+            raise RuntimeError("Error building extension\n/usr/bin/ld: cannot find -lgomp")
+
+    monkeypatch.setattr(invariant_attention, "_build_and_load", build)
+    with pytest.warns(RuntimeWarning, match=r"did not build with OpenMP \(/usr/bin/ld: cannot find -lgomp\).*one thread"):
+        invariant_attention.load_invariant_kernels.__wrapped__()
+    assert builds == [invariant_attention.PARALLEL_FLAGS, []]
+
+    def never(parallel_flags):
+        raise OSError("ninja not found")
+
+    monkeypatch.setattr(invariant_attention, "_build_and_load", never)
+    with pytest.raises(ValueError, match=r"build failed \(OSError: ninja not found\); install g\+\+ and ninja"):
+        invariant_attention.load_invariant_kernels.__wrapped__()

@@ -65,27 +65,44 @@ def _cpu_flags() -> str:
 def load_invariant_kernels() -> None:
     """Build (once per machine kind, cached on disk) and load the kernel library into `torch.ops.autobucket`.
 
-    Raises ValueError naming the fix when no C++ toolchain can build it."""
-    source = "".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
-    flags = [*BUILD_FLAGS, *PARALLEL_FLAGS]
-    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
-    from torch.utils import cpp_extension
-
+    With OpenMP where the compiler has it; a toolchain without it (no libgomp to link) gets a build whose
+    loops run on one thread, warned once. Raises ValueError naming the fix when no C++ toolchain can build it."""
     try:
-        cpp_extension.load(
-            name=f"autobucket_kernels_{digest}",
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=PARALLEL_FLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        _build_and_load(PARALLEL_FLAGS)
+        return
     except (OSError, RuntimeError) as error:  # no compiler / ninja (OSError), a failed build (RuntimeError)
+        parallel_error = error
+    try:
+        _build_and_load([])
+    except (OSError, RuntimeError) as error:
         last_line = (str(error).strip().splitlines() or [""])[-1]
         raise ValueError(
             "kernels='invariant' builds its attention kernel with a C++ compiler at first use, and the build "
             f"failed ({type(error).__name__}: {last_line}); install g++ and ninja, or use RolloutConfig(kernels='hf')"
         ) from error
+    last_line = (str(parallel_error).strip().splitlines() or [""])[-1]
+    warnings.warn(
+        f"autobucket: the kernel library did not build with OpenMP ({last_line}); its kernels run on one thread "
+        "whatever torch.set_num_threads says (install the compiler's OpenMP runtime, libgomp, for them to split)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _build_and_load(parallel_flags: list[str]) -> None:
+    source = "".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
+    flags = [*BUILD_FLAGS, *parallel_flags]
+    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=f"autobucket_kernels_{digest}",
+        sources=[str(path) for path in _SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=parallel_flags,
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 class _AllowedMemo(threading.local):
