@@ -8,6 +8,7 @@
 // keeps it.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -100,7 +101,9 @@ at::Tensor first_argmax(const at::Tensor& logits) {
   at::Tensor out = at::empty({count}, rows.options().dtype(at::kLong));
   const float* data = rows.data_ptr<float>();
   int64_t* indices = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < count; ++r) indices[r] = row_argmax(data + r * vocab, vocab);
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {  // rows among torch's threads
+    for (int64_t r = first; r < last; ++r) indices[r] = row_argmax(data + r * vocab, vocab);
+  });
   return out;
 }
 

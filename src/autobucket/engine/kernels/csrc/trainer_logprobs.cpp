@@ -34,6 +34,7 @@
 // its sum over threads, and rows shorter than one vector.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -127,17 +128,19 @@ at::Tensor trainer_logsumexp(const at::Tensor& logits) {
   const float* x = logits.data_ptr<float>();
   float* sums = result.data_ptr<float>();
   std::vector<float> maxes(static_cast<size_t>(rows));
-  std::vector<float> exponentials(static_cast<size_t>(vocab));  // one row's exp(x - max), 128 KB at 32,000
-  for (int64_t row = 0; row < rows; ++row) {
-    const float* in = x + row * vocab;
-    float max = row_max(in, vocab);
-    if (std::isinf(max)) max = 0.0f;  // masked_fill_(|maxes| == inf, 0): before the subtraction too
-    maxes[row] = max;
-    shifted(in, vocab, max, exponentials.data());
-    vml().exp(static_cast<int>(vocab), exponentials.data(), exponentials.data(), kAtenVmlMode);
-    sums[row] = autobucket_sum::aten_row_sum(
-        exponentials.data(), vocab, [](const float* p) { return _mm256_loadu_ps(p); }, [](float value) { return value; });
-  }
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {  // rows among torch's threads
+    std::vector<float> exponentials(static_cast<size_t>(vocab));  // one row's exp(x - max), 128 KB at 32,000
+    for (int64_t row = first; row < last; ++row) {
+      const float* in = x + row * vocab;
+      float max = row_max(in, vocab);
+      if (std::isinf(max)) max = 0.0f;  // masked_fill_(|maxes| == inf, 0): before the subtraction too
+      maxes[row] = max;
+      shifted(in, vocab, max, exponentials.data());
+      vml().exp(static_cast<int>(vocab), exponentials.data(), exponentials.data(), kAtenVmlMode);
+      sums[row] = autobucket_sum::aten_row_sum(
+          exponentials.data(), vocab, [](const float* p) { return _mm256_loadu_ps(p); }, [](float value) { return value; });
+    }
+  });
   if (rows > 0) vml().ln(static_cast<int>(rows), sums, sums, kAtenVmlMode);
   for (int64_t row = 0; row < rows; ++row) sums[row] += maxes[row];
 #endif
@@ -250,14 +253,16 @@ at::Tensor trainer_log_softmax_at(const at::Tensor& logits, const at::Tensor& to
                 " is outside the vocabulary [0, ", vocab, ")");
   const c10::BFloat16* x = logits.data_ptr<c10::BFloat16>();
   c10::BFloat16* out = result.data_ptr<c10::BFloat16>();
-  for (int64_t row = 0; row < rows; ++row) {
-    const c10::BFloat16* in = x + row * vocab;
-    const float max = static_cast<float>(c10::BFloat16(bf16_row_max(in, vocab)));  // stored as bf16: exact
-    const float sum = static_cast<float>(c10::BFloat16(bf16_row_sum_of_exp(in, vocab, max)));  // stored as bf16
-    const float log_sum =
-        static_cast<float>(bf16_as_aten_vectors(_mm256_cvtss_f32(Sleef_logf8_u10(_mm256_set1_ps(sum)))));
-    out[row] = bf16_as_aten_vectors((static_cast<float>(in[token[row]]) - max) - log_sum);
-  }
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {  // rows among torch's threads
+    for (int64_t row = first; row < last; ++row) {
+      const c10::BFloat16* in = x + row * vocab;
+      const float max = static_cast<float>(c10::BFloat16(bf16_row_max(in, vocab)));  // stored as bf16: exact
+      const float sum = static_cast<float>(c10::BFloat16(bf16_row_sum_of_exp(in, vocab, max)));  // stored as bf16
+      const float log_sum =
+          static_cast<float>(bf16_as_aten_vectors(_mm256_cvtss_f32(Sleef_logf8_u10(_mm256_set1_ps(sum)))));
+      out[row] = bf16_as_aten_vectors((static_cast<float>(in[token[row]]) - max) - log_sum);
+    }
+  });
 #endif
   return result;
 }
