@@ -26,6 +26,7 @@ Prints medians and ratios; raw samples, the CPU model and torch's version go to 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -34,6 +35,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from interleave import interleaved
 from shared_decode import CONTINUOUS_BATCH_SIZE, round_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -105,14 +107,8 @@ def measure_op(dtype: torch.dtype, rows: int, vocab: int, repeats: int, cache: s
                       "torch": lambda x, t: torch.log_softmax(x, dim=-1).gather(-1, t[:, None])[:, 0]}  # fmt: skip
     if not torch.equal(contenders["kernel"](logits, tokens), contenders["torch"](logits, tokens)):
         raise SystemExit(f"{dtype} {rows} x {vocab}: the kernel differs from torch's op")
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, op in contenders.items():
-            if flush is not None:
-                flush.fill_(1)
-            started = time.perf_counter()
-            op(logits, tokens)
-            samples[name].append((time.perf_counter() - started) * 1e3)
+    calls = {name: functools.partial(op, logits, tokens) for name, op in contenders.items()}
+    samples = interleaved(calls, repeats, before=(lambda: flush.fill_(1)) if flush is not None else None)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"dtype": str(dtype), "rows": rows, "vocab": vocab, "cache": cache, "medians_ms": medians, "samples_ms": samples}
 

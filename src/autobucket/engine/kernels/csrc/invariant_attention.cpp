@@ -603,14 +603,7 @@ constexpr int64_t kQueryTile = 16;
 // at 32 rows x 512 keys: 8.9 -> 5.7 ms of attention per step (SDPA flash 6.6), Intel Xeon.
 constexpr int64_t kInPlaceQueries = 4;
 
-#if defined(__AVX2__)
-// 8 keys' values at one 8-dimension chunk as fp32 (a bf16 value widened exactly: the top half of its fp32)
-inline __m256 load8_as_fp32(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_as_fp32(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
+#if defined(AUTOBUCKET_LANES)
 // rows[i][t] -> rows[t][i] for an 8 x 8 block of floats (moves only: every value kept exactly)
 inline void transpose8x8(__m256* rows) {
   __m256 pairs[8], quads[8];
@@ -640,13 +633,13 @@ inline void transpose8x8(__m256* rows) {
 template <typename T>
 void transpose_into_tiles(const T* const* keys, int64_t n, int64_t head_dim, float* tiles) {
   int64_t j = 0;
-#if defined(__AVX2__)
-  if (!std::is_same_v<T, float> && head_dim % 8 == 0)
-    for (; j + 8 <= n; j += 8) {
+#if defined(AUTOBUCKET_LANES)
+  if constexpr (!std::is_same_v<T, float>)
+    for (; head_dim % 8 == 0 && j + 8 <= n; j += 8) {
       float* dst = tiles + (j / 16) * 16 * head_dim + j % 16;  // runs of 8 start at lane 0 or 8 of a tile
       for (int64_t d = 0; d < head_dim; d += 8) {
         __m256 block[8];
-        for (int i = 0; i < 8; ++i) block[i] = load8_as_fp32(keys[j + i] + d);
+        for (int i = 0; i < 8; ++i) block[i] = widen8(keys[j + i] + d);
         transpose8x8(block);
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (d + i) * 16, block[i]);
       }

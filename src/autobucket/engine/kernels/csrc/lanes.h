@@ -21,6 +21,12 @@
 
 namespace autobucket_lanes {
 
+// 8 bf16 -> fp32, exactly (each one's bits shifted up 16); AVX2, which both vector builds have
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
 #if defined(__AVX512F__)
 struct Lanes {
   __m512 v;
@@ -78,10 +84,6 @@ struct LaneMask {
 inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Lanes zeros() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Lanes load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline __m256 widen8(const c10::BFloat16* p) {  // 8 bf16 -> fp32, exactly
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
 inline Lanes load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
 inline Lanes load_aligned(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
 inline void store_aligned(float* p, Lanes x) { _mm256_store_ps(p, x.lo), _mm256_store_ps(p + 8, x.hi); }

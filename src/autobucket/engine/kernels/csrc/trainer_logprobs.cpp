@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "aten_sum.h"
+#include "lanes.h"
 
 namespace {
 
@@ -153,16 +154,14 @@ at::Tensor trainer_logsumexp(const at::Tensor& logits) {
 extern "C" __m256 Sleef_expf8_u10(__m256);
 extern "C" __m256 Sleef_logf8_u10(__m256);
 
-// 8 bf16 values widened to fp32 (exact: a bf16 is the top half of its fp32); `count` < 8 of them with
-// zeros after, as Vectorized<BFloat16>::loadu(p, count) fills a partial vector
-inline __m256 widened8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline __m256 widened8(const c10::BFloat16* p, int64_t count) {
+using autobucket_lanes::widen8;
+
+// `count` < 8 bf16 values widened to fp32 with zeros after, as Vectorized<BFloat16>::loadu(p, count) fills
+// a partial vector
+inline __m256 widen8(const c10::BFloat16* p, int64_t count) {
   alignas(16) c10::BFloat16 values[8] = {};
   std::memcpy(values, p, static_cast<size_t>(count) * sizeof(c10::BFloat16));
-  return widened8(values);
+  return widen8(values);
 }
 
 // Vectorized<float>::set(a, b, count): lanes [0, count) from b, the rest from a
@@ -191,7 +190,7 @@ float bf16_row_max(const c10::BFloat16* x, int64_t length) {
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= length; k += 8) {
-    const __m256 v = widened8(x + k);
+    const __m256 v = widen8(x + k);
     best = _mm256_max_ps(best, v);
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
@@ -211,18 +210,18 @@ float bf16_row_max(const c10::BFloat16* x, int64_t length) {
 float bf16_row_sum_of_exp(const c10::BFloat16* x, int64_t length, float max) {
   const __m256 shift = _mm256_set1_ps(max);
   const auto term = [shift](__m256 v) { return Sleef_expf8_u10(_mm256_sub_ps(v, shift)); };
-  __m256 low = term(widened8(x)), high = term(widened8(x + 8));
+  __m256 low = term(widen8(x)), high = term(widen8(x + 8));
   int64_t d = 16;
   for (; d < length - length % 16; d += 16) {
-    low = _mm256_add_ps(low, term(widened8(x + d)));
-    high = _mm256_add_ps(high, term(widened8(x + d + 8)));
+    low = _mm256_add_ps(low, term(widen8(x + d)));
+    high = _mm256_add_ps(high, term(widen8(x + d + 8)));
   }
   const int64_t rest = length - d;
   if (rest > 8) {
-    low = _mm256_add_ps(low, term(widened8(x + d)));
-    high = blend_first(high, _mm256_add_ps(high, term(widened8(x + d + 8, rest - 8))), rest - 8);
+    low = _mm256_add_ps(low, term(widen8(x + d)));
+    high = blend_first(high, _mm256_add_ps(high, term(widen8(x + d + 8, rest - 8))), rest - 8);
   } else if (rest > 0) {
-    low = blend_first(low, _mm256_add_ps(low, term(widened8(x + d, rest))), rest);
+    low = blend_first(low, _mm256_add_ps(low, term(widen8(x + d, rest))), rest);
   }
   return lane_tree_sum(_mm256_add_ps(low, high));
 }
