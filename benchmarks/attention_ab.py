@@ -1,6 +1,7 @@
 """Decode and prefill attention, this tree's kernel against a git revision's, interleaved in one process.
 
     taskset -c 0 python benchmarks/attention_ab.py --baseline HEAD --out results/attention_ab.json
+    taskset -c 0,1 python benchmarks/attention_ab.py --baseline HEAD --threads 2   # the loops' split
 
 On this VM the same code runs up to 25% faster or slower from one process to the next, so two builds
 timed in separate processes cannot be told apart by a few percent. Here the revision's
@@ -130,9 +131,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="32x512,64x800", help="rows x context, comma-separated")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (pin as many cores)")
     parser.add_argument("--out", default="results/attention_ab.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     load_invariant_kernels()
     build_revision_kernel(args.baseline, "invariant_attention.cpp", NAMESPACE)
     results = []
@@ -149,7 +151,8 @@ def main() -> None:
             report(f"rows {rows} context {context}", result)
             results.append(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"baseline": args.baseline, "results": results}, indent=1))
+    record = {"baseline": args.baseline, "threads": args.threads, "results": results}
+    Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

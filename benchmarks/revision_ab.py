@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from interleave import interleaved
 
-from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS
+from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, PARALLEL_FLAGS
 
 CSRC = "src/autobucket/engine/kernels/csrc"
 
@@ -33,7 +33,9 @@ def build_revision_kernel(revision: str, source: str, namespace: str) -> None:
     (folder / source).write_text(text)
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=f"{namespace}_{commit[:12]}", sources=[str(folder / source)], extra_cflags=BUILD_FLAGS,
+    # with OpenMP as the library is built (since 86764aa), so that both builds split their loops alike
+    cpp_extension.load(name=f"{namespace}_{commit[:12]}", sources=[str(folder / source)],
+                       extra_cflags=[*BUILD_FLAGS, *PARALLEL_FLAGS], extra_ldflags=PARALLEL_FLAGS,
                        is_python_module=False, verbose=False)  # fmt: skip
 
 

@@ -13,6 +13,7 @@ with eager attention are refused, naming the way out."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 
@@ -59,6 +60,17 @@ def sdpa(query, key, value, mask, causal):
 
 def kernel(query, key, value, mask, causal):
     return invariant_attention(query, key, value, mask, query.shape[-1] ** -0.5, causal)
+
+
+@contextlib.contextmanager
+def on_threads(threads: int):
+    """torch's intra-op threads for the block (the kernels' loops split among them), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def random_mask(generator, shape) -> torch.Tensor:
@@ -203,13 +215,15 @@ def test_a_tokens_attention_is_bitwise_the_same_in_every_layout(length, dtype, d
 PACKED_LENGTHS = (5, 17, 3, 40, 30, 1, 60)  # 156 queries: chunks of 64 queries span several sequences
 
 
+@pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
 @pytest.mark.parametrize("layout", ("packed sequences", "random masks", "padded causal"))
-def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
+def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype, threads):
     """Many queries in one call (the tiled form: each key list transposed once, queries taken in tiles,
     several lists per chunk of a packed row, a list per query under random masks) against each query in
-    a call of its own (the per-key form), bitwise."""
+    a call of its own (the per-key form), bitwise. On two threads the call's (row, K/V head, query chunk)
+    items, of very unequal cost under a causal mask, are shared out by cost rather than in runs."""
     generator = torch.Generator().manual_seed(dim)
     total = sum(PACKED_LENGTHS)
     query = torch.randn(2, 6, total, dim, generator=generator).to(dtype)
@@ -223,7 +237,8 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
         mask = torch.ones(total, total, dtype=torch.bool).tril().expand(2, 1, total, total).clone()
         mask[0, :, :, :9], mask[1, :, :, :30] = False, False
     with torch.inference_mode():
-        together = kernel(query, key, value, mask, False)
+        with on_threads(threads):
+            together = kernel(query, key, value, mask, False)
         alone = torch.cat([kernel(query[:, :, i : i + 1], key, value, mask[:, :, i : i + 1], False) for i in range(total)], 1)
     assert together.shape == alone.shape
     if layout == "padded causal":
@@ -237,15 +252,17 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype):
 SHARED_GROUPS = ((150, 3), (64, 2), (40, 2), (70, 17), (200, 1))
 
 
+@pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
-def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim):
+def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, threads):
     """Cascade decode (`invariant_attention_shared`): rows reading a group's shared prompt keys, then their
     own columns (right-aligned, of different lengths), several rows to a group. The oracle is each row
     holding [prompt | own keys] in its own cache row, in a call of its own, bitwise; rows without a group
     ride along, and one of them is checked against SDPA. In the vector form a group of 2+ rows takes its
     prompt's whole 64-key blocks as one tile and each row resumes from their softmax states (the 150-,
-    64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row)."""
+    64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row). On two
+    threads the groups' tiles and the rows are shared out by their cost (groups of 2 to 17 rows)."""
     load_invariant_kernels()
     generator = torch.Generator().manual_seed(dim)
     heads, kv_heads, own = 6, 2, 23
@@ -263,9 +280,10 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim):
         mask[row, :, :, : row % 5] = False
     scale = dim**-0.5
     with torch.inference_mode():
-        together = invariant_attention_shared(
-            query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group
-        )
+        with on_threads(threads):
+            together = invariant_attention_shared(
+                query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group
+            )
         for row in range(rows):
             group = int(row_group[row])
             length = int(shared_length[group]) if group >= 0 else 0  # no group: an empty prompt

@@ -37,7 +37,7 @@ _SOURCES = [
     for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp",
                  "first_argmax.cpp", "sample_inverse_cdf.cpp", "trainer_logprobs.cpp")
 ]  # fmt: skip
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "lanes.h", "aten_sum.h")]  # in the build's digest: an edit rebuilds
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "lanes.h", "aten_sum.h", "balanced_parallel.h")]  # in the build's digest: an edit rebuilds
 
 
 # never reassociate a sum, never fuse a multiply into an add the source did not write (both score forms of

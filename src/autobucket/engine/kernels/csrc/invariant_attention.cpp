@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_parallel.h"
 #include "cpu_vendor.h"
 #include "lanes.h"
 
@@ -743,7 +744,13 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   out.states.resize(static_cast<size_t>(rows * kv_heads * group * out.lanes_per_head));
   const Strides sks = strides_of(*shared.key), svs = strides_of(*shared.value);
   const int64_t per_head = out.lanes_per_head;
-  at::parallel_for(0, static_cast<int64_t>(taken.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // a (group, K/V head) item's work: its rows' queries over the prefix's whole blocks
+  const auto cost = [&](int64_t item) {
+    const std::vector<int64_t>& group_rows = members[taken[item / kv_heads]];
+    return out.keys[group_rows[0]] * static_cast<int64_t>(group_rows.size());
+  };
+  const int64_t items_total = static_cast<int64_t>(taken.size()) * kv_heads;
+  autobucket_parallel::parallel_for_balanced(items_total, cost, [&](int64_t begin, int64_t end) {
     TiledList<T> list;
     std::vector<const T*> key_ptrs, value_ptrs;
     std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
@@ -805,7 +812,25 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                                                             static_cast<float>(scale))
                                   : PrefixStates{};
 #endif
-  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  // an item's work: its queries times the keys its last query reads (rows of one call differ by their
+  // lengths: a long tail's one long row, a packed row's later causal chunks)
+  const auto cost = [&](int64_t item) {
+    const int64_t row = item / (kv_heads * chunks), chunk = item % chunks;
+    const int64_t first_query = chunk * kQueryChunk, end_query = std::min(queries, first_query + kQueryChunk);
+    const int64_t g = shared.group != nullptr ? shared.group[row] : -1;
+    int64_t keys = g >= 0 ? shared.length[g] : 0;
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
+    if (!prefix.keys.empty()) keys -= prefix.keys[row];  // already read by the group's tile
+#endif
+    if (has_mask) {
+      const bool* m = mask + (row * mask_queries + (mask_queries == 1 ? 0 : end_query - 1)) * columns;
+      keys += std::count(m, m + columns, true);
+    } else {
+      keys += causal ? std::max<int64_t>(0, columns - queries + end_query) : columns;
+    }
+    return keys * (end_query - first_query);
+  };
+  autobucket_parallel::parallel_for_balanced(rows * kv_heads * chunks, cost, [&](int64_t begin, int64_t end) {
     std::vector<const T*> key_ptrs(static_cast<size_t>(shared_max + columns));
     std::vector<const T*> value_ptrs(key_ptrs.size());
     std::vector<float> work, q_fp32(static_cast<size_t>(group * head_dim)), out_fp32(q_fp32.size());

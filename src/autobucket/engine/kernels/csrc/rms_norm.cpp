@@ -15,6 +15,7 @@
 // Tested against the eager module on row lengths with and without vector tails (8 ... 4,096).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -48,6 +49,12 @@ void check_hidden(const at::Tensor& hidden) {
 #if !defined(__AVX2__)
   TORCH_CHECK(false, "rms_norm needs an AVX2 build");
 #endif
+}
+
+void check_weight(const at::Tensor& hidden, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == hidden.size(-1),
+              "rms_norm takes a weight [H] of the hidden states' dtype");
 }
 
 inline float widened(float x) { return x; }
@@ -105,12 +112,26 @@ void apply_rows(const T* x, const T* w, const float* r, T* y, int64_t rows, int6
   }
 }
 
+#if defined(__AVX2__)
+// Rows [first, end) of the whole forward (`rms_norm`): each row's sum of squares, its scale as the module
+// rounds it, then its products.
+template <typename T>
+void normalize_rows(const T* x, const T* w, T* y, int64_t first, int64_t end, int64_t length, double eps) {
+  const float length_fp32 = static_cast<float>(length), epsilon = static_cast<float>(eps);
+  std::vector<float> scales(static_cast<size_t>(end - first));
+  sums_of_squares(x + first * length, end - first, length, scales.data());
+  for (float& scale : scales) scale = 1.0f / std::sqrt(scale / length_fp32 + epsilon);
+  apply_rows(x + first * length, w, scales.data(), y + first * length, end - first, length);
+}
+#else
+template <typename T>
+void normalize_rows(const T*, const T*, T*, int64_t, int64_t, int64_t, double) {}  // check_hidden refused
+#endif
+
 // weight [H] * (hidden [..., H] * scale [..., 1]) in one pass
 at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& scale) {
   check_hidden(hidden);
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
-                  weight.size(0) == hidden.size(-1),
-              "rms_norm takes a weight [H] of the hidden states' dtype");
+  check_weight(hidden, weight);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() * hidden.size(-1) == hidden.numel(),
               "rms_norm takes one fp32 scale per row");
   at::Tensor out = at::empty_like(hidden);
@@ -128,13 +149,23 @@ at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, co
 // variance as ATen rounds them: `/ H` (true division by the length, a float), `+ eps` (eps rounded to
 // float, one rounded add: ATen's fma(eps, 1, v) is the same) and `rsqrt` (ATen's 1 / sqrt, two rounded
 // operations, in vector lanes and scalar tails alike); then the products. Saves the three ATen calls
-// (and their scalar wrapping) per norm: ~10 us each on a decode step.
+// (and their scalar wrapping) per norm: ~10 us each on a decode step. Rows are independent, so they
+// split among torch's threads (a prefill's thousands of rows) where a call holds more than ATen's grain of
+// elements; a decode step's few rows stay on one thread, below the cost of waking the others.
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
-  at::Tensor scale = rms_norm_sum_of_squares(hidden);
-  const float length = static_cast<float>(hidden.size(-1)), epsilon = static_cast<float>(eps);
-  float* values = scale.data_ptr<float>();
-  for (int64_t row = 0; row < scale.numel(); ++row) values[row] = 1.0f / std::sqrt(values[row] / length + epsilon);
-  return rms_norm_apply(hidden, weight, scale);
+  check_hidden(hidden);
+  check_weight(hidden, weight);
+  at::Tensor out = at::empty_like(hidden);
+  const int64_t length = hidden.size(-1), rows = length > 0 ? hidden.numel() / length : 0;
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(length, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t end) {
+    if (hidden.scalar_type() == at::kFloat)
+      normalize_rows(hidden.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), first, end, length, eps);
+    else
+      normalize_rows(hidden.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                     out.data_ptr<c10::BFloat16>(), first, end, length, eps);
+  });
+  return out;
 }
 
 }  // namespace

@@ -137,17 +137,21 @@ void silu_and_mul_chunk(const c10::BFloat16* gate, const c10::BFloat16* up, c10:
 }
 
 // The eager op's chunks, as TensorIterator::for_each -> at::parallel_for (OpenMP) splits the flattened
-// elements among the threads: the same chunks, run here one after another, so each element takes the
-// branch (vector lanes or scalar tail) it takes there. The chunks' boundaries are what matters to the
-// values; running them in turn keeps a one-pass op that is bound by memory simple.
+// elements among the threads: the same chunks, so each element takes the branch (vector lanes or scalar
+// tail) it takes there. The chunks' boundaries are what matters to the values; they run on the threads
+// too, one chunk a thread as in the eager op.
 template <typename T>
 void silu_and_mul_as_aten_splits(const T* gate, const T* up, T* out, int64_t count) {
+  if (count <= 0) return;
   const int64_t grain = at::internal::GRAIN_SIZE;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t chunks = count > grain && threads > 1 ? std::min(threads, (count + grain - 1) / grain) : 1;
   const int64_t chunk = (count + chunks - 1) / chunks;
-  for (int64_t begin = 0; begin < count; begin += chunk)
-    silu_and_mul_chunk(gate, up, out, begin, std::min(count, begin + chunk));
+  const int64_t chunk_count = (count + chunk - 1) / chunk;  // at most `chunks`
+  at::parallel_for(0, chunk_count, 1, [&](int64_t first, int64_t end) {
+    for (int64_t c = first; c < end; ++c)
+      silu_and_mul_chunk(gate, up, out, c * chunk, std::min(count, (c + 1) * chunk));
+  });
 }
 #endif
 
