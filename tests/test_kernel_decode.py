@@ -1,7 +1,7 @@
 """The kernel decode step (`engine/kernels/kernel_decode.py`) against the oracle it stands in for: the
 direct decode step, itself tested bitwise against the model's forward (test_direct_decode.py), on the
 same static cache, kernels and state. Logits and every layer's written K/V must be bitwise equal on each
-Llama-family architecture in fp32 with a padding mask; where the step cannot be exact (bf16, no invariant
+Llama-family architecture in fp32 with a padding mask, and in cascade steps over shared prompts; where the step cannot be exact (bf16, no invariant
 kernels, a hook to run, a weight to repack, a LoRA layer) it must decline, and the direct step's values
 come back. Negative control: the step reading panels without their weight version serves the weights as
 they were before an update, which the comparison must catch."""
@@ -55,6 +55,20 @@ def filled_runner(model, lengths=PADDED_LENGTHS) -> ModelRunner:
                          model.config.vocab_size, track_seen=False)  # fmt: skip
     output, _ = runner.prefill(prompts)
     runner.insert(output, RowInsert(list(range(len(lengths))), output.last_logits.argmax(-1), list(lengths), None))
+    return runner
+
+
+def shared_runner(model) -> ModelRunner:
+    """Three prompts' samples admitted together, 3, 2 and 1 rows: each of the first two prompts' rows read
+    one shared copy of its K/V (cascade decode); every row starts from a token of its own, so they differ."""
+    lengths, source_rows = (70, 19, 30), [0, 0, 0, 1, 1, 2]  # 70: a whole 64-key block, the group's tile
+    prompts = random_prompts(lengths, seed=3)
+    runner = ModelRunner(model, forward_spec(model), CacheShape(len(source_rows), max(lengths) + STEPS + 2), 0,
+                         model.config.vocab_size, track_seen=False, cascade=True, share_samples=True)  # fmt: skip
+    output, _ = runner.prefill(prompts)
+    first_tokens = torch.tensor([5, 9, 13, 7, 2, 11])
+    runner.insert(output, RowInsert(source_rows, first_tokens, [lengths[s] for s in source_rows], None))
+    assert len(runner.store.groups) == 2
     return runner
 
 
@@ -116,6 +130,23 @@ def test_the_kernel_step_is_bitwise_the_direct_step(tiny_models, name, monkeypat
     model = tiny_models(name)
     runner = filled_runner(model)
     assert runner.kernel_step is not None
+    counter = Taken(monkeypatch)
+    with engine_scope(model, PackedLinears()):
+        runner.prepare_decode()
+        runner.decode_logits()  # the first step packs every linear (the direct step runs it)
+        runner.store.front -= 1
+        assert_kernel_step_equals_direct(runner)
+    assert counter.taken == STEPS and counter.declined == 1
+
+
+@pytest.mark.parametrize("name", ("tiny-llama", "tiny-qwen3"))
+@pytest.mark.usefixtures("kernels_built")
+def test_a_cascade_step_is_bitwise_the_direct_step(tiny_models, name, monkeypatch):
+    """Rows reading shared prompts (the GRPO-like call's every step): the kernel step calls the cascade's
+    invariant kernel on the step's layout itself, and its logits and written K/V are the direct step's,
+    which runs the cascade through the model's attention interface."""
+    model = tiny_models(name)
+    runner = shared_runner(model)
     counter = Taken(monkeypatch)
     with engine_scope(model, PackedLinears()):
         runner.prepare_decode()
@@ -199,3 +230,28 @@ def test_control_a_kernel_step_blind_to_weight_versions_serves_the_old_weights(m
     monkeypatch.setattr(kernel_decode, "current_packs", lambda: VersionBlind())
     with engine_scope(model, packs), pytest.raises(AssertionError, match="differ"):
         assert_kernel_step_equals_direct(runner, steps=1)
+
+
+@pytest.mark.usefixtures("kernels_built")
+def test_control_a_cascade_step_blind_to_the_shared_prompts_differs(tiny_models, monkeypatch):
+    """The kernel step attending to each row's own columns only (the shared prompt's keys left out) must
+    fail the comparison with the direct step: the cascade test can tell."""
+    model = tiny_models("tiny-llama")
+    runner = shared_runner(model)
+    with engine_scope(model, PackedLinears()):
+        runner.prepare_decode()
+        runner.decode_logits()
+        runner.store.front -= 1
+        attend = kernel_decode._Calls._attend
+
+        def without_shared(calls, *args):
+            calls.cascade.calls += 1  # counted as the runner checks, so only the values can differ
+            cascade, calls.cascade = calls.cascade, None
+            try:
+                return attend(calls, *args)
+            finally:
+                calls.cascade = cascade
+
+        monkeypatch.setattr(kernel_decode._Calls, "_attend", without_shared)
+        with pytest.raises(AssertionError, match="logits differ"):
+            assert_kernel_step_equals_direct(runner, steps=1)

@@ -21,7 +21,7 @@ from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
-from autobucket.engine.kernels.cascade_attention import cascade_attention
+from autobucket.engine.kernels.cascade_attention import CascadeAttention
 from autobucket.engine.kernels.kernel_decode import KernelDecode
 from autobucket.engine.model_access.attention import (
     AttentionFunction,
@@ -243,7 +243,7 @@ class ModelRunner:
         if self.store.groups:
             layout = self.store.cascade_layout()
             own_kernel = self.decode_attention is not None
-            with engine_attention(cascade_attention(layout, kernel_attention_active(), own_kernel)):
+            with engine_attention(CascadeAttention(layout, kernel_attention_active(), own_kernel)):
                 logits = self._decode_forward()
             if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
                 raise RuntimeError(

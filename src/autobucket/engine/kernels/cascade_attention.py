@@ -48,20 +48,24 @@ class CascadeLayout:
     calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
 
 
-def cascade_attention(layout: CascadeLayout, invariant: bool = False, own_kernel: bool = False):
+class CascadeAttention:
     """transformers' attention-function interface for one decode forward over `layout`; `invariant`: on
     the batch-invariant kernel, which reads the shared keys first in the row's own key order (bitwise
     the per-row result), instead of two flash parts merged; `own_kernel` (the default kernels' decode):
     on that kernel too wherever it can take the call (measured faster: a GRPO-like call's decode 2.73
-    vs 3.13 s), else the flash parts."""
+    vs 3.13 s), else the flash parts. The kernel decode step (`kernel_decode.py`) reads `layout` and
+    `invariant` to call the same kernel itself."""
 
-    def attention(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def __init__(self, layout: CascadeLayout, invariant: bool = False, own_kernel: bool = False) -> None:
+        self.layout, self.invariant, self.own_kernel = layout, invariant, own_kernel
+
+    def __call__(self, module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                 **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
         if dropout and not dropout_suppressed():
             raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
-        layer = module.layer_idx
+        layout, layer = self.layout, module.layer_idx
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if invariant or (own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
+        if self.invariant or (self.own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
             output = invariant_attention_shared(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
                 layout.shared_length, layout.row_group,
@@ -70,8 +74,6 @@ def cascade_attention(layout: CascadeLayout, invariant: bool = False, own_kernel
             output = _attend(query, key, value, attention_mask, scale, layout, layer)
         layout.calls += 1
         return output, None
-
-    return attention
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, logsumexp), CPU

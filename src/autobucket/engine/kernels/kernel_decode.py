@@ -9,8 +9,14 @@ kernel's checks, per layer: about a fifth of a small model's step (bench-qwen2, 
 so its logits are bitwise the direct step's (tested per architecture, with the direct step as the
 oracle), and checks once per step what the routers check per call.
 
+A cascade step (rows reading a shared prompt's one copy of K/V, `cascade_attention.py`) is taken too: its
+attention is the cascade's own invariant call, `invariant_attention_shared` on the step's layout. A GRPO-like
+call runs every step so; with the direct step it took 1.07x the time on 2 threads and level on one (Zen 3,
+benchmarks/cascade_kernel_step.py): the step's Python weighs more as the kernels split among threads.
+
 It takes a step only where nothing can tell the difference: the thread runs the invariant kernels (the
-packed linears' route, the invariant attention, the fused elementwise routers in place), the model is
+packed linears' route, the invariant attention or the invariant cascade, the fused elementwise routers in
+place), the model is
 fp32, every bypassed module is the plain one with no hooks (`call_unobserved`), no forward replaced,
 every linear's panels are current (after a weight update the direct step runs once and repacks), and no
 attention dropout. Otherwise `step` returns None and the caller runs the direct step."""
@@ -21,6 +27,7 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.kernels.cascade_attention import CascadeAttention, CascadeLayout
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.routes import fused_here
 from autobucket.engine.kernels.invariant_attention import allowed_for, invariant_sdpa, kernel_library_builds
@@ -68,14 +75,17 @@ class KernelDecode:
     ) -> torch.Tensor | None:
         """`DirectDecode.step`'s logits [rows, 1, vocab], or None where this step must run the direct step."""
         packs = current_packs()
-        if packs is None or torch.is_grad_enabled() or not self._leaves_on_kernels():
+        attention = chosen_attention()
+        cascade = attention.layout if isinstance(attention, CascadeAttention) and attention.invariant else None
+        on_kernel_attention = attention is invariant_sdpa or cascade is not None
+        if packs is None or torch.is_grad_enabled() or not on_kernel_attention or not self._leaves_on_kernels():
             return None
         panels = [packs.ready_panels(linear.weight) for linear in self.linears]
         if any(panel is None for panel in panels):  # a weight to pack or repack: the direct step does it
             return None
         hidden = self.inner.embed_tokens(input_ids)  # [rows, 1, hidden]
         cos, sin = self.inner.rotary_emb(hidden, position_ids)
-        calls = _Calls(self.linears, panels, attention_mask)
+        calls = _Calls(self.linears, panels, attention_mask, cascade)
         for index, layer in enumerate(self.layers):
             residual = hidden
             attended = calls.attention(index, layer.self_attn, _norm(layer.input_layernorm, hidden), cos, sin, write)
@@ -89,12 +99,9 @@ class KernelDecode:
 
     def _leaves_on_kernels(self) -> bool:
         """Whether each bypassed call would reach the kernel this step calls: the routers in, the plain
-        modules without hooks, fp32 parameters, the invariant attention, no dropout to apply."""
+        modules without hooks, fp32 parameters, no dropout to apply (the attention is checked by `step`)."""
         modeling_rotary = self.direct.modeling.apply_rotary_pos_emb
-        routed = (
-            fused_here() and rotary.routed(modeling_rotary) and rms_norm.available() and gated_mlp.available()
-            and chosen_attention() is invariant_sdpa
-        )  # fmt: skip
+        routed = fused_here() and rotary.routed(modeling_rotary) and rms_norm.available() and gated_mlp.available()
         if not routed or self.model.lm_head.weight.dtype != torch.float32:
             return False
         plain_linears = all(
@@ -118,10 +125,16 @@ def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 class _Calls:
     """One step's kernel calls: the linears in the model's order on their ready panels, the attention on
-    the mask's allowed keys (made once per step)."""
+    the mask's allowed keys (made once per step), after the shared prompts' keys in a cascade step."""
 
-    def __init__(self, linears: list[torch.nn.Linear], panels: list[torch.Tensor | None], mask: torch.Tensor | None):
-        self.linears, self.panels, self.mask = linears, panels, mask
+    def __init__(
+        self,
+        linears: list[torch.nn.Linear],
+        panels: list[torch.Tensor | None],
+        mask: torch.Tensor | None,
+        cascade: CascadeLayout | None,
+    ) -> None:
+        self.linears, self.panels, self.mask, self.cascade = linears, panels, mask, cascade
         self.next = 0  # the next linear, in the model's order
         self.allowed: torch.Tensor | None = None
         self.fixed_order = fixed_order_op()
@@ -151,8 +164,23 @@ class _Calls:
         key, value = write(attention.layer_idx, key, value)
         if self.allowed is None:
             self.allowed = allowed_for(self.mask, rows, key.shape[2])
-        output = torch.ops.autobucket.invariant_attention(query, key, value, self.allowed, False, float(attention.scaling))
+        output = self._attend(attention, query, key, value)
         return self.linear(output.reshape(rows, 1, -1).contiguous())  # o_proj
+
+    def _attend(self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The invariant kernel the step's attention function calls: over each row's allowed keys, or in a
+        cascade step over its group's shared keys first (`CascadeAttention`'s invariant call, counted as
+        the runner checks)."""
+        scale = float(attention.scaling)
+        if self.cascade is None:
+            return torch.ops.autobucket.invariant_attention(query, key, value, self.allowed, False, scale)
+        layout, layer = self.cascade, attention.layer_idx
+        output = torch.ops.autobucket.invariant_attention_shared(
+            query, key, value, self.allowed, scale, layout.keys[layer], layout.values[layer], layout.shared_length,
+            layout.row_group,
+        )  # fmt: skip
+        layout.calls += 1
+        return output
 
     def gated_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         gate = self.linear(hidden)
