@@ -9,7 +9,8 @@ timed in separate processes cannot be told apart by a few percent. Here the revi
 operator namespace, and both run the same decode step's caches in turn (`decode_attention.py`'s layout:
 bench-qwen2's heads, `--layers` layers, a 64 MB write before every timed call so the cache comes from
 DRAM), each build with its own default choices for this CPU; a GRPO-like step's cascade decode
-(64 rows reading 8 prompts' shared K/V, then 32 columns of their own); and the prefill of bench-peers'
+(64 rows reading 8 prompts' shared K/V, then 32 columns of their own; and 8 rows reading one prompt
+over a single K/V head, fewer pairs than threads); and the prefill of bench-peers'
 spread workload (32 causal prompts of 16, 32, ..., 512 tokens, one call each, one layer: what Auto's
 bucketed route runs per layer). The outputs must be bitwise equal (no change to the kernel may change a
 value). Medians, ratios this tree / baseline, raw samples to JSON."""
@@ -70,21 +71,23 @@ def measure(rows: int, context: int, layers: int, dtype: torch.dtype, repeats: i
 CASCADE_PROMPTS, CASCADE_SAMPLES, CASCADE_OWN = (459, 246, 856, 690, 179, 845, 108, 202), 8, 32
 
 
-def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
+def measure_cascade(
+    layers: int, dtype: torch.dtype, repeats: int, prompts: tuple[int, ...] = CASCADE_PROMPTS, kv_heads: int = KV_HEADS
+) -> dict:
     """Cascade decode (`invariant_attention_shared`): each row reads its prompt's one shared copy of K/V,
-    then its own columns."""
-    generator = torch.Generator().manual_seed(len(CASCADE_PROMPTS))
-    groups, longest = len(CASCADE_PROMPTS), max(CASCADE_PROMPTS)
+    then its own columns; `CASCADE_SAMPLES` rows a prompt, HEADS query heads over `kv_heads` K/V heads."""
+    generator = torch.Generator().manual_seed(len(prompts))
+    groups, longest = len(prompts), max(prompts)
     rows = groups * CASCADE_SAMPLES
-    lengths = torch.tensor(CASCADE_PROMPTS)
+    lengths = torch.tensor(prompts)
     row_group = torch.arange(groups).repeat_interleave(CASCADE_SAMPLES)
     steps = []
     for _ in range(layers):
         shared_key, shared_value = (
-            torch.randn(groups, KV_HEADS, longest, HEAD_DIM, generator=generator).to(dtype) for _ in range(2)
+            torch.randn(groups, kv_heads, longest, HEAD_DIM, generator=generator).to(dtype) for _ in range(2)
         )
         key, value = (
-            torch.randn(rows, KV_HEADS, CASCADE_OWN, HEAD_DIM, generator=generator).to(dtype)
+            torch.randn(rows, kv_heads, CASCADE_OWN, HEAD_DIM, generator=generator).to(dtype)
             for _ in range(2)
         )
         query = torch.randn(rows, HEADS, 1, HEAD_DIM, generator=generator).to(dtype)
@@ -100,8 +103,8 @@ def measure_cascade(layers: int, dtype: torch.dtype, repeats: int) -> dict:
     compared = tree_against_baseline(
         {name: attend(op) for name, op in ops.items()}, repeats, before=flush_dram
     )
-    return {"rows": rows, "cascade_prompts": list(CASCADE_PROMPTS), "own": CASCADE_OWN, "layers": layers,
-            "dtype": str(dtype).removeprefix("torch."), **compared}  # fmt: skip
+    return {"rows": rows, "cascade_prompts": list(prompts), "kv_heads": kv_heads, "own": CASCADE_OWN,
+            "layers": layers, "dtype": str(dtype).removeprefix("torch."), **compared}  # fmt: skip
 
 
 SPREAD_LENGTHS = tuple(range(16, 513, 16))
@@ -144,6 +147,10 @@ def main() -> None:
         results.append(result)
         result = measure_cascade(args.layers, dtype, args.repeats)
         report(f"cascade, {result['rows']} rows over 8 shared prompts", result)
+        results.append(result)
+        # fewer (prompt, K/V head) pairs than a many-core trainer's threads: here, one on two threads
+        result = measure_cascade(args.layers, dtype, args.repeats, prompts=(856,), kv_heads=1)
+        report(f"cascade, {result['rows']} rows over 1 prompt, 1 K/V head", result)
         results.append(result)
         for shape in args.shapes.split(","):
             rows, context = (int(part) for part in shape.split("x"))

@@ -252,7 +252,7 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype, t
 SHARED_GROUPS = ((150, 3), (64, 2), (40, 2), (70, 17), (200, 1))
 
 
-@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("threads", (1, 2, 8))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
 def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, threads):
@@ -262,7 +262,9 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
     ride along, and one of them is checked against SDPA. In the vector form a group of 2+ rows takes its
     prompt's whole 64-key blocks as one tile and each row resumes from their softmax states (the 150-,
     64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row). On two
-    threads the groups' tiles and the rows are shared out by their cost (groups of 2 to 17 rows)."""
+    threads the groups' tiles and the rows are shared out by their cost (groups of 2 to 17 rows); on
+    eight, more than the 6 (group, K/V head) pairs, each group's rows are cut into two slices (1 + 2,
+    1 + 1, 8 + 9 rows), each its own tile."""
     load_invariant_kernels()
     generator = torch.Generator().manual_seed(dim)
     heads, kv_heads, own = 6, 2, 23

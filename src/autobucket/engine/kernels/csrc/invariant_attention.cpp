@@ -44,6 +44,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "balanced_parallel.h"
@@ -744,13 +745,25 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   out.states.resize(static_cast<size_t>(rows * kv_heads * group * out.lanes_per_head));
   const Strides sks = strides_of(*shared.key), svs = strides_of(*shared.value);
   const int64_t per_head = out.lanes_per_head;
-  // a (group, K/V head) item's work: its rows' queries over the prefix's whole blocks
-  const auto cost = [&](int64_t item) {
-    const std::vector<int64_t>& group_rows = members[taken[item / kv_heads]];
-    return out.keys[group_rows[0]] * static_cast<int64_t>(group_rows.size());
+  // Items: (group, K/V head, slice of the group's rows). One slice per group, unless the threads outnumber
+  // the (group, K/V head) pairs (one prompt's samples on a many-core trainer): then each group's rows are
+  // cut into as many slices as it takes to give every thread an item, each slice transposing the keys
+  // for itself. A row's states do not depend on the other rows of its tile (each query's own blocks in
+  // the same order), so the slicing changes the time only.
+  const int64_t pairs = static_cast<int64_t>(taken.size()) * kv_heads;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t slices = std::clamp<int64_t>((threads + pairs - 1) / pairs, 1, kQueryTile);
+  // slice `slice` of a group of `count` rows: rows [count * slice / slices, count * (slice + 1) / slices)
+  const auto slice_bounds = [&](int64_t count, int64_t slice) {
+    return std::pair<int64_t, int64_t>{count * slice / slices, count * (slice + 1) / slices};
   };
-  const int64_t items_total = static_cast<int64_t>(taken.size()) * kv_heads;
-  autobucket_parallel::parallel_for_balanced(items_total, cost, [&](int64_t begin, int64_t end) {
+  // an item's work: its rows' queries over the prefix's whole blocks
+  const auto cost = [&](int64_t item) {
+    const std::vector<int64_t>& group_rows = members[taken[item / (kv_heads * slices)]];
+    const auto [first, end] = slice_bounds(static_cast<int64_t>(group_rows.size()), item % slices);
+    return out.keys[group_rows[0]] * (end - first);
+  };
+  autobucket_parallel::parallel_for_balanced(pairs * slices, cost, [&](int64_t begin, int64_t end) {
     TiledList<T> list;
     std::vector<const T*> key_ptrs, value_ptrs;
     std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
@@ -758,16 +771,18 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
     std::vector<Lanes> states(static_cast<size_t>(kQueryTile * group * per_head));
     std::vector<Lanes> probs(static_cast<size_t>(kQueryTile * group * kBlockKeys / 16));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = taken[item / kv_heads], kv_head = item % kv_heads;
+      const int64_t g = taken[item / (kv_heads * slices)], kv_head = (item / slices) % kv_heads;
       const std::vector<int64_t>& group_rows = members[g];
+      const auto [slice_first, slice_end] = slice_bounds(static_cast<int64_t>(group_rows.size()), item % slices);
+      if (slice_first == slice_end) continue;  // more slices than the group has rows
       const int64_t whole = out.keys[group_rows[0]];
       const T* sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
       const T* sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
       key_ptrs.resize(static_cast<size_t>(whole)), value_ptrs.resize(static_cast<size_t>(whole));
       for (int64_t j = 0; j < whole; ++j) key_ptrs[j] = sk + j * sks.token, value_ptrs[j] = sv + j * svs.token;
       list.take(key_ptrs, value_ptrs, whole, head_dim);
-      for (size_t first = 0; first < group_rows.size(); first += kQueryTile) {
-        const int64_t n = std::min<int64_t>(kQueryTile, static_cast<int64_t>(group_rows.size() - first));
+      for (int64_t first = slice_first; first < slice_end; first += kQueryTile) {
+        const int64_t n = std::min<int64_t>(kQueryTile, slice_end - first);
         for (int64_t t = 0; t < n; ++t) {  // each row's one query
           load_query_group(q, qs, group_rows[first + t], kv_head, group, 0, head_dim, tile_q.data() + t * group * head_dim);
           counts[t] = whole;
