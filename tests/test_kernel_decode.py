@@ -116,6 +116,14 @@ def step_both_ways(runner: ModelRunner):
     return results
 
 
+def pack_in_a_direct_step(runner: ModelRunner) -> None:
+    """One step, then back to its front: the first step packs every linear (the direct step runs it), so
+    the kernel step can take the next ones."""
+    runner.prepare_decode()
+    runner.decode_logits()
+    runner.store.front -= 1
+
+
 def assert_kernel_step_equals_direct(runner: ModelRunner, steps: int = STEPS) -> None:
     for step in range(steps):
         (kernel_logits, kernel_kv), (direct_logits, direct_kv) = step_both_ways(runner)
@@ -132,9 +140,7 @@ def test_the_kernel_step_is_bitwise_the_direct_step(tiny_models, name, monkeypat
     assert runner.kernel_step is not None
     counter = Taken(monkeypatch)
     with engine_scope(model, PackedLinears()):
-        runner.prepare_decode()
-        runner.decode_logits()  # the first step packs every linear (the direct step runs it)
-        runner.store.front -= 1
+        pack_in_a_direct_step(runner)
         assert_kernel_step_equals_direct(runner)
     assert counter.taken == STEPS and counter.declined == 1
 
@@ -149,9 +155,7 @@ def test_a_cascade_step_is_bitwise_the_direct_step(tiny_models, name, monkeypatc
     runner = shared_runner(model)
     counter = Taken(monkeypatch)
     with engine_scope(model, PackedLinears()):
-        runner.prepare_decode()
-        runner.decode_logits()  # the first step packs every linear (the direct step runs it)
-        runner.store.front -= 1
+        pack_in_a_direct_step(runner)
         assert_kernel_step_equals_direct(runner)
     assert counter.taken == STEPS and counter.declined == 1
 
@@ -239,9 +243,7 @@ def test_control_a_cascade_step_blind_to_the_shared_prompts_differs(tiny_models,
     model = tiny_models("tiny-llama")
     runner = shared_runner(model)
     with engine_scope(model, PackedLinears()):
-        runner.prepare_decode()
-        runner.decode_logits()
-        runner.store.front -= 1
+        pack_in_a_direct_step(runner)
         attend = kernel_decode._Calls._attend
 
         def without_shared(calls, *args):

@@ -16,10 +16,9 @@ benchmarks/cascade_kernel_step.py): the step's Python weighs more as the kernels
 
 It takes a step only where nothing can tell the difference: the thread runs the invariant kernels (the
 packed linears' route, the invariant attention or the invariant cascade, the fused elementwise routers in
-place), the model is
-fp32, every bypassed module is the plain one with no hooks (`call_unobserved`), no forward replaced,
-every linear's panels are current (after a weight update the direct step runs once and repacks), and no
-attention dropout. Otherwise `step` returns None and the caller runs the direct step."""
+place), the model is fp32, every bypassed module is the plain one with no hooks (`call_unobserved`), no
+forward replaced, every linear's panels are current (after a weight update the direct step runs once and
+repacks), and no attention dropout. Otherwise `step` returns None and the caller runs the direct step."""
 
 from __future__ import annotations
 

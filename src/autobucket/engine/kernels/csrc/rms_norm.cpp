@@ -51,12 +51,6 @@ void check_hidden(const at::Tensor& hidden) {
 #endif
 }
 
-void check_weight(const at::Tensor& hidden, const at::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
-                  weight.size(0) == hidden.size(-1),
-              "rms_norm takes a weight [H] of the hidden states' dtype");
-}
-
 inline float widened(float x) { return x; }
 inline float widened(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -79,24 +73,6 @@ void sums_of_squares(const T* x, int64_t rows, int64_t length, float* out) {
   }
 }
 #endif
-
-// hidden [..., H] -> fp32 [..., 1]: each row's sum of squares, as ATen's x.float().pow(2).sum(-1, keepdim=True)
-at::Tensor rms_norm_sum_of_squares(const at::Tensor& hidden) {
-  check_hidden(hidden);
-  std::vector<int64_t> shape = hidden.sizes().vec();
-  shape.back() = 1;
-  at::Tensor sums = at::zeros(shape, hidden.options().dtype(at::kFloat));
-#if defined(__AVX2__)
-  const int64_t length = hidden.size(-1), rows = sums.numel();
-  if (length > 0) {
-    if (hidden.scalar_type() == at::kFloat)
-      sums_of_squares(hidden.data_ptr<float>(), rows, length, sums.data_ptr<float>());
-    else
-      sums_of_squares(hidden.data_ptr<c10::BFloat16>(), rows, length, sums.data_ptr<float>());
-  }
-#endif
-  return sums;
-}
 
 // weight * (hidden * scale) per row, the module's last two products: fp32 throughout, or for bf16 the
 // fp32 product rounded to bf16 (`.to(input_dtype)`), then the bf16 weight's product rounded
@@ -128,23 +104,6 @@ template <typename T>
 void normalize_rows(const T*, const T*, T*, int64_t, int64_t, int64_t, double) {}  // check_hidden refused
 #endif
 
-// weight [H] * (hidden [..., H] * scale [..., 1]) in one pass
-at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& scale) {
-  check_hidden(hidden);
-  check_weight(hidden, weight);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() * hidden.size(-1) == hidden.numel(),
-              "rms_norm takes one fp32 scale per row");
-  at::Tensor out = at::empty_like(hidden);
-  const int64_t length = hidden.size(-1), rows = scale.numel();
-  if (hidden.scalar_type() == at::kFloat)
-    apply_rows(hidden.data_ptr<float>(), weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(),
-               rows, length);
-  else
-    apply_rows(hidden.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), scale.data_ptr<float>(),
-               out.data_ptr<c10::BFloat16>(), rows, length);
-  return out;
-}
-
 // The whole forward in one call: the sums of squares, then per row the module's three ops on its [..., 1]
 // variance as ATen rounds them: `/ H` (true division by the length, a float), `+ eps` (eps rounded to
 // float, one rounded add: ATen's fma(eps, 1, v) is the same) and `rsqrt` (ATen's 1 / sqrt, two rounded
@@ -154,7 +113,9 @@ at::Tensor rms_norm_apply(const at::Tensor& hidden, const at::Tensor& weight, co
 // elements; a decode step's few rows stay on one thread, below the cost of waking the others.
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   check_hidden(hidden);
-  check_weight(hidden, weight);
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == hidden.size(-1),
+              "rms_norm takes a weight [H] of the hidden states' dtype");
   at::Tensor out = at::empty_like(hidden);
   const int64_t length = hidden.size(-1), rows = length > 0 ? hidden.numel() / length : 0;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(length, 1));
