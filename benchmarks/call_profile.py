@@ -30,7 +30,8 @@ from autobucket.tools.workloads import sharegpt_like_lengths
 def workload(name: str, vocab: int) -> tuple[list[list[int]], SamplingConfig]:
     if name == "grpo":
         prompts = random_prompts(sharegpt_like_lengths(8, seed=1), vocab, seed=1)
-        return prompts, SamplingConfig(max_new_tokens=64, eos_token_id=[], n=8, temperature=1.0, seed=0)
+        return prompts, SamplingConfig(max_new_tokens=64, eos_token_id=[], n=8, temperature=1.0, seed=0,
+                                       continuous_batch_size=64)  # all 64 rows at once, as shared_decode.py runs it
     lengths = sharegpt_like_lengths(32, seed=0) if name == "sharegpt" else SHORT_TAIL
     prompts = random_prompts(lengths, vocab, seed=0)
     return prompts, SamplingConfig(max_new_tokens=16, continuous_batch_size=32, eos_token_id=[])
@@ -39,11 +40,12 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], SamplingConfig]:
 SHORT_TAIL = (20,) + (1,) * 31  # bench-peers' decode-bound workload: 32 rows, contexts of 2-36 keys
 
 
-def top_operators(prof, count: int) -> list[dict]:
-    events = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)
+def top_operators(prof, count: int, by_shape: bool = False) -> list[dict]:
+    events = sorted(prof.key_averages(group_by_input_shape=by_shape), key=lambda event: -event.self_cpu_time_total)
     total_us = sum(event.self_cpu_time_total for event in events)
     return [{"name": event.key, "self_ms": event.self_cpu_time_total / 1e3, "calls": event.count,
-             "share": event.self_cpu_time_total / total_us} for event in events[:count]]  # fmt: skip
+             "share": event.self_cpu_time_total / total_us,
+             **({"input_shapes": event.input_shapes} if by_shape else {})} for event in events[:count]]  # fmt: skip
 
 
 def main() -> None:
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (pin as many cores)")
+    parser.add_argument("--by-shape", action="store_true", help="one line per operator and input shapes")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -65,13 +68,14 @@ def main() -> None:
         started = time.perf_counter()
         result = rollout.generate(prompts, sampling)
         call_ms.append((time.perf_counter() - started) * 1e3)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
         rollout.generate(prompts, sampling)
-    operators = top_operators(prof, args.top)
+    operators = top_operators(prof, args.top, args.by_shape)
     print(f"{args.workload}, kernels={args.kernels}, {args.threads} thread(s): call {statistics.median(call_ms):.0f} ms (median of {args.repeats}: "
           f"{', '.join(f'{ms:.0f}' for ms in call_ms)}); route {result.profile.route}")  # fmt: skip
     for operator in operators:
-        print(f"  {operator['name']:<45} {operator['self_ms']:9.1f} ms  {operator['share']:6.1%}  x{operator['calls']}")
+        shapes = f"  {operator['input_shapes']}" if args.by_shape else ""
+        print(f"  {operator['name']:<45} {operator['self_ms']:9.1f} ms  {operator['share']:6.1%}  x{operator['calls']}{shapes}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {"workload": args.workload, "kernels": args.kernels, "threads": args.threads, "call_ms": call_ms,
