@@ -11,8 +11,9 @@ are drawn from a lognormal with median 250 tokens and sigma 1.0, clipped to [32,
 random token ids (>= 3). Every round (warm-ups included) draws fresh lengths and tokens (seed = --seed +
 round) and samples with that seed, so no round is served anything cached by an earlier one.
 
-Model: the 20.3M-param random-weight Qwen2 (`bench-qwen2`), fp32, saved as safetensors into a temporary
-folder so vLLM loads exactly these weights.
+Model: the 20.3M-param random-weight Qwen2 (`bench-qwen2`), fp32 (`--dtype bfloat16`: cast to bf16, what
+RL runs in; vLLM then loads it in bf16 too), saved as safetensors into a temporary folder so vLLM loads
+exactly these weights.
 
 Contenders, interleaved per round (A B C, A B C, ...) after `--warmup` untimed rounds:
 - "autobucket (shared prompt K/V)": `Rollout(model, config=RolloutConfig(route="auto"))` with
@@ -214,6 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-prefix-caching", action="store_true", help="vLLM with prefix caching on (default off)")
     parser.add_argument("--invariant", action="store_true", help="also kernels='invariant', shared and per-row copies")
     parser.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND for the vLLM child (run under taskset)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype, every engine")
     parser.add_argument("--out", default="results/shared_decode.json")
     return parser.parse_args(argv)
 
@@ -221,13 +223,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     threads = set_torch_threads(args.threads)
-    model = build_tiny_model("bench-qwen2")
+    model = build_tiny_model("bench-qwen2").to(getattr(torch, args.dtype))
     contenders = {SHARED: AutobucketContender(model, args, share=True), PER_ROW: AutobucketContender(model, args, share=False)}
     if args.invariant:  # the batch-invariant kernels, shared keys read as part of each row's sequence
         contenders[INVARIANT_SHARED] = AutobucketContender(model, args, share=True, kernels="invariant")
         contenders[INVARIANT_PER_ROW] = AutobucketContender(model, args, share=False, kernels="invariant")
     process = start_vllm(args.vllm_python, model, core=args.core, threads=args.threads,
-                         needed_len=LENGTH_RANGE[1] + args.new_tokens, prefix_caching=args.vllm_prefix_caching)  # fmt: skip
+                         needed_len=LENGTH_RANGE[1] + args.new_tokens, prefix_caching=args.vllm_prefix_caching, dtype=args.dtype)  # fmt: skip
     vllm = VllmContender(process, args) if process is not None else None
     if vllm is not None:
         contenders[VLLM] = vllm
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {name: summarize(records, name) for name in contenders}
     equal = sum(r["shared_vs_per_row_tokens_equal"][0] for r in records)
     compared = sum(r["shared_vs_per_row_tokens_equal"][1] for r in records)
-    print(f"\nbench-qwen2 fp32, {threads} thread(s), {host_cpu()}, medians of {args.repeats} (warm-up {args.warmup})")
+    print(f"\nbench-qwen2 {args.dtype}, {threads} thread(s), {host_cpu()}, medians of {args.repeats} (warm-up {args.warmup})")
     print(f"{args.prompts} prompts (lognormal lengths, median {MEDIAN_LENGTH}, clipped to {list(LENGTH_RANGE)}) x n = {args.n}, "
           f"{args.new_tokens} new tokens, temperature 1, EOS off; vLLM prefix caching "
           f"{'on' if args.vllm_prefix_caching else 'off'}")  # fmt: skip
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: the shared contender shared no prompt K/V (below SHARED_MIN_SAVED_COLUMNS = "
               f"{routes.SHARED_MIN_SAVED_COLUMNS} saved columns?): both autobucket rows measure per-row copies")  # fmt: skip
     meta = {"argv": sys.argv, "config": vars(args), "cpu": host_cpu(), "torch_threads": threads, "torch": torch.__version__,
-            "vllm": vllm.version if vllm else None, "model": "bench-qwen2", "shared_min_saved_columns": routes.SHARED_MIN_SAVED_COLUMNS,
+            "vllm": vllm.version if vllm else None, "model": "bench-qwen2", "dtype": args.dtype, "shared_min_saved_columns": routes.SHARED_MIN_SAVED_COLUMNS,
             "lengths": {"median": MEDIAN_LENGTH, "sigma": SIGMA, "range": LENGTH_RANGE},
             "continuous_batch_size": CONTINUOUS_BATCH_SIZE}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
