@@ -14,8 +14,11 @@ import sys
 import warnings
 
 import pytest
+import torch
 
+from autobucket import Rollout, RolloutConfig
 from autobucket.coefficients.file import calibration_metadata, save_calibration
+from autobucket.engine.kernels import packed_linear
 from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
 from autobucket.planning.costs import CostCoefficients
 from autobucket.threads import (
@@ -197,6 +200,63 @@ def test_every_model_command_takes_threads(command, capsys):
 
     assert main([command, "--help"]) == 0
     assert "--threads N" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ 4. bf16 on a CPU without a bf16 GEMM
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernels", "device", "native", "warns"),
+    [
+        (torch.bfloat16, "hf", "cpu", False, True),
+        (torch.bfloat16, "hf", "cpu", True, False),  # oneDNN runs bf16 GEMMs here (AVX-512, AMX)
+        (torch.bfloat16, "invariant", "cpu", False, False),  # fp32 packs rounded to bf16
+        (torch.float32, "hf", "cpu", False, False),
+        (torch.float16, "hf", "cpu", False, False),
+        (torch.bfloat16, "hf", "cuda", False, False),
+    ],
+)
+def test_slow_bf16_message_names_the_fix_only_where_it_applies(dtype, kernels, device, native, warns):
+    message = packed_linear.slow_bf16_gemm_message(dtype, kernels, device, native)
+    assert (message is not None) == warns
+    if warns:
+        assert "\n" not in message and "kernels=\"invariant\"" in message and "kernels='hf'" in message
+
+
+def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_bf16_gemm(monkeypatch):
+    bf16_model = fresh_tiny_model().to(torch.bfloat16)
+
+    def constructed(native: bool, **config) -> list[warnings.WarningMessage]:
+        monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: native)
+        packed_linear._warn_once.cache_clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # once per process, not per Rollout
+                Rollout(bf16_model, config=RolloutConfig(**config))
+        return [w for w in caught if w.category is packed_linear.SlowBf16GemmWarning]
+
+    slow = constructed(native=False)
+    assert len(slow) == 1 and slow[0].filename == __file__  # pointed at the caller's line
+    assert constructed(native=True) == []  # the control: the CPU's bf16 GEMM decides it
+    assert constructed(native=False, kernels="invariant") == []
+    monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: False)
+    packed_linear._warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Rollout(fresh_tiny_model())  # fp32
+    assert not [w for w in caught if w.category is packed_linear.SlowBf16GemmWarning]
+
+
+def test_native_bf16_gemm_agrees_with_onednn_packing_a_bf16_weight():
+    """oneDNN packs a bf16 weight for its GEMM exactly where the check says this CPU has one (it refuses
+    with "bf16 path needs ... avx512bw" elsewhere): the same answer from another of its code paths."""
+    weight = torch.randn(64, 32).bfloat16()
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        packs = True
+    except RuntimeError:
+        packs = False
+    assert packed_linear.native_bf16_gemm() == packs
 
 
 # ------------------------------------------------------------------ renamed flags (issue 11) and CLI wording (16.4)

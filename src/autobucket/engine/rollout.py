@@ -22,7 +22,7 @@ from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.engine.kernels.elementwise import fused_elementwise
-from autobucket.engine.kernels.packed_linear import PackedLinears
+from autobucket.engine.kernels.packed_linear import PackedLinears, warn_if_slow_bf16_gemm
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d
@@ -59,13 +59,15 @@ class Rollout:
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
         self.vocab_size = vocab_size(self.model)
-        self.geometry = ModelGeometry.from_config(self.model.config, next(self.model.parameters()).dtype)
+        dtype = next(self.model.parameters()).dtype
+        self.geometry = ModelGeometry.from_config(self.model.config, dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
         self.packed_linears = _packed_linears_for(self.model, self.config)
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
+        warn_if_slow_bf16_gemm(dtype, self.config.kernels, self.device.type)  # 5-10x on AVX2-only CPUs
 
     @property
     def costs(self) -> CostCoefficients:
