@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from autobucket import Rollout, RolloutConfig
+from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.file import calibration_metadata, save_calibration
 from autobucket.engine.kernels import packed_linear
 from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
@@ -245,6 +245,29 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
         warnings.simplefilter("always")
         Rollout(fresh_tiny_model())  # fp32
     assert not [w for w in caught if w.category is packed_linear.SlowBf16GemmWarning]
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_generate_kernels_flag_runs_that_kernel_set_in_bf16(kernels, tmp_path):
+    """`generate --kernels` is the Python API's `RolloutConfig(kernels=...)`: the same tokens as that
+    Rollout on the same model, and the slow-bf16 warning exactly where the API gives it."""
+    prompt_ids = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in prompt_ids))
+    completed = run_cli("generate", "--model", "tiny-qwen2", "--dtype", "bfloat16", "--kernels", kernels,
+                        "--prompts", str(prompts), "--max-new-tokens", "4", "--threads", "1", "--quiet")  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    cli_tokens = [json.loads(line)["tokens"] for line in completed.stdout.splitlines()]
+    model = fresh_tiny_model().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", packed_linear.SlowBf16GemmWarning)
+        rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
+        expected = rollout.generate(prompt_ids, SamplingConfig(max_new_tokens=4, eos_token_id=[])).tokens
+    assert cli_tokens == expected
+    warned = [line for line in completed.stderr.splitlines() if "bf16 model runs" in line]
+    assert len(warned) == (kernels == "hf" and not packed_linear.native_bf16_gemm())
+    for line in warned:  # in the command's words: the flag, not the API setting
+        assert "runs --kernels hf" in line and "; --kernels invariant runs them" in line, line
 
 
 def test_native_bf16_gemm_agrees_with_onednn_packing_a_bf16_weight():
