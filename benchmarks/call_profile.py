@@ -2,7 +2,7 @@
 
     taskset -c 0 python benchmarks/call_profile.py --workload grpo --kernels invariant --out results/call_profile.json
 
-bench-qwen2, fp32, one thread (`--threads N` for more; pin N cores). `grpo`: 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1 (the
+bench-qwen2, fp32 (`--dtype bfloat16`; `--logprobs` adds trainer-mode logprobs), one thread (`--threads N` for more; pin N cores). `grpo`: 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1 (the
 GRPO-like call of benchmarks/shared_decode.py); `sharegpt`: 32 ShareGPT-like prompts, 16 greedy new
 tokens (the prefill-heavy workload of bench-peers); `short_tail`: bench-peers' 1 x 20 + 31 x 1 tokens,
 16 greedy new tokens (decode-bound at tiny contexts). One warm-up call, `--repeats` timed calls without
@@ -13,6 +13,7 @@ operator table to JSON. Not a contest: it tells which kernel to work on next."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -56,11 +57,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (pin as many cores)")
     parser.add_argument("--by-shape", action="store_true", help="one line per operator and input shapes")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
+    parser.add_argument("--logprobs", action="store_true", help="also trainer-mode logprobs (what RL asks for)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_tiny_model("bench-qwen2")
+    model = build_tiny_model("bench-qwen2").to(getattr(torch, args.dtype))
     prompts, sampling = workload(args.workload, model.config.vocab_size)
+    sampling = dataclasses.replace(sampling, logprobs=args.logprobs)
     rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=args.kernels))
     rollout.generate(prompts, sampling)  # warm-up: packs, kernel library, caches
     call_ms = []
@@ -71,14 +75,14 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
         rollout.generate(prompts, sampling)
     operators = top_operators(prof, args.top, args.by_shape)
-    print(f"{args.workload}, kernels={args.kernels}, {args.threads} thread(s): call {statistics.median(call_ms):.0f} ms (median of {args.repeats}: "
+    print(f"{args.workload}, {args.dtype}, kernels={args.kernels}, {args.threads} thread(s): call {statistics.median(call_ms):.0f} ms (median of {args.repeats}: "
           f"{', '.join(f'{ms:.0f}' for ms in call_ms)}); route {result.profile.route}")  # fmt: skip
     for operator in operators:
         shapes = f"  {operator['input_shapes']}" if args.by_shape else ""
         print(f"  {operator['name']:<45} {operator['self_ms']:9.1f} ms  {operator['share']:6.1%}  x{operator['calls']}{shapes}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"workload": args.workload, "kernels": args.kernels, "threads": args.threads, "call_ms": call_ms,
+        record = {"workload": args.workload, "dtype": args.dtype, "logprobs": args.logprobs, "kernels": args.kernels, "threads": args.threads, "call_ms": call_ms,
                   "profile": result.profile.to_dict(), "top_operators": operators}  # fmt: skip
         args.out.write_text(json.dumps(record, indent=2))
 
