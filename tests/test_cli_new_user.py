@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.checks import warn_once
 from autobucket.coefficients.file import calibration_metadata, save_calibration
 from autobucket.engine.kernels import packed_linear
 from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
@@ -228,7 +229,7 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
 
     def constructed(native: bool, **config) -> list[warnings.WarningMessage]:
         monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: native)
-        packed_linear._warn_once.cache_clear()
+        warn_once.cache_clear()  # once per process: start afresh
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):  # once per process, not per Rollout
@@ -240,7 +241,7 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
     assert constructed(native=True) == []  # the control: the CPU's bf16 GEMM decides it
     assert constructed(native=False, kernels="invariant") == []
     monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: False)
-    packed_linear._warn_once.cache_clear()
+    warn_once.cache_clear()  # once per process: start afresh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Rollout(fresh_tiny_model())  # fp32

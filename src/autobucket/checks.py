@@ -1,13 +1,23 @@
 """Argument checks shared by every layer (standard library only, so the pure planner can use them).
 
 One definition of "an int": Python and numpy integers count, `bool` never does. Each check raises a
-`ValueError` that names the field, the value and the fix, and returns the value as a plain Python type."""
+`ValueError` that names the field, the value and the fix, and returns the value as a plain Python type.
+`warn_once` is the one way a check that runs on every call (every Rollout) warns once per process."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import warnings
 from typing import Any
+
+
+@functools.cache
+def warn_once(message: str, category: type[Warning], stacklevel: int) -> None:
+    """`warnings.warn(message, category, stacklevel)` (counted from this function's frame), once per process
+    for each message: not left to the warnings registry, which importing transformers resets."""
+    warnings.warn(message, category, stacklevel=stacklevel)
 
 
 def require_int(field: str, value: Any, minimum: int = 1, fix: str = "") -> int:

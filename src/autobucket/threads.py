@@ -10,11 +10,9 @@ Troubleshooting section says what to do about them."""
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 
-from autobucket.checks import optional_int
+from autobucket.checks import optional_int, warn_once
 
 
 class ThreadOversubscriptionWarning(RuntimeWarning):
@@ -45,13 +43,7 @@ def warn_if_oversubscribed() -> None:
 
     message = oversubscription_message(torch.get_num_threads(), usable_cpus())
     if message is not None:
-        _warn_once(message)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    # Not left to the warnings registry: importing transformers resets it, and every Rollout checks.
-    warnings.warn(message, ThreadOversubscriptionWarning, stacklevel=3)
+        warn_once(message, ThreadOversubscriptionWarning, stacklevel=3)  # at the caller of this function
 
 
 def set_torch_threads(threads: int | None) -> int:

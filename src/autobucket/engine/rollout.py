@@ -59,15 +59,15 @@ class Rollout:
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
         self.vocab_size = vocab_size(self.model)
-        dtype = next(self.model.parameters()).dtype
-        self.geometry = ModelGeometry.from_config(self.model.config, dtype)
+        parameter = next(self.model.parameters())
+        self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
         self.packed_linears = _packed_linears_for(self.model, self.config)
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
-        warn_if_slow_bf16_gemm(dtype, self.config.kernels, self.device.type)  # 5-10x on AVX2-only CPUs
+        warn_if_slow_bf16_gemm(parameter.dtype, self.config.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
 
     @property
     def costs(self) -> CostCoefficients:

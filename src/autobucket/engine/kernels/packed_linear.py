@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.checks import warn_once
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
 from autobucket.engine.model_access.function_routes import (
     linear_route,
@@ -102,13 +102,7 @@ def warn_if_slow_bf16_gemm(dtype: torch.dtype, kernels: str, device_type: str) -
     """Warn, once per process, where `slow_bf16_gemm_message` has something to say."""
     message = slow_bf16_gemm_message(dtype, kernels, device_type, native_bf16_gemm())
     if message is not None:
-        _warn_once(message)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    # Not left to the warnings registry: importing transformers resets it, and every Rollout checks.
-    warnings.warn(message, SlowBf16GemmWarning, stacklevel=4)
+        warn_once(message, SlowBf16GemmWarning, stacklevel=4)  # at the line that built the Rollout
 
 
 @functools.cache  # once per weight shape and process: six 32-row GEMMs
