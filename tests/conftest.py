@@ -24,45 +24,77 @@ _ORACLE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TinyModels:
-    """Builds each tiny model on first use and keeps it for the session (same seed: same weights)."""
+    """Builds each tiny model on first use and keeps it for the session (same seed: same weights).
+
+    The models are shared by every test (and their oracle answers are cached), so a test that changes
+    one must work on a copy: `changed_models` names any model whose weights, buffers, config or mode
+    differ from when it was built, and the autouse `shared_models_unchanged` fails the test that did it.
+    """
 
     def __init__(self) -> None:
         self._models: dict[tuple[str, str], object] = {}
+        self._built_as: dict[tuple[str, str], tuple[dict, str, bool]] = {}
 
     def __call__(self, name: str, attn_implementation: str = "sdpa"):
         from autobucket.models import build_tiny_model
 
         key = (name, attn_implementation)
         if key not in self._models:
-            self._models[key] = build_tiny_model(name, attn_implementation=attn_implementation)
+            model = build_tiny_model(name, attn_implementation=attn_implementation)
+            self._models[key] = model
+            self._built_as[key] = _snapshot(model)
         return self._models[key]
 
+    def changed_models(self) -> list[str]:
+        """'name (what changed)' for every built model that is no longer as it was built."""
+        changed = []
+        for key, model in self._models.items():
+            tensors, config, training = self._built_as[key]
+            what = [
+                *(["weights or buffers"] if not _same_tensors(tensors, _tensors_of(model)) else []),
+                *(["config"] if model.config.to_json_string() != config else []),
+                *(["train/eval mode"] if model.training != training else []),
+            ]
+            if what:
+                changed.append(f"{key[0]} [{key[1]}] ({', '.join(what)})")
+        return changed
 
-@pytest.fixture(scope="session", autouse=True)
-def isolated_cache_dir(tmp_path_factory):
-    """Every test runs with AUTOBUCKET_CACHE_DIR in a temporary folder, so learned costs never touch the
-    real cache; the converted SmolLM2 (a slow one-time conversion) is linked in from the real cache."""
-    import os
-    from pathlib import Path
 
-    from autobucket.models import CACHE_DIR_ENV, smollm2_cache_dir
+def _tensors_of(model) -> dict:
+    """Parameters and every buffer (non-persistent ones too: rotary inv_freq is not in state_dict)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
-    real = smollm2_cache_dir().parent
-    root = tmp_path_factory.mktemp("autobucket-cache")
-    if real.exists():
-        (root / real.name).symlink_to(real, target_is_directory=True)
-    before = os.environ.get(CACHE_DIR_ENV)
-    os.environ[CACHE_DIR_ENV] = str(root)
-    yield Path(root)
-    if before is None:
-        os.environ.pop(CACHE_DIR_ENV, None)
-    else:
-        os.environ[CACHE_DIR_ENV] = before
+
+def _snapshot(model) -> tuple[dict, str, bool]:
+    tensors = {name: tensor.detach().clone() for name, tensor in _tensors_of(model).items()}
+    return tensors, model.config.to_json_string(), model.training
+
+
+def _same_tensors(before: dict, now: dict) -> bool:
+    import torch
+
+    return before.keys() == now.keys() and all(
+        before[name].dtype == now[name].dtype and torch.equal(before[name], now[name]) for name in before
+    )
+
+
+_TINY_MODELS = TinyModels()
 
 
 @pytest.fixture(scope="session")
 def tiny_models() -> TinyModels:
-    return TinyModels()
+    return _TINY_MODELS
+
+
+@pytest.fixture(autouse=True)
+def shared_models_unchanged(request):
+    """Fails the test that changed a shared tiny model (the next test would compare against it)."""
+    yield
+    changed = _TINY_MODELS.changed_models()
+    if changed:
+        _TINY_MODELS.__init__()  # rebuilt on next use, so one culprit fails once, not every later test
+        _ORACLE_CACHE.clear()
+        pytest.fail(f"{request.node.nodeid} changed shared tiny models: {'; '.join(changed)}; work on a copy.deepcopy")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""The shared tiny models' guard (conftest.TinyModels.changed_models): it must see each kind of change
+a test can make to a model it was handed, or a test that mutates one would silently move the oracle
+answers of every later test in its process (which tests those are depends on the test order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TinyModels
+
+
+@pytest.mark.parametrize("change", ["weight", "buffer", "config", "mode", "dtype"])
+def test_the_guard_names_a_changed_model_and_only_it(change):
+    models = TinyModels()  # a private instance: the shared models stay untouched
+    changed, untouched = models("tiny-llama"), models("tiny-gpt2")
+    assert models.changed_models() == []
+    with torch.no_grad():
+        if change == "weight":
+            changed.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-6
+        elif change == "buffer":
+            changed.model.rotary_emb.inv_freq.mul_(1.0 + 1e-6)
+        elif change == "config":
+            changed.config.rope_theta = 1234.0
+        elif change == "mode":
+            changed.train()
+        else:
+            changed.to(torch.bfloat16)
+    assert untouched.config.model_type == "gpt2"
+    assert len(models.changed_models()) == 1 and models.changed_models()[0].startswith("tiny-llama [sdpa]")
+
+
+def test_the_guard_is_quiet_after_a_deepcopy_is_changed():
+    import copy
+
+    models = TinyModels()
+    own = copy.deepcopy(models("tiny-qwen2"))
+    with torch.no_grad():
+        next(own.parameters()).add_(1.0)
+    assert models.changed_models() == []
