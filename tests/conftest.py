@@ -86,10 +86,36 @@ def tiny_models() -> TinyModels:
     return _TINY_MODELS
 
 
+def torch_process_state() -> dict[str, object]:
+    """The process-wide torch settings a test may change; a test that leaves one changed moves the
+    numbers of whichever tests run after it in its process (which ones depends on the test order)."""
+    import torch
+
+    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return {
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+        "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+        "torch.backends.mkldnn.matmul.fp32_precision": getattr(mkldnn_matmul, "fp32_precision", None),
+    }
+
+
+def changed_process_state(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    return [f"{name}: {before[name]!r} -> {after[name]!r}" for name in before if after[name] != before[name]]
+
+
 @pytest.fixture(autouse=True)
 def shared_models_unchanged(request):
-    """Fails the test that changed a shared tiny model (the next test would compare against it)."""
+    """Fails the test that changed a shared tiny model (the next test would compare against it) or
+    left a process-wide torch setting changed."""
+    state = torch_process_state()
     yield
+    leaked = changed_process_state(state, torch_process_state())
+    if leaked:
+        pytest.fail(f"{request.node.nodeid} left torch settings changed: {'; '.join(leaked)}; restore them")
     changed = _TINY_MODELS.changed_models()
     if changed:
         _TINY_MODELS.__init__()  # rebuilt on next use, so one culprit fails once, not every later test

@@ -37,3 +37,23 @@ def test_the_guard_is_quiet_after_a_deepcopy_is_changed():
     with torch.no_grad():
         next(own.parameters()).add_(1.0)
     assert models.changed_models() == []
+
+
+@pytest.mark.parametrize("setting", ["threads", "grad", "default_dtype"])
+def test_the_process_state_check_sees_a_changed_setting(setting):
+    from conftest import changed_process_state, torch_process_state
+
+    before = torch_process_state()
+    restore = {
+        "threads": (torch.set_num_threads, torch.get_num_threads(), 3),
+        "grad": (torch.set_grad_enabled, torch.is_grad_enabled(), not torch.is_grad_enabled()),
+        "default_dtype": (torch.set_default_dtype, torch.get_default_dtype(), torch.float64),
+    }[setting]
+    setter, old, new = restore
+    setter(new)
+    try:
+        leaked = changed_process_state(before, torch_process_state())
+    finally:
+        setter(old)
+    assert len(leaked) == 1 and repr(new) in leaked[0]
+    assert changed_process_state(before, torch_process_state()) == []
