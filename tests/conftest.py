@@ -81,6 +81,24 @@ def _same_tensors(before: dict, now: dict) -> bool:
 _TINY_MODELS = TinyModels()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def threads_per_worker():
+    """Under pytest-xdist (`make test`: one worker per core), each worker's torch gets its share of the
+    cores: torch's default (every core) in every worker would run workers x cores threads, and OpenMP
+    threads waiting for a busy core are what made tests ~10x slower on a loaded machine (single_thread).
+    Tests that need more threads set them and restore them."""
+    import os
+
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    before = torch.get_num_threads()
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> TinyModels:
     return _TINY_MODELS
