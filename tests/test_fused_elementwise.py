@@ -27,6 +27,7 @@ from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding,
 from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
 from autobucket.engine.model_access import direct_decode
 from autobucket.models import build_tiny_model
+from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -119,10 +120,11 @@ def generate(model, sampling, fused: bool, kernels: str):
         # switching the routers between calls changes what dynamo guards on, so the step recompiles (and past
         # the recompile cap decodes eagerly: different last bits from a compiled step, whatever the kernels)
         # and a continuous-batching route named, not "auto": its cost model may choose HF generate for a
-        # call this small, which runs no decode step of the engine's (`decode_forward` is then "")
-        return Rollout(model, config=RolloutConfig(route="bucketed", kernels=kernels, compile=False)).generate(
-            random_prompts((5, 23, 11, 40, 2), seed=0), sampling
-        )
+        # call this small, which runs no decode step of the engine's (`decode_forward` is then ""); with
+        # fixed costs, since buckets planned from costs learned online (the first call's timings) can move
+        # between the two calls, and kernels="hf" gives a prompt other last bits in another bucket
+        config = RolloutConfig(route="bucketed", kernels=kernels, compile=False, costs=CostCoefficients())
+        return Rollout(model, config=config).generate(random_prompts((5, 23, 11, 40, 2), seed=0), sampling)
     finally:
         for kernel, enabled in previous.items():
             set_fused(kernel, enabled)
