@@ -82,6 +82,28 @@ _TINY_MODELS = TinyModels()
 
 
 @pytest.fixture(scope="session", autouse=True)
+def isolated_cache_dir(tmp_path_factory):
+    """Every test runs with AUTOBUCKET_CACHE_DIR in a temporary folder, so learned costs never touch the
+    real cache; the converted SmolLM2 (a slow one-time conversion) is linked in from the real cache."""
+    import os
+    from pathlib import Path
+
+    from autobucket.models import CACHE_DIR_ENV, smollm2_cache_dir
+
+    real = smollm2_cache_dir().parent
+    root = tmp_path_factory.mktemp("autobucket-cache")
+    if real.exists():
+        (root / real.name).symlink_to(real, target_is_directory=True)
+    before = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(root)
+    yield Path(root)
+    if before is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def threads_per_worker():
     """Under pytest-xdist (`make test`: one worker per core), each worker's torch gets its share of the
     cores: torch's default (every core) in every worker would run workers x cores threads, and OpenMP

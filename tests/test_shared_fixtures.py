@@ -57,3 +57,16 @@ def test_the_process_state_check_sees_a_changed_setting(setting):
         setter(old)
     assert len(leaked) == 1 and repr(new) in leaked[0]
     assert changed_process_state(before, torch_process_state()) == []
+
+
+def test_the_suite_learns_costs_in_a_temporary_cache_not_the_users(isolated_cache_dir, tmp_path_factory):
+    """A test's learned costs (and any cache entry) go to the session's temporary folder, never to
+    ~/.cache/autobucket, which a user's own runs read."""
+    import os
+    from pathlib import Path
+
+    from autobucket.models import CACHE_DIR_ENV
+
+    root = Path(os.environ[CACHE_DIR_ENV])
+    assert root == isolated_cache_dir and root.is_relative_to(tmp_path_factory.getbasetemp())
+    assert root != Path.home() / ".cache" / "autobucket"
