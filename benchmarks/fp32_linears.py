@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from interleave import interleaved
 
-from autobucket.engine.kernels.packed_linear import fixed_order_op, fixed_order_panels
+from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
 
 # (rows, in_features, out_features)
 SHAPES = [

@@ -19,7 +19,7 @@ import torch
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import warn_once
 from autobucket.coefficients.file import calibration_metadata, save_calibration
-from autobucket.engine.kernels import packed_linear
+from autobucket.engine.kernels import onednn_probes
 from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
 from autobucket.planning.costs import CostCoefficients
 from autobucket.threads import (
@@ -218,7 +218,7 @@ def test_every_model_command_takes_threads(command, capsys):
     ],
 )
 def test_slow_bf16_message_names_the_fix_only_where_it_applies(dtype, kernels, device, native, warns):
-    message = packed_linear.slow_bf16_gemm_message(dtype, kernels, device, native)
+    message = onednn_probes.slow_bf16_gemm_message(dtype, kernels, device, native)
     assert (message is not None) == warns
     if warns:
         assert "\n" not in message and "kernels=\"invariant\"" in message and "kernels='hf'" in message
@@ -228,24 +228,24 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
     bf16_model = fresh_tiny_model().to(torch.bfloat16)
 
     def constructed(native: bool, **config) -> list[warnings.WarningMessage]:
-        monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: native)
+        monkeypatch.setattr(onednn_probes, "native_bf16_gemm", lambda: native)
         warn_once.cache_clear()  # once per process: start afresh
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):  # once per process, not per Rollout
                 Rollout(bf16_model, config=RolloutConfig(**config))
-        return [w for w in caught if w.category is packed_linear.SlowBf16GemmWarning]
+        return [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
     slow = constructed(native=False)
     assert len(slow) == 1 and slow[0].filename == __file__  # pointed at the caller's line
     assert constructed(native=True) == []  # the control: the CPU's bf16 GEMM decides it
     assert constructed(native=False, kernels="invariant") == []
-    monkeypatch.setattr(packed_linear, "native_bf16_gemm", lambda: False)
+    monkeypatch.setattr(onednn_probes, "native_bf16_gemm", lambda: False)
     warn_once.cache_clear()  # once per process: start afresh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Rollout(fresh_tiny_model())  # fp32
-    assert not [w for w in caught if w.category is packed_linear.SlowBf16GemmWarning]
+    assert not [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
 
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
@@ -261,12 +261,12 @@ def test_generate_kernels_flag_runs_that_kernel_set_in_bf16(kernels, tmp_path):
     cli_tokens = [json.loads(line)["tokens"] for line in completed.stdout.splitlines()]
     model = fresh_tiny_model().to(torch.bfloat16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", packed_linear.SlowBf16GemmWarning)
+        warnings.simplefilter("ignore", onednn_probes.SlowBf16GemmWarning)
         rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
         expected = rollout.generate(prompt_ids, SamplingConfig(max_new_tokens=4, eos_token_id=[])).tokens
     assert cli_tokens == expected
     warned = [line for line in completed.stderr.splitlines() if "bf16 model runs" in line]
-    assert len(warned) == (kernels == "hf" and not packed_linear.native_bf16_gemm())
+    assert len(warned) == (kernels == "hf" and not onednn_probes.native_bf16_gemm())
     for line in warned:  # in the command's words: the flag, not the API setting
         assert "runs --kernels hf" in line and "; --kernels invariant runs them" in line, line
 
@@ -280,7 +280,7 @@ def test_native_bf16_gemm_agrees_with_onednn_packing_a_bf16_weight():
         packs = True
     except RuntimeError:
         packs = False
-    assert packed_linear.native_bf16_gemm() == packs
+    assert onednn_probes.native_bf16_gemm() == packs
 
 
 # ------------------------------------------------------------------ renamed flags (issue 11) and CLI wording (16.4)

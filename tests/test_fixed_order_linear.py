@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from autobucket.engine.kernels import packed_linear
-from autobucket.engine.kernels.packed_linear import PackedLinears, fixed_order_op, fixed_order_panels
+from autobucket.engine.kernels.packed_linear import PackedLinears
+from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

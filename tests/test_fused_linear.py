@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobucket.engine.kernels import fused_linear, packed_linear
+from autobucket.engine.kernels import fused_linear, onednn_probes, packed_linear
 from autobucket.engine.kernels.fused_linear import LinearFusion
-from autobucket.engine.kernels.packed_linear import (
-    PackedLinears,
+from autobucket.engine.kernels.onednn_probes import (
     bf16_blocks_invariant,
     fused_columns_agree,
     onednn_available,
 )
+from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
@@ -107,8 +107,8 @@ def test_one_forward_runs_fewer_gemms(monkeypatch):
     fused, unfused = PackedLinears(fuse=True), PackedLinears()
     logits_on(model, fused), logits_on(model, unfused)
     calls = []
-    real = packed_linear._packed_matmul
-    monkeypatch.setattr(packed_linear, "_packed_matmul", lambda *args: calls.append(1) or real(*args))
+    real = packed_linear.packed_matmul
+    monkeypatch.setattr(packed_linear, "packed_matmul", lambda *args: calls.append(1) or real(*args))
     counts = []
     for packs in (unfused, fused):
         calls.clear()
@@ -140,13 +140,13 @@ def test_control_a_fusion_handing_out_the_wrong_columns_fails_the_oracle(monkeyp
 def test_the_probe_refuses_a_fused_gemm_whose_columns_differ(monkeypatch):
     probe = fused_columns_agree.__wrapped__  # uncached
     assert probe(64, (64, 32, 32), True)
-    real = packed_linear._onednn_linear
+    real = onednn_probes.onednn_linear
 
     def off_by_an_ulp_when_fused(rows, packed, bias):
         out = real(rows, packed, bias)
         return torch.nextafter(out, out + 1) if out.shape[-1] == 128 else out
 
-    monkeypatch.setattr(packed_linear, "_onednn_linear", off_by_an_ulp_when_fused)
+    monkeypatch.setattr(onednn_probes, "onednn_linear", off_by_an_ulp_when_fused)
     assert not probe(64, (64, 32, 32), True)
 
 

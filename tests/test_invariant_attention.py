@@ -29,7 +29,7 @@ from autobucket.engine.kernels.invariant_attention import (
     invariant_sdpa,
     load_invariant_kernels,
 )
-from autobucket.engine.kernels.packed_linear import onednn_available
+from autobucket.engine.kernels.onednn_probes import onednn_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

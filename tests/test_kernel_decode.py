@@ -43,7 +43,7 @@ def kernels_built():
     """The kernel step needs the fixed-order linear and the fused SiLU-and-multiply of this CPU's width
     (AVX-512 or AVX2 builds); elsewhere it always declines, which the tests of declining still check."""
     from autobucket.engine.kernels.elementwise import gated_mlp
-    from autobucket.engine.kernels.packed_linear import fixed_order_op
+    from autobucket.engine.kernels.packed_matmul import fixed_order_op
 
     if fixed_order_op() is None or not gated_mlp.available():
         pytest.skip("no vector build of the fixed-order linear and the fused SiLU here: the direct step runs")

@@ -14,13 +14,9 @@ import torch.nn.functional as F
 from conftest import ARCHS, assert_matches_oracle, forget_oracle, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels import packed_linear
-from autobucket.engine.kernels.packed_linear import (
-    PackedLinears,
-    bf16_blocks_invariant,
-    onednn_available,
-    packed_linears,
-)
+from autobucket.engine.kernels import onednn_probes, packed_linear, packed_matmul
+from autobucket.engine.kernels.onednn_probes import bf16_blocks_invariant, onednn_available
+from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import CostCoefficients
 
@@ -143,9 +139,9 @@ def test_a_prefill_sized_bf16_call_in_large_blocks_gives_each_row_its_decode_res
         assert torch.equal(whole[rows], alone)
         in_small_calls = torch.cat([packs.linear(x[i : i + 20], weight, bias) for i in range(0, 2700, 20)])
         assert torch.equal(whole, in_small_calls)
-    sizes = packed_linear._large_blocks_for(2700, k, n, True)  # which large blocks ran: probed ones only
-    assert sum(sizes) <= 2700 and all(packed_linear.bf16_large_block_agrees(k, n, size, True) for size in sizes)
-    if all(packed_linear.bf16_large_block_agrees(k, n, size, True) for size in packed_linear.LARGE_BLOCKS):
+    sizes = packed_matmul.large_blocks_for(2700, k, n, True)  # which large blocks ran: probed ones only
+    assert sum(sizes) <= 2700 and all(onednn_probes.bf16_large_block_agrees(k, n, size, True) for size in sizes)
+    if all(onednn_probes.bf16_large_block_agrees(k, n, size, True) for size in onednn_probes.LARGE_BLOCKS):
         assert sizes == [2048, 512, 128]  # every size passes (bench-qwen2's shapes, Intel Xeon): greedy
 
 
@@ -164,24 +160,24 @@ def test_an_output_head_runs_prefill_rows_in_head_blocks_with_each_rows_decode_r
         rows = [0, 1, 511, 512, 1023, 1024, 1099]
         alone = torch.cat([packs.linear(x[i : i + 1], weight, None) for i in rows])
         assert torch.equal(whole[rows], alone)
-    sizes = packed_linear._large_blocks_for(1100, k, n, False)
-    assert set(sizes) <= set(packed_linear.HEAD_BLOCKS) and sum(sizes) <= 1100
-    assert all(packed_linear.bf16_large_block_agrees(k, n, size, False) for size in sizes)
+    sizes = packed_matmul.large_blocks_for(1100, k, n, False)
+    assert set(sizes) <= set(onednn_probes.HEAD_BLOCKS) and sum(sizes) <= 1100
+    assert all(onednn_probes.bf16_large_block_agrees(k, n, size, False) for size in sizes)
 
 
 @needs_bf16_gemm
 def test_control_large_blocks_the_probe_refuses_would_break_the_oracle(monkeypatch):
     """Why the probe: forced on a shape and size it refuses, a large block changes rows against their
     alone results (skipped where this CPU's GEMM passes every size on every shape)."""
-    failing = [(k, n, size) for k, n in LARGE_SHAPES for size in packed_linear.LARGE_BLOCKS
-               if not packed_linear.bf16_large_block_agrees(k, n, size, False)]  # fmt: skip
+    failing = [(k, n, size) for k, n in LARGE_SHAPES for size in onednn_probes.LARGE_BLOCKS
+               if not onednn_probes.bf16_large_block_agrees(k, n, size, False)]  # fmt: skip
     if not failing:
         pytest.skip("every large block passes its probe on this CPU")
     k, n, size = failing[0]
     generator = torch.Generator().manual_seed(size)
     x = (torch.randn(size, k, generator=generator) * 10.0).bfloat16()
     weight = (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
-    monkeypatch.setattr(packed_linear, "bf16_large_block_agrees", lambda *shape: True)
+    monkeypatch.setattr(packed_matmul, "bf16_large_block_agrees", lambda *shape: True)
     packs = PackedLinears()
     with torch.inference_mode():
         forced = packs.linear(x, weight, None)
@@ -200,10 +196,10 @@ def test_a_shape_failing_the_bf16_probe_is_packed_as_fp32_and_stays_invariant(mo
         # the probes themselves run oneDNN's bf16 GEMM, which a CPU without AVX512-BF16 / AVX-NE-CONVERT
         # lacks (there the probe answers False before any GEMM, and the fallback below is what runs)
         if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            monkeypatch.setattr(packed_linear, "_onednn_linear", noisy_when_batched)
+            monkeypatch.setattr(onednn_probes, "onednn_linear", noisy_when_batched)
             assert not bf16_blocks_invariant.__wrapped__(1024, 256)
-            monkeypatch.setattr(packed_linear, "bf16_blocks_invariant", lambda k, n: True)
-            assert not packed_linear.bf16_small_blocks_agree.__wrapped__(1024, 256)  # 16-row calls differ too
+            monkeypatch.setattr(onednn_probes, "bf16_blocks_invariant", lambda k, n: True)
+            assert not onednn_probes.bf16_small_blocks_agree.__wrapped__(1024, 256)  # 16-row calls differ too
             monkeypatch.undo()
         else:
             assert not bf16_blocks_invariant.__wrapped__(1024, 256)

@@ -19,7 +19,7 @@ from conftest import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
 from autobucket.engine.batching.prefill import positions_from_mask
-from autobucket.engine.kernels.packed_linear import onednn_available
+from autobucket.engine.kernels.onednn_probes import onednn_available
 from autobucket.engine.trainer_logprobs import teacher_forced_batch
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]

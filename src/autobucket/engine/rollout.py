@@ -22,7 +22,8 @@ from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.engine.kernels.elementwise import fused_elementwise
-from autobucket.engine.kernels.packed_linear import PackedLinears, warn_if_slow_bf16_gemm
+from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
+from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d

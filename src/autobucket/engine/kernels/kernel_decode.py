@@ -30,7 +30,8 @@ from autobucket.engine.kernels.cascade_attention import CascadeAttention, Cascad
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.routes import fused_here
 from autobucket.engine.kernels.invariant_attention import allowed_for, invariant_sdpa, kernel_library_builds
-from autobucket.engine.kernels.packed_linear import current_packs, fixed_order_op
+from autobucket.engine.kernels.packed_linear import current_packs
+from autobucket.engine.kernels.packed_matmul import fixed_order_op
 from autobucket.engine.model_access.attention import chosen_attention
 from autobucket.engine.model_access.direct_decode import DirectDecode, KeyValueWrite
 from autobucket.engine.model_access.function_routes import call_unobserved, dropout_suppressed

@@ -17,32 +17,11 @@ keyed on the weight's identity, `data_ptr()`, `_version` and the process's optim
 through `.data` (`param.data.copy_(...)`) bypasses the version counter and needs `refresh()`
 (`Rollout.refresh_weights()`).
 
-bf16 weights run oneDNN's bf16 GEMM (AMX / AVX512-BF16) in fixed blocks of `ROW_BLOCK` rows. That GEMM
-picks its kernel by the number of rows, so a row's output depends on M (measured on `[M, 1024] x
-[1024, 256]` and five other shapes); inside one fixed block shape a row's output was bitwise the same
-wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
-32-row blocks (the last zero-padded), and each weight shape is probed once per process
-(`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
-block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
-and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
-per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster).
-A shape that fails, or a CPU without a native bf16 GEMM, gets its weight packed as fp32 (exact) and the
-fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower.
-
-fp32 GEMMs (fp32 weights, and those bf16-as-fp32 packs) run the engine's own fixed-order kernel where
-its library builds with AVX-512 or AVX2 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in
-order, so invariant by construction, no probe and no M = 1 workaround), else oneDNN's fp32 GEMM. On an
-AMD EPYC (Zen 5) it took 0.35-0.84x oneDNN's time at a decode step's 8-32 rows and 1.00-1.11x at
-1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x slower than both
-(`benchmarks/fp32_linears.py`). A weight past the packed-weight budget is read where it is by the
-kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise), and a weight updated in
-place gets its panels rewritten in the storage they had. Why 32 rows: a decode step's batch; a 16-row step padded to 32 took
-1.4 ms on the 256 -> 32,000 head, padded to 128 it took 4.0 ms (Intel Xeon, AMX)."""
+The GEMMs themselves: `packed_matmul.py` (fp32: the fixed-order kernel, or oneDNN; bf16: oneDNN in the row
+blocks `onednn_probes.py` found invariant for the shape)."""
 
 from __future__ import annotations
 
-import functools
-import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -51,8 +30,22 @@ from dataclasses import dataclass
 
 import torch
 
-from autobucket.checks import warn_once
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
+from autobucket.engine.kernels.onednn_probes import (
+    ROW_BLOCK,
+    bf16_blocks_invariant,
+    bf16_small_blocks_agree,
+    fused_columns_agree,
+    onednn_available,
+)
+from autobucket.engine.kernels.packed_matmul import (
+    FIXED_ORDER_PANEL,
+    Pack,
+    fixed_order_op,
+    fixed_order_panels,
+    packed_matmul,
+    panel_bytes,
+)
 from autobucket.engine.model_access.function_routes import (
     linear_route,
     linears_routed_to,
@@ -60,166 +53,6 @@ from autobucket.engine.model_access.function_routes import (
     original_linear,
 )
 from autobucket.engine.model_access.weight_versions import tensor_version
-
-ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
-SMALL_BLOCK = 16  # rows of a call of at most 16 rows, where the shape's probe found them equal to 32's
-FIXED_ORDER_PANEL = 32  # output columns per panel of `fixed_order_linear` (csrc/fixed_order_linear.cpp)
-
-
-@functools.cache  # read on every linear call of a forward: the answer is fixed for the process
-def onednn_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packed linears run for `dtype` on this CPU: fp32, and bf16 (natively in fixed row
-    blocks where the CPU has a bf16 GEMM and the shape passes its probe, else computed in fp32)."""
-    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
-
-
-class SlowBf16GemmWarning(RuntimeWarning):
-    """A bf16 model on the default kernels, on a CPU where torch's bf16 GEMMs are far slower than fp32's."""
-
-
-@functools.cache  # a property of the CPU and the torch build
-def native_bf16_gemm() -> bool:
-    """Whether oneDNN runs bf16 GEMMs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AMX and
-    AVX512-BF16 where present). Without them, torch's bf16 `F.linear` took 5-10x the fp32 time (AMD
-    EPYC Zen 3, AVX2: 64 x 256 x 32,000 127 against 26 ms, 1,884 x 256 x 1,024 120 against 12 ms), and
-    the invariant kernels pack bf16 weights as fp32."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, native: bool) -> str | None:
-    """One line with the fix, or None: a bf16 CPU model on `kernels="hf"` where the CPU lacks a native bf16
-    GEMM (`native`) runs every linear on torch's slow bf16 path."""
-    if dtype != torch.bfloat16 or kernels != "hf" or device_type != "cpu" or native:
-        return None
-    return (
-        "this bf16 model runs kernels='hf' on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
-        "torch's bf16 linears take 5-10x the time of fp32 ones; RolloutConfig(kernels=\"invariant\") runs them "
-        "as fp32 GEMMs rounded to bf16 (a GRPO-like bf16 call in 0.17x the time on an AMD EPYC Zen 3)"
-    )
-
-
-def warn_if_slow_bf16_gemm(dtype: torch.dtype, kernels: str, device_type: str) -> None:
-    """Warn, once per process, where `slow_bf16_gemm_message` has something to say."""
-    message = slow_bf16_gemm_message(dtype, kernels, device_type, native_bf16_gemm())
-    if message is not None:
-        warn_once(message, SlowBf16GemmWarning, stacklevel=4)  # at the line that built the Rollout
-
-
-@functools.cache  # once per weight shape and process: six 32-row GEMMs
-def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
-    """Whether oneDNN's bf16 GEMM on a packed [out, in] weight gives each row of a `ROW_BLOCK`-row block
-    bitwise the same output wherever it sits and whatever the other rows are. Probed with random data
-    from a private generator (the caller's RNG is untouched): three blocks of rows of mixed scales, each
-    against the same rows scattered among fresh ones."""
-    if not native_bf16_gemm():
-        return False
-    generator, packed = _probe_weight(in_features, out_features, in_features * 100_003 + out_features)
-    for kept in (1, ROW_BLOCK // 2, ROW_BLOCK - 1):
-        rows = _probe_rows(generator, in_features)
-        reference = _onednn_linear(rows, packed, None)
-        places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
-        mixed = torch.randn(ROW_BLOCK, in_features, generator=generator).bfloat16()
-        mixed[places] = rows[:kept]
-        if not torch.equal(_onednn_linear(mixed, packed, None)[places], reference[:kept]):
-            return False
-    return True
-
-
-@functools.cache  # once per weight shape and process
-def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
-    """Whether 16-row calls of oneDNN's bf16 GEMM give bitwise the rows' outputs inside a 32-row call on
-    a packed [out, in] weight (so a decode step of <= 16 rows need not pad to 32: 0.055 vs 0.094 ms on
-    576 -> 576, Intel Xeon); probed like `bf16_blocks_invariant`, which must hold first."""
-    if not bf16_blocks_invariant(in_features, out_features):
-        return False
-    generator, packed = _probe_weight(in_features, out_features, in_features * 7 + out_features * 3)
-    for _ in range(3):
-        rows = _probe_rows(generator, in_features)
-        halves = [_onednn_linear(rows[first : first + SMALL_BLOCK], packed, None) for first in (0, SMALL_BLOCK)]
-        if not torch.equal(torch.cat(halves), _onednn_linear(rows, packed, None)):
-            return False
-    return True
-
-
-@functools.cache  # once per group shape and process: 24 ms for SmolLM2's gate/up
-def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bias: bool) -> bool:
-    """Whether one oneDNN bf16 GEMM block on the concatenated [sum N_i, K] weight gives each member's
-    columns bitwise its own GEMM's output in the same `ROW_BLOCK` rows (every bf16 call is made of such
-    blocks, so one block shape decides it). Random data, a private generator."""
-    generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
-    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).bfloat16() for n in out_features]
-    biases = [torch.randn(n, generator=generator).bfloat16() if has_bias else None for n in out_features]
-    packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
-    fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
-    fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
-    for _ in range(2):
-        rows = _probe_rows(generator, in_features)
-        alone = [_onednn_linear(rows, pack, bias) for pack, bias in zip(packs, biases, strict=True)]
-        if not torch.equal(_onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
-            return False
-    return True
-
-
-# Row counts of one bf16 call for prefill-sized inputs, largest first. On bench-qwen2's and SmolLM2's
-# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX). Whether it
-# gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
-# multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
-# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape.
-LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
-LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up of 2 x 8,192 included)
-# Wider weights (output heads) get a shorter ladder: on 256 -> 32,000 one 2,048-row call was 1.7x slower
-# than 32-row calls, while on SmolLM2's 576 -> 49,152 1,024 rows took 405 ms in 32-row calls, 203 ms in
-# 512-row calls, 149 ms in 256- or 128-row calls and 232 ms in one (MKL's F.linear: 233 ms); the probe
-# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX). Two
-# sizes only: each probe builds a random weight of the head's shape, once per process (Qwen2.5-0.5B's:
-# 4.7 s at 512 rows, 2.1 s at 256), paid by the first call of at least that many rows.
-HEAD_BLOCKS = (512, 256)
-
-
-@functools.cache  # once per weight shape, block size and process
-def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int, has_bias: bool) -> bool:
-    """Whether one oneDNN bf16 call over `rows_count` rows on a packed [out, in] weight gives every row
-    bitwise its output in `ROW_BLOCK`-row calls (random rows of mixed scales, a private generator)."""
-    if not bf16_blocks_invariant(in_features, out_features):
-        return False
-    generator, packed = _probe_weight(in_features, out_features, in_features * 13 + out_features + rows_count)
-    bias = torch.randn(out_features, generator=generator).bfloat16() if has_bias else None
-    rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
-    blocks = [_onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
-    return torch.equal(_onednn_linear(rows, packed, bias), torch.cat(blocks))
-
-
-def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
-    """A private generator and a random bf16 [out, in] weight packed for ROW_BLOCK rows."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
-    return generator, torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
-
-
-def _probe_rows(generator: torch.Generator, in_features: int) -> torch.Tensor:
-    """ROW_BLOCK random bf16 rows of scales 1e-2 .. 1e2."""
-    scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
-    return (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
-
-
-def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-
-
-@dataclass
-class _Pack:
-    owner: weakref.ref  # the weight this copy was made from
-    version: tuple[int, int | None, int] | None  # (data_ptr, _version, optimizer steps) when packed; None: stale
-    packed: torch.Tensor  # oneDNN-blocked copy of the weight (bf16 when `row_blocks`), or fixed-order panels
-    row_blocks: bool  # a bf16 GEMM run in ROW_BLOCK-row blocks (else one fp32 GEMM over all rows)
-    small_block: bool = False  # calls of <= SMALL_BLOCK rows run as one SMALL_BLOCK-row block
-    fixed_order: bool = False  # fp32 panels [ceil(N / 32), K, 32] for `fixed_order_linear` (else oneDNN)
-    out_features: int = 0
-    unpacked: bool = False  # fixed order on the weight itself, fp32 [N, K] (a call past the budget)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
 
 
 class PackedLinears:
@@ -233,7 +66,7 @@ class PackedLinears:
     are packed in the order the forward first meets them (the layers, then the output head)."""
 
     def __init__(self, budget_bytes: int | None = None, fuse: bool = False, fixed_order: bool | None = None) -> None:
-        self._packs: dict[int, _Pack] = {}
+        self._packs: dict[int, Pack] = {}
         self._fused: dict[int, _FusedPack] = {}  # id(group) -> its concatenated weight's pack
         self._held_bytes = 0
         self.budget_bytes = budget_bytes
@@ -282,11 +115,11 @@ class PackedLinears:
             return original_linear(x, weight, bias)
         if needs_grad:
             if recompute_safe:
-                return _with_values(original_linear(x, weight, bias), _packed_matmul(x.detach(), pack, _detached(bias)))
+                return _with_values(original_linear(x, weight, bias), packed_matmul(x.detach(), pack, _detached(bias)))
             return _PackedLinearFunction.apply(x, weight, bias, pack, False)
         if self.fusion is not None and pack.row_blocks:
             self.fusion.observe(x, weight, bias)
-        return _packed_matmul(x, pack, bias)
+        return packed_matmul(x, pack, bias)
 
     def ready_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """`linear(x, weight, bias)` without its general checks, for the call a decode step makes most: an
@@ -327,7 +160,7 @@ class PackedLinears:
         fused = self._fused_pack_for(group)
         if fused is None:
             return None
-        return fusion.hand_out(group, x, _packed_matmul(x, fused.pack, fused.bias))
+        return fusion.hand_out(group, x, packed_matmul(x, fused.pack, fused.bias))
 
     def _fused_pack_for(self, group: FusedGroup) -> _FusedPack | None:
         """The group's concatenated weight packed (repacked after any member's update), or None, and
@@ -363,7 +196,7 @@ class PackedLinears:
             self._packs.pop(id(weight), None)  # the members' own copies: the fused one serves them
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, ROW_BLOCK)
         small = bf16_small_blocks_agree(in_features, dense.shape[0])
-        pack = _Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
+        pack = Pack(weakref.ref(pairs[0][0]), versions[0], packed, True, small)
         bias = torch.cat([bias.detach() for _, bias in pairs if bias is not None]) if has_bias else None
         self._fused[id(group)] = fused = _FusedPack(pack, bias, versions)
         self._held_bytes = held_after
@@ -385,11 +218,11 @@ class PackedLinears:
             return original_addmm(bias, x, weight)
         if _needs_grad(x, weight, bias):
             if recompute_safe:
-                return _with_values(original_addmm(bias, x, weight), _packed_matmul(x.detach(), pack, bias.detach()))
+                return _with_values(original_addmm(bias, x, weight), packed_matmul(x.detach(), pack, bias.detach()))
             return _PackedLinearFunction.apply(x, weight, bias, pack, True)
-        return _packed_matmul(x, pack, bias)
+        return packed_matmul(x, pack, bias)
 
-    def _pack_for(self, weight: torch.Tensor, x: torch.Tensor, transposed: bool) -> _Pack | None:
+    def _pack_for(self, weight: torch.Tensor, x: torch.Tensor, transposed: bool) -> Pack | None:
         if not _eligible(weight, x):
             return None
         pack, version = self._packs.get(id(weight)), tensor_version(weight)
@@ -412,21 +245,21 @@ class PackedLinears:
         if pack is not None:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes
-        size = _panel_bytes(*source.shape) if fixed_order else source.numel() * source.element_size()
+        size = panel_bytes(*source.shape) if fixed_order else source.numel() * source.element_size()
         small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
-        fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the _Pack fields of the fp32 GEMM
+        fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the Pack fields of the fp32 GEMM
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
             if fixed_order:  # no copy: the unpacked kernel reads the weight as it is, the same chains
                 source, fp32_kernel["unpacked"] = source.float(), True
             elif row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
-            return _Pack(weakref.ref(weight), version, source, row_blocks, small, **fp32_kernel)  # this call only
+            return Pack(weakref.ref(weight), version, source, row_blocks, small, **fp32_kernel)  # this call only
         if fixed_order:
             packed = fixed_order_panels(source)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK if row_blocks else 64)
-        pack = _Pack(weakref.ref(weight), version, packed, row_blocks, small, **fp32_kernel)
+        pack = Pack(weakref.ref(weight), version, packed, row_blocks, small, **fp32_kernel)
         self._packs[id(weight)] = pack
         self._held_bytes += pack.nbytes
         self.packs_made += 1
@@ -436,7 +269,7 @@ class PackedLinears:
 
 @dataclass
 class _FusedPack:
-    pack: _Pack  # the concatenated [sum N_i, K] weight
+    pack: Pack  # the concatenated [sum N_i, K] weight
     bias: torch.Tensor | None  # the concatenated biases
     versions: tuple  # every member weight's and bias's version when packed
 
@@ -482,7 +315,7 @@ class _PackedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, pack, transposed):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.transposed, ctx.has_bias = transposed, bias is not None
-        return _packed_matmul(x, pack, bias)
+        return packed_matmul(x, pack, bias)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
@@ -497,81 +330,6 @@ class _PackedLinearFunction(torch.autograd.Function):
         grad_bias = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None, None
 
-
-def _packed_matmul(x: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    # [M, K]: 2-D was 10-15% faster than [M, 1, K]; contiguous, so a fused GEMM's column view as input
-    # (a LoRA layer's lora_B reads lora_A's columns) gives the GEMM the layout the trainer's call has
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _in_row_blocks(rows, pack, bias) if pack.row_blocks else _in_fp32(rows, pack, bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _in_fp32(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    """One fp32 GEMM over all rows, rounded to the input's dtype: [M, K] -> [M, N]."""
-    widened = rows.dtype != torch.float32  # fp32 inputs skip the conversions: ~6 us a call of ~45
-    rows_fp32 = rows.float() if widened else rows
-    bias_fp32 = None if bias is None else (bias.float() if bias.dtype != torch.float32 else bias)
-    if pack.unpacked:
-        out = torch.ops.autobucket.fixed_order_linear_unpacked(rows_fp32, pack.packed, bias_fp32)
-    elif pack.fixed_order:
-        out = torch.ops.autobucket.fixed_order_linear(rows_fp32, pack.packed, bias_fp32, pack.out_features)
-    elif rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two
-        out = _onednn_linear(rows_fp32.expand(2, -1), pack.packed, bias_fp32)[:1]
-    else:
-        out = _onednn_linear(rows_fp32, pack.packed, bias_fp32)
-    return out.to(rows.dtype) if widened else out
-
-
-def _in_row_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    """bf16 GEMMs of exactly one block's rows each, the last block zero-padded: [M, K] -> [M, N]. The
-    block is ROW_BLOCK rows, or SMALL_BLOCK for a call that fits one where the shape allows it; a
-    prefill-sized call runs its leading rows in `LARGE_BLOCKS` where the shape's probe allows them."""
-    count = rows.shape[0]
-    large = _large_blocks_for(count, rows.shape[1], pack.packed.shape[0], bias is not None)
-    if large:
-        return _in_large_blocks(rows, pack, bias, large)
-    return _in_fixed_blocks(rows, pack, bias)
-
-
-def _large_blocks_for(count: int, in_features: int, out_features: int, has_bias: bool) -> list[int]:
-    """The large blocks a call of `count` rows starts with, largest first, each bitwise the rows'
-    ROW_BLOCK-row results (probed per shape and size at the first call that could use it)."""
-    ladder = LARGE_BLOCKS if out_features <= LARGE_BLOCK_MAX_OUT else HEAD_BLOCKS
-    if count < ladder[-1]:
-        return []
-    sizes, left = [], count
-    for size in ladder:
-        while left >= size and bf16_large_block_agrees(in_features, out_features, size, has_bias):
-            sizes.append(size)
-            left -= size
-    return sizes
-
-
-def _in_large_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
-    pieces, first = [], 0
-    for size in sizes:  # one oneDNN call each: a large block is one fixed shape too
-        pieces.append(_onednn_linear(rows[first : first + size], pack.packed, bias))
-        first += size
-    if first < rows.shape[0]:
-        pieces.append(_in_fixed_blocks(rows[first:], pack, bias))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _in_fixed_blocks(rows: torch.Tensor, pack: _Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    """The loop of one-block calls: in the engine's C++ library (`blocked_linear`) once it is built,
-    else here (the same calls)."""
-    count = rows.shape[0]
-    block = SMALL_BLOCK if pack.small_block and count <= SMALL_BLOCK else ROW_BLOCK
-    blocked_linear = _blocked_linear_op()
-    if blocked_linear is not None:
-        return blocked_linear(rows, pack.packed, bias, block)
-    padding = -count % block
-    if padding:
-        rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
-    starts = range(0, len(rows), block)
-    blocks = [_onednn_linear(rows[first : first + block], pack.packed, bias) for first in starts]
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    return out[:count] if padding else out
 
 
 def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -617,57 +375,3 @@ def packed_linears(packs: PackedLinears, recompute_safe: bool = False, conv1d: b
     finally:
         packs.forwards_done()
 
-
-def check_fp32_precision() -> None:
-    """Refuse to run fp32 models where oneDNN was told to compute fp32 matmuls in a lower precision."""
-    setting = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
-    fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").strip().upper()
-    if setting not in ("none", "ieee") or fpmath not in ("", "STRICT"):
-        raise ValueError(
-            f"kernels='invariant' computes fp32 models in strict fp32, but torch.backends.mkldnn.matmul."
-            f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
-            "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
-        )
-
-
-def _panel_bytes(out_features: int, in_features: int) -> int:
-    return -(-out_features // FIXED_ORDER_PANEL) * FIXED_ORDER_PANEL * in_features * 4
-
-
-def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A [N, K] weight (fp32, or bf16 widened exactly) as `fixed_order_linear`'s fp32 panels
-    [ceil(N / 32), K, 32], columns past N zero; written into `out` (an earlier pack of the same shape)
-    where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a repack
-    of bench-qwen2's 33 MB head took 26 ms through a padded copy and a new tensor, Intel Xeon)."""
-    out_features, in_features = dense.shape
-    panels, full = -(-out_features // FIXED_ORDER_PANEL), out_features // FIXED_ORDER_PANEL
-    if out is None:
-        out = torch.empty(panels, in_features, FIXED_ORDER_PANEL, dtype=torch.float32)
-    if full:  # [full * 32, K] -> [full, K, 32]
-        out[:full].copy_(dense[: full * FIXED_ORDER_PANEL].view(full, FIXED_ORDER_PANEL, in_features).transpose(1, 2))
-    if full < panels:  # the last panel's columns past N are zero
-        tail = out[full]
-        tail.zero_()
-        tail[:, : out_features - full * FIXED_ORDER_PANEL].copy_(dense[full * FIXED_ORDER_PANEL :].t())
-    return out
-
-
-@functools.cache
-def fixed_order_op():
-    """The fixed-order fp32 linear where the kernel library builds with AVX-512 or AVX2, else None (oneDNN's fp32
-    GEMM instead: see the module docstring)."""
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
-
-    if not kernel_library_builds():  # oneDNN serves
-        return None
-    return torch.ops.autobucket.fixed_order_linear if torch.ops.autobucket.fixed_order_linear_vectorized() else None
-
-
-@functools.cache
-def _blocked_linear_op():
-    """The C++ block loop, or None where the engine's kernel library does not build (no compiler)."""
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
-
-    if not kernel_library_builds():  # the Python loop gives the same calls
-        return None
-    return torch.ops.autobucket.blocked_linear

@@ -11,12 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from autobucket.engine.kernels.invariant_attention import invariant_sdpa, load_invariant_kernels
-from autobucket.engine.kernels.packed_linear import (
-    PackedLinears,
-    check_fp32_precision,
-    onednn_available,
-    packed_linears,
-)
+from autobucket.engine.kernels.onednn_probes import check_fp32_precision, onednn_available
+from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.engine.model_access.attention import dispatches, kernel_attention
 
 

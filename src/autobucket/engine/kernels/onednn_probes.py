@@ -1,0 +1,183 @@
+"""What oneDNN's GEMMs can do on this CPU, probed once per shape and process, and the fp32 precision guard.
+
+bf16 weights run oneDNN's bf16 GEMM (AMX / AVX512-BF16) in fixed blocks of `ROW_BLOCK` rows. That GEMM
+picks its kernel by the number of rows, so a row's output depends on M (measured on `[M, 1024] x
+[1024, 256]` and five other shapes); inside one fixed block shape a row's output was bitwise the same
+wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
+32-row blocks (the last zero-padded), and each weight shape is probed once per process
+(`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
+block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
+and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
+per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster).
+A shape that fails, or a CPU without a native bf16 GEMM (`native_bf16_gemm`), gets its weight packed as
+fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower.
+Why 32 rows: a decode step's batch; a 16-row step padded to 32 took 1.4 ms on the 256 -> 32,000 head,
+padded to 128 it took 4.0 ms (Intel Xeon, AMX).
+
+Each probe runs random data from a private generator (the caller's RNG is untouched) and is cached for
+the process: the answers are properties of the CPU, the torch build and the shape."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from autobucket.checks import warn_once
+
+ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
+SMALL_BLOCK = 16  # rows of a call of at most 16 rows, where the shape's probe found them equal to 32's
+
+
+@functools.cache  # read on every linear call of a forward: the answer is fixed for the process
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packed linears run for `dtype` on this CPU: fp32, and bf16 (natively in fixed row
+    blocks where the CPU has a bf16 GEMM and the shape passes its probe, else computed in fp32)."""
+    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+
+
+class SlowBf16GemmWarning(RuntimeWarning):
+    """A bf16 model on the default kernels, on a CPU where torch's bf16 GEMMs are far slower than fp32's."""
+
+
+@functools.cache  # a property of the CPU and the torch build
+def native_bf16_gemm() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AMX and
+    AVX512-BF16 where present). Without them, torch's bf16 `F.linear` took 5-10x the fp32 time (AMD
+    EPYC Zen 3, AVX2: 64 x 256 x 32,000 127 against 26 ms, 1,884 x 256 x 1,024 120 against 12 ms), and
+    the invariant kernels pack bf16 weights as fp32."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, native: bool) -> str | None:
+    """One line with the fix, or None: a bf16 CPU model on `kernels="hf"` where the CPU lacks a native bf16
+    GEMM (`native`) runs every linear on torch's slow bf16 path."""
+    if dtype != torch.bfloat16 or kernels != "hf" or device_type != "cpu" or native:
+        return None
+    return (
+        "this bf16 model runs kernels='hf' on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
+        "torch's bf16 linears take 5-10x the time of fp32 ones; RolloutConfig(kernels=\"invariant\") runs them "
+        "as fp32 GEMMs rounded to bf16 (a GRPO-like bf16 call in 0.17x the time on an AMD EPYC Zen 3)"
+    )
+
+
+def warn_if_slow_bf16_gemm(dtype: torch.dtype, kernels: str, device_type: str) -> None:
+    """Warn, once per process, where `slow_bf16_gemm_message` has something to say."""
+    message = slow_bf16_gemm_message(dtype, kernels, device_type, native_bf16_gemm())
+    if message is not None:
+        warn_once(message, SlowBf16GemmWarning, stacklevel=4)  # at the line that built the Rollout
+
+
+@functools.cache  # once per weight shape and process: six 32-row GEMMs
+def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN's bf16 GEMM on a packed [out, in] weight gives each row of a `ROW_BLOCK`-row block
+    bitwise the same output wherever it sits and whatever the other rows are. Probed with random data
+    from a private generator (the caller's RNG is untouched): three blocks of rows of mixed scales, each
+    against the same rows scattered among fresh ones."""
+    if not native_bf16_gemm():
+        return False
+    generator, packed = _probe_weight(in_features, out_features, in_features * 100_003 + out_features)
+    for kept in (1, ROW_BLOCK // 2, ROW_BLOCK - 1):
+        rows = _probe_rows(generator, in_features)
+        reference = onednn_linear(rows, packed, None)
+        places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
+        mixed = torch.randn(ROW_BLOCK, in_features, generator=generator).bfloat16()
+        mixed[places] = rows[:kept]
+        if not torch.equal(onednn_linear(mixed, packed, None)[places], reference[:kept]):
+            return False
+    return True
+
+
+@functools.cache  # once per weight shape and process
+def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
+    """Whether 16-row calls of oneDNN's bf16 GEMM give bitwise the rows' outputs inside a 32-row call on
+    a packed [out, in] weight (so a decode step of <= 16 rows need not pad to 32: 0.055 vs 0.094 ms on
+    576 -> 576, Intel Xeon); probed like `bf16_blocks_invariant`, which must hold first."""
+    if not bf16_blocks_invariant(in_features, out_features):
+        return False
+    generator, packed = _probe_weight(in_features, out_features, in_features * 7 + out_features * 3)
+    for _ in range(3):
+        rows = _probe_rows(generator, in_features)
+        halves = [onednn_linear(rows[first : first + SMALL_BLOCK], packed, None) for first in (0, SMALL_BLOCK)]
+        if not torch.equal(torch.cat(halves), onednn_linear(rows, packed, None)):
+            return False
+    return True
+
+
+@functools.cache  # once per group shape and process: 24 ms for SmolLM2's gate/up
+def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bias: bool) -> bool:
+    """Whether one oneDNN bf16 GEMM block on the concatenated [sum N_i, K] weight gives each member's
+    columns bitwise its own GEMM's output in the same `ROW_BLOCK` rows (every bf16 call is made of such
+    blocks, so one block shape decides it). Random data, a private generator."""
+    generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
+    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).bfloat16() for n in out_features]
+    biases = [torch.randn(n, generator=generator).bfloat16() if has_bias else None for n in out_features]
+    packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
+    fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
+    fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
+    for _ in range(2):
+        rows = _probe_rows(generator, in_features)
+        alone = [onednn_linear(rows, pack, bias) for pack, bias in zip(packs, biases, strict=True)]
+        if not torch.equal(onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
+            return False
+    return True
+
+
+# Row counts of one bf16 call for prefill-sized inputs, largest first. On bench-qwen2's and SmolLM2's
+# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX). Whether it
+# gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
+# multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
+# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape.
+LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
+LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up of 2 x 8,192 included)
+# Wider weights (output heads) get a shorter ladder: on 256 -> 32,000 one 2,048-row call was 1.7x slower
+# than 32-row calls, while on SmolLM2's 576 -> 49,152 1,024 rows took 405 ms in 32-row calls, 203 ms in
+# 512-row calls, 149 ms in 256- or 128-row calls and 232 ms in one (MKL's F.linear: 233 ms); the probe
+# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX). Two
+# sizes only: each probe builds a random weight of the head's shape, once per process (Qwen2.5-0.5B's:
+# 4.7 s at 512 rows, 2.1 s at 256), paid by the first call of at least that many rows.
+HEAD_BLOCKS = (512, 256)
+
+
+@functools.cache  # once per weight shape, block size and process
+def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int, has_bias: bool) -> bool:
+    """Whether one oneDNN bf16 call over `rows_count` rows on a packed [out, in] weight gives every row
+    bitwise its output in `ROW_BLOCK`-row calls (random rows of mixed scales, a private generator)."""
+    if not bf16_blocks_invariant(in_features, out_features):
+        return False
+    generator, packed = _probe_weight(in_features, out_features, in_features * 13 + out_features + rows_count)
+    bias = torch.randn(out_features, generator=generator).bfloat16() if has_bias else None
+    rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
+    blocks = [onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
+    return torch.equal(onednn_linear(rows, packed, bias), torch.cat(blocks))
+
+
+def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
+    """A private generator and a random bf16 [out, in] weight packed for ROW_BLOCK rows."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
+    return generator, torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
+
+
+def _probe_rows(generator: torch.Generator, in_features: int) -> torch.Tensor:
+    """ROW_BLOCK random bf16 rows of scales 1e-2 .. 1e2."""
+    scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
+    return (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
+
+
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] times a oneDNN-packed [N, K] weight (+ bias [N]) -> [M, N]."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+def check_fp32_precision() -> None:
+    """Refuse to run fp32 models where oneDNN was told to compute fp32 matmuls in a lower precision."""
+    setting = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    fpmath = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").strip().upper()
+    if setting not in ("none", "ieee") or fpmath not in ("", "STRICT"):
+        raise ValueError(
+            f"kernels='invariant' computes fp32 models in strict fp32, but torch.backends.mkldnn.matmul."
+            f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
+            "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
+        )
