@@ -255,7 +255,7 @@ def test_min_p_is_applied(tmp_path, eos_id):
 def test_generation_kwargs_warpers_map_to_sampling_config(tmp_path, eos_id):
     from transformers import GenerationConfig
 
-    from autobucket.integrations.trl import sampling_from_generation_config
+    from autobucket.integrations.trl_generation import sampling_from_generation_config
 
     warpers = {"typical_p": 0.9, "epsilon_cutoff": 1e-3, "eta_cutoff": 2e-3}
     trainer = AutobucketGRPOTrainer(
@@ -317,7 +317,7 @@ def test_empty_batch_and_images_are_rejected(tmp_path, eos_id):
 def test_zero3_without_gathering_is_rejected(tmp_path):
     from types import SimpleNamespace
 
-    from autobucket.integrations.trl import check_trainer_supported
+    from autobucket.integrations.trl_generation import check_trainer_supported
 
     args = grpo_config(tmp_path, greedy=True, ds3_gather_for_generation=False)
     trainer = SimpleNamespace(

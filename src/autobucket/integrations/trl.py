@@ -1,6 +1,6 @@
 """TRL's `GRPOTrainer` generating through autobucket (`pip install "autobucket[trl]"`, trl 1.16).
 
-Two ways in, one generation function behind both:
+Two ways in, one generation function behind both (`trl_generation.generate_completions`):
 
 - `AutobucketGRPOTrainer`: a `GRPOTrainer` whose non-vLLM generation (`_generate_single_turn`) runs
   `Rollout.generate`; everything else (dataloader, tokenisation, rewards, loss, optimizer) is TRL's.
@@ -51,22 +51,24 @@ scope's packs (`Rollout.refresh_weights()`) once per optimizer step."""
 
 from __future__ import annotations
 
-import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.models import unwrap_model_for_generation
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket import RolloutConfig
 from autobucket.checks import optional_int
 from autobucket.engine.trainer_logprobs import mismatch_metrics
-from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
+from autobucket.integrations.trl_generation import (
+    check_args_supported,
+    check_trainer_supported,
+    generate_completions,
+    reject_multimodal,
+)
 
-_HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
 # Prefix cache of a trainer with tools and no rollout_config: one generation batch's conversations (it is
 # emptied after every batch), least recently used evicted first beyond it.
 TOOL_PREFIX_CACHE_MB = 1024.0
@@ -353,209 +355,3 @@ def _rollout_config_or_default(config: RolloutConfig | None) -> RolloutConfig:
             f"rollout_config={config!r} is invalid: pass an autobucket RolloutConfig (e.g. RolloutConfig(route='auto'))"
         )
     return config
-
-
-# ------------------------------------------------------------------ validation
-def check_trainer_supported(trainer: Any) -> None:
-    """Reject trainer modes autobucket does not replace, and sampling options it cannot honour."""
-    check_args_supported(trainer.args)
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3 and not trainer.args.ds3_gather_for_generation:
-        raise ValueError(
-            "ds3_gather_for_generation=False is not supported by the autobucket trainer under ZeRO stage 3: ranks "
-            "would run different numbers of forwards over partitioned weights; set ds3_gather_for_generation=True"
-        )
-    sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
-
-
-def check_args_supported(args: Any) -> None:
-    """GRPOConfig modes in which generation would not run through autobucket."""
-    if getattr(args, "use_vllm", False):
-        raise ValueError(
-            "use_vllm=True is not supported by the autobucket trainer: generation would run in vLLM, not "
-            "autobucket; set use_vllm=False (or use the stock GRPOTrainer for vLLM)"
-        )
-    if getattr(args, "use_transformers_continuous_batching", False):
-        raise ValueError(
-            "use_transformers_continuous_batching=True is not supported by the autobucket trainer: autobucket "
-            "replaces that path; set use_transformers_continuous_batching=False"
-        )
-
-
-def reject_multimodal(images: Any, multimodal_fields: Any) -> None:
-    if images is not None and any(image for image in images):
-        raise ValueError(
-            "prompts with images are not supported by autobucket (text-only causal LMs): use the stock "
-            "GRPOTrainer for vision-language models"
-        )
-    if multimodal_fields:
-        raise ValueError(
-            f"multimodal processor fields {sorted(multimodal_fields)} are not supported by autobucket: use the "
-            "stock GRPOTrainer for vision-language models"
-        )
-
-
-def sampling_from_generation_config(generation_config: Any, eos_token_ids: Sequence[int]) -> SamplingConfig:
-    """TRL's GenerationConfig -> autobucket SamplingConfig (n and seed are set per call)."""
-    reject_unsupported_warpers(
-        generation_config, "generation option",
-        "unset it ({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer",
-    )  # fmt: skip
-    max_new_tokens = generation_config.max_new_tokens
-    if max_new_tokens is None:
-        raise ValueError("max_completion_length=None is not supported by autobucket: set a completion budget")
-    penalty = generation_config.repetition_penalty
-    return SamplingConfig(
-        max_new_tokens=max_new_tokens,
-        repetition_penalty=1.0 if penalty is None else float(penalty),
-        eos_token_id=[int(token) for token in eos_token_ids],
-        **_warping(generation_config),
-    )
-
-
-def _warping(generation_config: Any) -> dict[str, Any]:
-    if not generation_config.do_sample:
-        return {"temperature": 0.0}
-    top_k, top_p = generation_config.top_k, generation_config.top_p
-    return {
-        "temperature": 1.0 if generation_config.temperature is None else float(generation_config.temperature),
-        "top_k": _HF_DEFAULT_TOP_K if top_k is None else int(top_k),
-        "top_p": 1.0 if top_p is None else float(top_p),
-        **warper_settings(generation_config),  # GRPOConfig's min_p; typical_p and cutoffs via generation_kwargs
-    }
-
-
-def check_prompt_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, model: Any) -> None:
-    """A prompt plus its completion budget must fit the model's context (TRL-worded error)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    for index, prompt in enumerate(prompt_ids):
-        if limit is not None and len(prompt) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {index} has {len(prompt)} tokens; with max_completion_length={max_new_tokens} it needs "
-                f"{len(prompt) + max_new_tokens} positions but the model's context is {limit}: shorten the "
-                "dataset's prompts or lower max_completion_length"
-            )
-
-
-# ------------------------------------------------------------------ generation
-def prompt_runs(prompt_ids: Sequence[Sequence[int]], longest: int | None = None) -> list[tuple[list[int], int]]:
-    """Consecutive identical prompts -> (prompt, run length), in order; runs are at most `longest` long
-    (TRL's `num_generations`: 1 for tool-calling turns, whose conversations are each sampled once)."""
-    runs: list[tuple[list[int], int]] = []
-    for ids in prompt_ids:
-        ids = list(ids)
-        if runs and runs[-1][0] == ids and (longest is None or runs[-1][1] < longest):
-            runs[-1] = (ids, runs[-1][1] + 1)
-        else:
-            runs.append((ids, 1))
-    return runs
-
-
-def generation_seed(trainer: Any) -> int:
-    """One stream key per generation call: (trainer seed, global step, process, call number)."""
-    calls = getattr(trainer, "_autobucket_generation_calls", 0)
-    trainer._autobucket_generation_calls = calls + 1
-    key = f"{trainer.args.seed}/{trainer.state.global_step}/{trainer.accelerator.process_index}/{calls}"
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-
-
-def run_seeds(call_seed: int, run_count: int) -> list[int]:
-    """Per-run stream keys: a run's samples do not depend on how runs are grouped into calls."""
-    return [
-        int.from_bytes(hashlib.blake2b(f"{call_seed}/{run}".encode(), digest_size=8).digest(), "little")
-        for run in range(run_count)
-    ]
-
-
-def context_budgets(runs: list[tuple[list[int], int]], max_new_tokens: int, model: Any) -> list[int]:
-    """Per run: the new tokens a tool-calling turn generates, `max_new_tokens` or what the model's context
-    leaves. TRL keeps at most `max_completion_length - (conversation - prompt)` of a later turn, which the
-    context leaves whenever the first turn fitted, so the cap drops only tokens TRL would cut."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return [max_new_tokens] * len(runs)
-    budgets = []
-    for index, (prompt, _) in enumerate(runs):
-        if len(prompt) >= limit:
-            raise ValueError(
-                f"tool-calling turn: conversation {index} has {len(prompt)} tokens, the model's whole context "
-                f"({limit}): lower max_completion_length or max_tool_calling_iterations"
-            )
-        budgets.append(min(max_new_tokens, limit - len(prompt)))
-    return budgets
-
-
-def generate_completions(
-    trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None,
-    num_generations: int | None = None, continued: bool = False,
-) -> tuple[list[list[int]], list[list[float]] | None]:
-    """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row.
-
-    num_generations: the longest run of identical prompts sampled as one prompt with n (None: any).
-    continued: a tool-calling turn (conversations, not dataset prompts): each run generates what the
-    model's context leaves, up to the budget, where a first turn raises."""
-    if len(prompt_ids) == 0:
-        raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
-    base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
-    base = replace(base, logprobs=base.temperature > 0, continuous_batch_size=continuous_batch_size or len(prompt_ids))
-    runs = prompt_runs(prompt_ids, num_generations)
-    seeds = run_seeds(generation_seed(trainer), len(runs))
-    with (
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as model,
-        torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-    ):
-        if continued:
-            budgets = context_budgets(runs, base.max_new_tokens, model)
-        else:
-            check_prompt_context(prompt_ids, base.max_new_tokens, model)
-            budgets = [base.max_new_tokens] * len(runs)
-        rollout = _rollout_for(trainer, model, config)
-        samples, results = _generate_runs(rollout, runs, seeds, budgets, base)
-    trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
-    trainer.autobucket_profiles = [r.profile for r in results]
-    completions = [tokens for tokens, _ in samples]
-    return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
-
-
-def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
-    """The trainer's Rollout, rebuilt only when the unwrapped model or the config changes (weights are
-    read live, so a training step needs no rebuild; a costs file is loaded once)."""
-    cached = getattr(trainer, "_autobucket_rollout", None)
-    if cached is None or cached[0] is not model or cached[1] is not config:
-        cached = (model, config, Rollout(model, None, config))
-        trainer._autobucket_rollout = cached
-    return cached[2]
-
-
-def _generate_runs(
-    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], budgets: list[int], base: SamplingConfig
-) -> tuple[list[tuple[list[int], list[float] | None]], list[Any]]:
-    """One `generate` per distinct (run length, token budget) (normally one: every run is num_generations
-    long, with the whole budget); returns (tokens, logprobs) per completion in the input's row order, and
-    the results (route, profile) of the calls that ran."""
-    per_run: dict[int, list[tuple[list[int], list[float] | None]]] = {}
-    results = []
-    for n, budget in sorted({(count, budget) for (_, count), budget in zip(runs, budgets, strict=True)}):
-        members = [r for r, (_, count) in enumerate(runs) if count == n and budgets[r] == budget]
-        sampling = replace(base, n=n, max_new_tokens=budget, seed=[seeds[r] for r in members])
-        result = rollout.generate([runs[r][0] for r in members], sampling)
-        results.append(result)
-        for position, r in enumerate(members):
-            per_run[r] = _run_samples(result, position, n)
-    return [sample for r in range(len(runs)) for sample in per_run[r]], results
-
-
-def _run_samples(result: Any, position: int, n: int) -> list[tuple[list[int], list[float] | None]]:
-    """The n samples of one prompt of a result (n == 1 results are not nested)."""
-    tokens = result.tokens[position] if n > 1 else [result.tokens[position]]
-    if result.logprobs is None:
-        return [(list(t), None) for t in tokens]
-    logprobs = result.logprobs[position] if n > 1 else [result.logprobs[position]]
-    return [(list(t), list(lp)) for t, lp in zip(tokens, logprobs, strict=True)]
