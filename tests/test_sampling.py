@@ -14,14 +14,10 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import selection
-from autobucket.engine.selection import (
-    blockwise_inverse_cdf,
-    request_seed,
-    sample_inverse_cdf,
-    stream_uniforms,
-    warp_logits,
-)
+from autobucket.engine.sampling import argmax, inverse_cdf
+from autobucket.engine.sampling.inverse_cdf import UnsamplableRows, blockwise_inverse_cdf, sample_inverse_cdf
+from autobucket.engine.sampling.streams import request_seed, stream_uniforms
+from autobucket.engine.sampling.warpers import warp_logits
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.planning.planner import plan_prefill, shared_prefill_costs
@@ -113,7 +109,7 @@ def sampler_form(form: str):
     shows as -1) or the torch-op form it falls back to."""
     if form == "torch":
         return blockwise_inverse_cdf
-    kernel = selection._sampler_kernel()
+    kernel = inverse_cdf._sampler_kernel()
     if kernel is None:
         pytest.skip("the kernel library does not build here, or the CPU has neither AVX2 nor AVX-512")
     return lambda scores, uniforms: kernel(scores.float(), uniforms.double())
@@ -412,12 +408,11 @@ def test_first_argmax_is_argmax_on_planted_ties_tails_infinities_and_nan(vocab, 
     boundaries, in the tail past the last whole block or vector, a row of equal values, an all -inf row,
     NaN rows (argmax answers the first NaN), +inf and a -0.0 / 0.0 tie; both forms (the kernel library's
     op and the torch-op fallback)."""
-    from autobucket.engine import selection
-    from autobucket.engine.selection import ARGMAX_BLOCK
+    from autobucket.engine.sampling.argmax import ARGMAX_BLOCK
 
-    if form == "kernel" and selection._argmax_kernel() is None:
+    if form == "kernel" and argmax._argmax_kernel() is None:
         pytest.skip("the kernel library does not build here")
-    argmax = selection.first_argmax if form == "kernel" else selection.two_pass_argmax
+    first = argmax.first_argmax if form == "kernel" else argmax.two_pass_argmax
     logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(vocab))
     block = min(ARGMAX_BLOCK, vocab - 3)
     planted = [(5, 9), (block - 1, block), (3 * block + 7, block + 2), (vocab - 1, vocab - 2), (vocab - 1,)]
@@ -432,9 +427,9 @@ def test_first_argmax_is_argmax_on_planted_ties_tails_infinities_and_nan(vocab, 
     logits[10, vocab - 1] = torch.nan
     logits[11, 0] = torch.nan
     with torch.inference_mode():
-        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(first(logits), logits.argmax(dim=-1))
     if vocab > 2 * ARGMAX_BLOCK:
-        assert argmax(logits)[:2].tolist() == [5, block - 1]
+        assert first(logits)[:2].tolist() == [5, block - 1]
 
 
 def test_control_an_argmax_that_takes_the_last_maximal_value_fails_the_oracle():
@@ -460,7 +455,7 @@ def test_nan_logits_raise_naming_the_rows_and_the_rollout_stays_usable(kernels):
         head[7] = float("nan")
     with pytest.raises(RuntimeError, match=r"cannot sample prompt \d \(sample 0, new token 0\) of this step.*NaN") as raised:
         rollout.generate(prompts, sampling())  # aligned: one prompt's row a step
-    assert isinstance(raised.value, selection.UnsamplableRows) and raised.value.rows == [0]
+    assert isinstance(raised.value, UnsamplableRows) and raised.value.rows == [0]
     with torch.no_grad():
         head[7] = saved
     repaired = rollout.generate(prompts, sampling())

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.selection import warp_logits
+from autobucket.engine.sampling.warpers import warp_logits
 from autobucket.models import build_tiny_model
 
 HF_ORDER = [TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,

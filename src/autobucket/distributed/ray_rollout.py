@@ -254,7 +254,7 @@ def _learned_costs(results: Any) -> CostCoefficients | None:
 def _request_seeds(sampling: SamplingConfig, count: int) -> list[int]:
     """Each prompt's random-stream key as the caller's single process would derive it from its *input*
     index; workers get them as per-prompt seeds, so sampled tokens do not depend on the sharding."""
-    from autobucket.engine.selection import request_seeds
+    from autobucket.engine.sampling.streams import request_seeds
 
     return list(request_seeds(sampling.seed, count))
 

@@ -37,7 +37,8 @@ from autobucket.engine.model_access.hf_compat import (
 )
 from autobucket.engine.model_access.weight_versions import weights_version
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
-from autobucket.engine.selection import SamplerSettings, Selection, request_seeds
+from autobucket.engine.sampling.streams import request_seeds
+from autobucket.engine.selection import SamplerSettings, Selection
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
