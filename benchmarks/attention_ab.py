@@ -25,7 +25,7 @@ import torch
 from decode_attention import HEAD_DIM, HEADS, KV_HEADS, decode_layers
 from revision_ab import build_revision_kernel, tree_against_baseline
 
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 
 NAMESPACE = "autobucket_baseline"
 

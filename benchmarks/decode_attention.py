@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from interleave import interleaved
 
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 

@@ -29,7 +29,7 @@ from autobucket.engine.kernels.elementwise import set_fused
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rms_norm import rms_norm
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import reference_workloads, sharegpt_like_lengths

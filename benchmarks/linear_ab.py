@@ -25,7 +25,7 @@ from revision_ab import build_revision_kernel, tree_against_baseline
 
 from autobucket.engine.kernels import kernel_decode
 from autobucket.engine.kernels.elementwise import fused_elementwise
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
 from autobucket.engine.kernels.scope import invariant_kernels

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from interleave import interleaved
 
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 
 SHAPES = {  # name -> (query heads, K/V heads, head_dim)
     "smollm2": (9, 3, 64),

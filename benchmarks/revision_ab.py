@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from interleave import interleaved
 
-from autobucket.engine.kernels.invariant_attention import BUILD_FLAGS, PARALLEL_FLAGS
+from autobucket.engine.kernels.library import BUILD_FLAGS, PARALLEL_FLAGS
 
 CSRC = "src/autobucket/engine/kernels/csrc"
 

@@ -24,7 +24,7 @@ from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary, set_fused
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.model_access import direct_decode
 from autobucket.models import build_tiny_model
 from autobucket.planning.costs import CostCoefficients

@@ -27,8 +27,8 @@ from autobucket.engine.kernels.invariant_attention import (
     invariant_attention,
     invariant_attention_shared,
     invariant_sdpa,
-    load_invariant_kernels,
 )
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import onednn_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -543,7 +543,7 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
 
     from torch.utils import cpp_extension
 
-    from autobucket.engine.kernels import invariant_attention as module
+    from autobucket.engine.kernels import library as module
 
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")

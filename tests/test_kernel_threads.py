@@ -17,7 +17,7 @@ from conftest import random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
 from autobucket.engine.batching import model_runner
-from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+from autobucket.engine.kernels.library import kernel_library_builds
 
 pytestmark = [pytest.mark.engine]
 
@@ -64,7 +64,7 @@ def test_a_toolchain_without_openmp_gets_a_one_thread_build_and_a_warning(monkey
     """The build with OpenMP fails (no libgomp to link): the library is built without it, warned once;
     when that fails too, the error names the fix. (The builds themselves are stubbed: the library is
     already loaded in this process.)"""
-    from autobucket.engine.kernels import invariant_attention
+    from autobucket.engine.kernels import library
 
     builds = []
 
@@ -73,14 +73,14 @@ def test_a_toolchain_without_openmp_gets_a_one_thread_build_and_a_warning(monkey
         if parallel_flags:
             raise RuntimeError("Error building extension\n/usr/bin/ld: cannot find -lgomp")
 
-    monkeypatch.setattr(invariant_attention, "_build_and_load", build)
+    monkeypatch.setattr(library, "_build_and_load", build)
     with pytest.warns(RuntimeWarning, match=r"did not build with OpenMP \(/usr/bin/ld: cannot find -lgomp\).*one thread"):
-        invariant_attention.load_invariant_kernels.__wrapped__()
-    assert builds == [invariant_attention.PARALLEL_FLAGS, []]
+        library.load_invariant_kernels.__wrapped__()
+    assert builds == [library.PARALLEL_FLAGS, []]
 
     def never(parallel_flags):
         raise OSError("ninja not found")
 
-    monkeypatch.setattr(invariant_attention, "_build_and_load", never)
+    monkeypatch.setattr(library, "_build_and_load", never)
     with pytest.raises(ValueError, match=r"build failed \(OSError: ninja not found\); install g\+\+ and ninja"):
-        invariant_attention.load_invariant_kernels.__wrapped__()
+        library.load_invariant_kernels.__wrapped__()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from autobucket.engine.kernels.invariant_attention import load_invariant_kernels
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
 

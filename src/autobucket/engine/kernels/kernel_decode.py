@@ -29,7 +29,8 @@ import torch
 from autobucket.engine.kernels.cascade_attention import CascadeAttention, CascadeLayout
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.routes import fused_here
-from autobucket.engine.kernels.invariant_attention import allowed_for, invariant_sdpa, kernel_library_builds
+from autobucket.engine.kernels.invariant_attention import allowed_for, invariant_sdpa
+from autobucket.engine.kernels.library import kernel_library_builds
 from autobucket.engine.kernels.packed_linear import current_packs
 from autobucket.engine.kernels.packed_matmul import fixed_order_op
 from autobucket.engine.model_access.attention import chosen_attention

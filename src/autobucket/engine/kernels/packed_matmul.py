@@ -155,7 +155,7 @@ def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> 
 def fixed_order_op():
     """The fixed-order fp32 linear where the kernel library builds with AVX-512 or AVX2, else None (oneDNN's fp32
     GEMM instead: see the module docstring)."""
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+    from autobucket.engine.kernels.library import kernel_library_builds
 
     if not kernel_library_builds():  # oneDNN serves
         return None
@@ -165,7 +165,7 @@ def fixed_order_op():
 @functools.cache
 def _blocked_linear_op():
     """The C++ block loop, or None where the engine's kernel library does not build (no compiler)."""
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+    from autobucket.engine.kernels.library import kernel_library_builds
 
     if not kernel_library_builds():  # the Python loop gives the same calls
         return None

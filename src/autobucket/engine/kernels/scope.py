@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import invariant_sdpa, load_invariant_kernels
+from autobucket.engine.kernels.invariant_attention import invariant_sdpa
+from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import check_fp32_precision, onednn_available
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.engine.model_access.attention import dispatches, kernel_attention

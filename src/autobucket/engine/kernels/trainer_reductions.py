@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+from autobucket.engine.kernels.library import kernel_library_builds
 
 ATEN_GRAIN_SIZE = 32_768  # at::internal::GRAIN_SIZE: past it, ATen sums a lone output over its threads
 

@@ -72,7 +72,7 @@ def vector_op(name: str) -> Callable | None:
     else None: the selection ops' scalar loops are slower than their torch-op fallbacks (first_argmax on
     AMD EPYC Zen 3, [32, 32000], interleaved: 0.96 against 0.42 ms; the AVX2 form 0.14), and the sampler
     registers only its vector form."""
-    from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+    from autobucket.engine.kernels.library import kernel_library_builds
 
     if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:
         return None

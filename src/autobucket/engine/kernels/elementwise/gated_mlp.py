@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
-from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+from autobucket.engine.kernels.library import kernel_library_builds
 from autobucket.engine.model_access.function_routes import call_linear
 
 

@@ -15,7 +15,7 @@ from autobucket.engine.kernels.elementwise.routes import (
     llama_modeling_module,
     routed,
 )
-from autobucket.engine.kernels.invariant_attention import kernel_library_builds
+from autobucket.engine.kernels.library import kernel_library_builds
 from autobucket.engine.model_access.function_routes import context_value
 
 
