@@ -28,12 +28,17 @@ class TinyModels:
 
     The models are shared by every test (and their oracle answers are cached), so a test that changes
     one must work on a copy: `changed_models` names any model whose weights, buffers, config or mode
-    differ from when it was built, and the autouse `shared_models_unchanged` fails the test that did it.
+    differ from when it was built, and the autouse `shared_state_unchanged` fails the test that did it.
     """
 
     def __init__(self) -> None:
         self._models: dict[tuple[str, str], object] = {}
         self._built_as: dict[tuple[str, str], tuple[dict, str, bool]] = {}
+
+    def forget(self) -> None:
+        """Drop every built model: each is rebuilt, as it was first built, on its next use."""
+        self._models.clear()
+        self._built_as.clear()
 
     def __call__(self, name: str, attn_implementation: str = "sdpa"):
         from autobucket.models import build_tiny_model
@@ -148,7 +153,7 @@ def changed_process_state(before: dict[str, object], after: dict[str, object]) -
 
 
 @pytest.fixture(autouse=True)
-def shared_models_unchanged(request):
+def shared_state_unchanged(request):
     """Fails the test that changed a shared tiny model (the next test would compare against it) or
     left a process-wide torch setting changed."""
     state = torch_process_state()
@@ -158,7 +163,7 @@ def shared_models_unchanged(request):
         pytest.fail(f"{request.node.nodeid} left torch settings changed: {'; '.join(leaked)}; restore them")
     changed = _TINY_MODELS.changed_models()
     if changed:
-        _TINY_MODELS.__init__()  # rebuilt on next use, so one culprit fails once, not every later test
+        _TINY_MODELS.forget()  # rebuilt on next use, so one culprit fails once, not every later test
         _ORACLE_CACHE.clear()
         pytest.fail(f"{request.node.nodeid} changed shared tiny models: {'; '.join(changed)}; work on a copy.deepcopy")
 

@@ -39,6 +39,20 @@ def test_the_guard_is_quiet_after_a_deepcopy_is_changed():
     assert models.changed_models() == []
 
 
+
+def test_a_changed_model_forgotten_is_rebuilt_as_first_built():
+    """What the guard does after failing the culprit: the next test gets the model as it was built."""
+    models = TinyModels()
+    first = models("tiny-qwen2")
+    built = {name: tensor.clone() for name, tensor in first.state_dict().items()}
+    with torch.no_grad():
+        next(first.parameters()).add_(1.0)
+    assert models.changed_models() != []
+    models.forget()
+    rebuilt = models("tiny-qwen2")
+    assert rebuilt is not first and models.changed_models() == []
+    assert all(torch.equal(built[name], tensor) for name, tensor in rebuilt.state_dict().items())
+
 @pytest.mark.parametrize("setting", ["threads", "grad", "default_dtype"])
 def test_the_process_state_check_sees_a_changed_setting(setting):
     from conftest import changed_process_state, torch_process_state
