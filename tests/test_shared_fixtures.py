@@ -39,7 +39,6 @@ def test_the_guard_is_quiet_after_a_deepcopy_is_changed():
     assert models.changed_models() == []
 
 
-
 def test_a_changed_model_forgotten_is_rebuilt_as_first_built():
     """What the guard does after failing the culprit: the next test gets the model as it was built."""
     models = TinyModels()
@@ -52,6 +51,7 @@ def test_a_changed_model_forgotten_is_rebuilt_as_first_built():
     rebuilt = models("tiny-qwen2")
     assert rebuilt is not first and models.changed_models() == []
     assert all(torch.equal(built[name], tensor) for name, tensor in rebuilt.state_dict().items())
+
 
 @pytest.mark.parametrize("setting", ["threads", "grad", "default_dtype"])
 def test_the_process_state_check_sees_a_changed_setting(setting):

@@ -39,12 +39,12 @@ from autobucket.engine.kernels.onednn_probes import (
     onednn_available,
 )
 from autobucket.engine.kernels.packed_matmul import (
-    FIXED_ORDER_PANEL,
     Pack,
     fixed_order_op,
     fixed_order_panels,
     packed_matmul,
     panel_bytes,
+    panels_shape,
 )
 from autobucket.engine.model_access.function_routes import (
     linear_route,
@@ -233,7 +233,7 @@ class PackedLinears:
         row_blocks = _bf16_blocks(dense)
         fixed_order = not row_blocks and self.fixed_order
         if fixed_order and pack is not None and pack.fixed_order and pack.owner() is weight and (
-            pack.packed.shape == (-(-dense.shape[0] // FIXED_ORDER_PANEL), dense.shape[1], FIXED_ORDER_PANEL)
+            pack.packed.shape == panels_shape(*dense.shape)
         ):  # a weight updated in place (an optimizer step): its panels rewritten where they are
             fixed_order_panels(dense, out=pack.packed)
             pack.version = version

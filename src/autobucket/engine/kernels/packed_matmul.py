@@ -129,8 +129,14 @@ def _in_fixed_blocks(rows: torch.Tensor, pack: Pack, bias: torch.Tensor | None) 
 
 
 
+def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The fixed-order panels of a [N, K] weight: [ceil(N / 32), K, 32]."""
+    return -(-out_features // FIXED_ORDER_PANEL), in_features, FIXED_ORDER_PANEL
+
+
 def panel_bytes(out_features: int, in_features: int) -> int:
-    return -(-out_features // FIXED_ORDER_PANEL) * FIXED_ORDER_PANEL * in_features * 4
+    panels, _, width = panels_shape(out_features, in_features)
+    return panels * width * in_features * 4
 
 
 def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,9 +145,10 @@ def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> 
     where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a repack
     of bench-qwen2's 33 MB head took 26 ms through a padded copy and a new tensor, Intel Xeon)."""
     out_features, in_features = dense.shape
-    panels, full = -(-out_features // FIXED_ORDER_PANEL), out_features // FIXED_ORDER_PANEL
+    shape = panels_shape(out_features, in_features)
+    panels, full = shape[0], out_features // FIXED_ORDER_PANEL
     if out is None:
-        out = torch.empty(panels, in_features, FIXED_ORDER_PANEL, dtype=torch.float32)
+        out = torch.empty(shape, dtype=torch.float32)
     if full:  # [full * 32, K] -> [full, K, 32]
         out[:full].copy_(dense[: full * FIXED_ORDER_PANEL].view(full, FIXED_ORDER_PANEL, in_features).transpose(1, 2))
     if full < panels:  # the last panel's columns past N are zero
