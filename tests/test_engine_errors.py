@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROUTES, assert_matches_oracle, oracle_batch, random_prompts
@@ -51,11 +52,16 @@ def test_no_prompts_give_an_empty_result(model, route):
         ([[5, 6], [], [7]], "prompt 1 is empty"),
         ([[5, 6], [7, 1024]], "prompt 1 has token id 1024 outside the vocabulary"),
         ([[5, -1]], "prompt 0 has token id -1 outside the vocabulary"),
-        ([[5, 6], [7], [8, 2.0]], "prompt 2 has token id 2.0"),
+        ([[5, 6], [7], [8, 2.0]], "prompt 2 has token id 2.0, a float: token ids are integers"),
+        ([[5, True]], "prompt 0 has token id True, a bool"),
         ([[5, 6], torch.tensor([[1, 2]])], "prompt 1 must be a 1-D integer tensor"),
+        ([[5, 6], np.array([[1, 2]])], "prompt 1 must be a 1-D integer array, got shape (1, 2)"),
+        ([np.array([1.0, 2.0])], "prompt 0 must be a 1-D integer array, got shape (2,) and dtype float64"),
+        ([np.array([5, 1024])], "prompt 0 has token id 1024 outside the vocabulary"),
         ([[5], "hello"], "prompt 1 is a string but the Rollout has no tokenizer"),
         ("hello", "prompts must be a list"),
         (torch.tensor([[5, 6]]), "prompts must be a list"),
+        (np.array([[5, 6]]), "prompts must be a list"),
     ],
 )
 @pytest.mark.parametrize("route", ["ordinary", "aligned"])
@@ -64,6 +70,18 @@ def test_bad_prompt_is_rejected_naming_its_index(model, route, prompts, message)
     with pytest.raises(ValueError, match=re.escape(message)):
         rollout.generate(prompts, sampling())
     assert_still_exact(rollout)
+
+
+def test_numpy_prompts_run_as_the_same_token_ids(model):
+    # what a `datasets` column in numpy format hands over: integer arrays, or lists of numpy integers
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    as_arrays = [np.array(prompt, dtype=np.int64) for prompt in GOOD_PROMPTS]
+    as_numpy_ints = [[np.int32(token) for token in prompt] for prompt in GOOD_PROMPTS]
+    tokens, reasons = oracle_batch(model, GOOD_PROMPTS, BUDGET)
+    for prompts in (as_arrays, as_numpy_ints):
+        result = rollout.generate(prompts, sampling())
+        assert_matches_oracle(result, tokens, reasons)
+        assert all(type(token) is int for row in result.tokens for token in row)
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """Token-id lists from lists/tuples of ints, 1-D tensors, or strings (with a tokenizer)."""
-    if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+    """Token-id lists from lists/tuples of ints (numpy's included), 1-D integer tensors or numpy arrays,
+    or strings (with a tokenizer)."""
+    if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or not isinstance(prompts, Sequence):
         raise ValueError(
             f"prompts must be a list of prompts (token-id lists, 1-D tensors or strings), got {type(prompts).__name__}"
         )
@@ -26,16 +29,34 @@ def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> lis
         if prompt.dim() != 1 or prompt.dtype.is_floating_point:
             raise ValueError(f"prompt {index} must be a 1-D integer tensor, got shape {tuple(prompt.shape)}")
         ids = prompt.tolist()
+    elif isinstance(prompt, np.ndarray):  # a `datasets` column in numpy format, for one
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise ValueError(
+                f"prompt {index} must be a 1-D integer array, got shape {prompt.shape} and dtype {prompt.dtype}"
+            )
+        ids = prompt.tolist()
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
     else:
         raise ValueError(f"prompt {index} has type {type(prompt).__name__}: pass token ids, a 1-D tensor or a string")
     if not ids:
         raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise ValueError(f"prompt {index} has token id {token!r} outside the vocabulary [0, {vocab_size})")
-    return ids
+    return [_token_id(index, token, vocab_size) for token in ids]
+
+
+def _token_id(index: int, token: Any, vocab_size: int) -> int:
+    """`token` as a Python int (numpy's integers included), or a ValueError naming prompt `index`."""
+    try:
+        if isinstance(token, bool):
+            raise TypeError
+        token_id = operator.index(token)
+    except TypeError:
+        raise ValueError(
+            f"prompt {index} has token id {token!r}, a {type(token).__name__}: token ids are integers"
+        ) from None
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"prompt {index} has token id {token_id} outside the vocabulary [0, {vocab_size})")
+    return token_id
 
 
 def check_context(prompts: list[list[int]], max_new_tokens: int, max_positions: int | None) -> None:
