@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import pytest
 import torch
@@ -178,9 +179,16 @@ def test_tied_embeddings_stay_tied_and_exact():
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def test_something_that_is_not_a_causal_lm_is_refused_by_name():
-    with pytest.raises(TypeError, match="not a Hugging Face causal LM.*PeftModel"):
-        Rollout(torch.nn.Linear(2, 2))
+@pytest.mark.parametrize("model", [torch.nn.Linear(2, 2), None, 3], ids=["module", "none", "int"])
+def test_something_that_is_not_a_causal_lm_is_refused_by_name(model):
+    with pytest.raises(TypeError, match=f"model of type {type(model).__name__} is not a Hugging Face causal LM.*PeftModel"):
+        Rollout(model)
+
+
+def test_a_model_name_instead_of_a_model_is_pointed_at_load_model():
+    with pytest.raises(TypeError, match=re.escape("model of type str is not a Hugging Face causal LM") + ".*"
+                       + re.escape("autobucket.load_model('tiny-qwen2')")):  # fmt: skip
+        Rollout("tiny-qwen2")
 
 
 def test_control_fsdp2_under_inference_mode_fails(monkeypatch):

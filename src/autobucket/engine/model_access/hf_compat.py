@@ -37,9 +37,10 @@ def unwrap_model(model: Any) -> torch.nn.Module:
             break
         inner = unwrapped
     if not isinstance(inner, torch.nn.Module) or not hasattr(inner, "generation_config"):
+        by_name = f"; to load {model!r} by name or path: autobucket.load_model({model!r})" if isinstance(model, str) else ""
         raise TypeError(
             f"model of type {type(model).__name__} is not a Hugging Face causal LM: pass a PreTrainedModel, a "
-            "peft PeftModel, or a DDP / FSDP / DeepSpeed / accelerate / torch.compile wrapper of one"
+            f"peft PeftModel, or a DDP / FSDP / DeepSpeed / accelerate / torch.compile wrapper of one{by_name}"
         )
     return inner
 
@@ -66,8 +67,9 @@ _WRAPPER_CLASSES = frozenset({
 def _looks_wrapped(model: Any) -> bool:
     """A wrapper accelerate would remove. Checked first by class name because accelerate's unwrapping
     imports DeepSpeed when installed, which prints to stdout (a CLI writing JSON there must not see it)."""
-    wrapper = bool(class_names(model) & _WRAPPER_CLASSES) or "_orig_mod" in vars(model)
-    return isinstance(model, torch.nn.Module) and wrapper
+    if not isinstance(model, torch.nn.Module):  # a str, say, has no vars()
+        return False
+    return bool(class_names(model) & _WRAPPER_CLASSES) or "_orig_mod" in vars(model)
 
 
 def _is_peft_model(model: Any) -> bool:
