@@ -114,7 +114,21 @@ def test_generate_padded_rejects_a_mask_that_is_not_left_padded(model, route):
         rollout.generate_padded(input_ids, torch.tensor([[0, 1, 1], [1, 1, 0]]), sampling())
     with pytest.raises(ValueError, match="same 2-D"):
         rollout.generate_padded(input_ids, torch.ones(2, 2, dtype=torch.long), sampling())
+    with pytest.raises(ValueError, match=r"input_ids must hold integer token ids, got dtype torch\.float32"):
+        rollout.generate_padded(input_ids.float(), torch.tensor([[0, 1, 1], [1, 1, 1]]), sampling())
     assert_still_exact(rollout)
+
+
+def test_generate_padded_takes_numpy_arrays(model):
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    width = max(len(prompt) for prompt in GOOD_PROMPTS)
+    input_ids = np.zeros((len(GOOD_PROMPTS), width), dtype=np.int64)
+    attention_mask = np.zeros_like(input_ids)
+    for row, prompt in enumerate(GOOD_PROMPTS):
+        input_ids[row, width - len(prompt) :] = prompt
+        attention_mask[row, width - len(prompt) :] = 1
+    tokens, reasons = oracle_batch(model, GOOD_PROMPTS, BUDGET)
+    assert_matches_oracle(rollout.generate_padded(input_ids, attention_mask, sampling()), tokens, reasons)
 
 
 # ---- generation options ------------------------------------------------------------------------------

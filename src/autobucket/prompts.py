@@ -71,8 +71,13 @@ def check_context(prompts: list[list[int]], max_new_tokens: int, max_positions: 
             )
 
 
-def unpad_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """RL-trainer layout -> prompts: rows of a left-padded [batch, width] tensor and its mask."""
+def unpad_left_padded(
+    input_ids: torch.Tensor | np.ndarray, attention_mask: torch.Tensor | np.ndarray
+) -> list[list[int]]:
+    """RL-trainer layout -> prompts: rows of a left-padded [batch, width] tensor (or numpy array) and its mask."""
+    input_ids, attention_mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: pass a LongTensor")
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must be the "

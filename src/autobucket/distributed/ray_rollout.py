@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from autobucket.checks import optional_int, require_int
@@ -129,10 +130,13 @@ class RayRollout:
         )
 
     def generate_padded(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig | None = None,
+        self,
+        input_ids: torch.Tensor | np.ndarray,
+        attention_mask: torch.Tensor | np.ndarray,
+        sampling: SamplingConfig | None = None,
         **overrides: Any,
     ) -> DistributedResult:
-        """The RL-trainer layout: left-padded `[batch, width]` ids and mask."""
+        """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
 
     def update_weights(self, state_dict_or_factory: Mapping[str, torch.Tensor] | ModelFactory) -> None:

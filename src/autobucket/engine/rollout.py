@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
@@ -186,12 +187,12 @@ class Rollout:
 
     def generate_padded(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        input_ids: torch.Tensor | np.ndarray,
+        attention_mask: torch.Tensor | np.ndarray,
         sampling: SamplingConfig | None = None,
         **overrides: Any,
     ) -> RolloutResult:
-        """The RL-trainer layout: left-padded `[batch, width]` ids and mask."""
+        """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
 
 
