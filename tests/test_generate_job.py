@@ -10,16 +10,19 @@ import json
 import pytest
 from conftest import oracle_batch, random_prompts
 
+from autobucket import Rollout
 from autobucket.cli import main
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.tools.generate_job import (
     GenerateJob,
     PromptRecord,
     encode_prompts,
+    generate_in_chunks,
     parse_prompt_lines,
     read_prompts,
     run_generate_job,
 )
+from autobucket.tools.generate_output import prompt_samples
 
 MODEL = "tiny-qwen2"
 
@@ -124,6 +127,81 @@ def test_chunked_job_matches_the_oracle_in_input_order(tiny_models, tmp_path):
     assert summary["prompts"] == 5 and summary["routes_run"] == {"aligned": 3}
     assert summary["output_tokens"] == sum(len(t) for t in expected_tokens)
     assert summary["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+SAMPLED = {"max_new_tokens": 5, "continuous_batch_size": 2, "temperature": 1.0, "top_p": 0.9, "n": 2, "seed": 11,
+           "logprobs": True}  # fmt: skip
+
+
+def one_call_samples(model, prompts, **sampling):
+    """The oracle: every prompt's samples from one `generate` call over all of them."""
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, SamplingConfig(**sampling))
+    return prompt_samples([result], sampling.get("n", 1))
+
+
+def test_a_sampled_job_draws_what_one_call_draws_whatever_its_chunks(tiny_models, tmp_path):
+    model = tiny_models(MODEL)
+    prompts = random_prompts([9, 2, 17, 5, 12], seed=4)
+    path, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, [{"id": f"p{i}", "prompt_ids": p} for i, p in enumerate(prompts)])
+    job = GenerateJob(prompts=str(path), out=str(out), model=MODEL, rollout=RolloutConfig(route="bucketed"),
+                      sampling=SamplingConfig(**SAMPLED), chunk_prompts=2)  # fmt: skip
+    summary = run_generate_job(job)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = one_call_samples(model, prompts, **SAMPLED)
+    assert [(row["id"], row["sample"]) for row in rows] == [(f"p{i}", s) for i in range(5) for s in range(2)]
+    assert [row["tokens"] for row in rows] == [sample.tokens for samples in expected for sample in samples]
+    assert [row["logprobs"] for row in rows] == [sample.logprobs for samples in expected for sample in samples]
+    assert [row["finish_reason"] for row in rows] == [s.finish_reason for samples in expected for s in samples]
+    assert rows[0]["tokens"] != rows[1]["tokens"]  # two samples of one prompt, not one repeated
+    assert summary["finish_reasons"] == {"length": 10}
+
+
+def test_control_chunks_keyed_by_their_own_prompt_index_draw_something_else(tiny_models):
+    """Why each chunk passes its prompts' whole-file stream keys: with the call-wide seed alone, a chunk's
+    prompts are keyed by their index in the chunk, and every prompt after the first chunk draws anew."""
+    model = tiny_models(MODEL)
+    prompts = random_prompts([9, 2, 17, 5, 12], seed=4)
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed"))
+    sampling = SamplingConfig(**SAMPLED)
+    expected = [s.tokens for samples in one_call_samples(model, prompts, **SAMPLED) for s in samples]
+    keyed = prompt_samples(generate_in_chunks(rollout, prompts, sampling, chunk=2), 2)
+    assert [s.tokens for samples in keyed for s in samples] == expected
+    unkeyed = [rollout.generate(prompts[start : start + 2], sampling) for start in range(0, 5, 2)]
+    unkeyed_tokens = [s.tokens for samples in prompt_samples(unkeyed, 2) for s in samples]
+    assert unkeyed_tokens[:4] == expected[:4]  # the first chunk's indices are the file's
+    assert unkeyed_tokens[4:] != expected[4:]
+
+
+def test_cli_sampling_flags_reach_the_rows(tiny_models, tmp_path, capsys, single_thread):
+    prompts = random_prompts([4, 11], seed=8)
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": p} for p in prompts])
+    argv = ["generate", "--model", MODEL, "--prompts", str(path), "--max-new-tokens", "5", "--route", "aligned",
+            "--continuous-batch-size", "2", "--threads", "1", "--temperature", "1", "--top-p", "0.9", "--n", "2",
+            "--seed", "11", "--logprobs", "--quiet"]  # fmt: skip (the oracle's batches and threads: bitwise logprobs)
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = one_call_samples(tiny_models(MODEL), prompts, **SAMPLED)
+    assert [(row["id"], row["sample"]) for row in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(row["tokens"], row["logprobs"]) for row in rows] == [
+        (sample.tokens, sample.logprobs) for samples in expected for sample in samples
+    ]
+    assert main([*argv[:-1], "--seed", "12", "--quiet"]) == 0  # another seed, other tokens
+    assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] != [r["tokens"] for r in rows]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--seed", "-1", "argument --seed: expected an integer in [0, 2**64), got '-1'"),
+    ("--top-p", "2", "--top-p 2.0 is invalid: it must be in (0, 1]"),
+    ("--temperature", "-1", "--temperature -1.0 is invalid"),
+    ("--n", "0", "argument --n: expected a positive integer, got '0'"),
+])  # fmt: skip
+def test_bad_sampling_flags_are_named(tmp_path, capsys, flag, value, message):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": [3, 4]}])
+    assert main(["generate", "--model", MODEL, "--prompts", str(path), flag, value]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_cli_reads_stdin_and_writes_stdout(tiny_models, monkeypatch, capsys):

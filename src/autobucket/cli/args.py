@@ -43,6 +43,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_argument(text: str) -> int:
+    """--seed: an int in [0, 2**64), the range of the library's stream keys."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    return value
+
+
 def costs_argument(text: str) -> str | Path:
     """--costs: "online" (Auto learns from its own calls) or a calibration / coefficients JSON path."""
     return ONLINE_COSTS if text == ONLINE_COSTS else Path(text)

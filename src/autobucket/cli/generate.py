@@ -12,13 +12,21 @@ from autobucket.config import KERNELS, ROUTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autobucket.cli.args import add_model_arguments, costs_argument, finish_parser, positive_int
+    from autobucket.cli.args import (
+        add_model_arguments,
+        costs_argument,
+        finish_parser,
+        positive_int,
+        seed_argument,
+    )
 
     parser = subparsers.add_parser(
         "generate",
         help="generate completions for a file of prompts (JSONL or one prompt per line)",
-        description="Greedy generation for every prompt in a file; writes one JSON object per prompt "
-        "(id, prompt, completion, tokens, finish_reason) and prints a summary on stderr.",
+        description="Greedy or sampled generation for every prompt in a file; writes one JSON object per "
+        "prompt and sample (id, sample with --n > 1, prompt, completion, tokens, finish_reason, logprobs with "
+        "--logprobs) and prints a summary on stderr. A sampled prompt's tokens depend on --seed and the "
+        "prompt's line only, not on the route, the batch or the other prompts.",
     )
     add_model_arguments(parser, default="smollm2")
     parser.add_argument("--prompts", required=True, metavar="FILE",
@@ -37,6 +45,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
+    sampling = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0: off)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass to keep (1.0: off)")
+    sampling.add_argument("--n", type=positive_int, default=1, metavar="N",
+                          help="samples per prompt, one prefill shared by them (default 1)")  # fmt: skip
+    sampling.add_argument("--seed", type=seed_argument, default=0, metavar="S", help="the run's seed (default 0)")
+    sampling.add_argument("--logprobs", action="store_true",
+                          help="write each token's log-probability, log_softmax(logits / T) as an RL trainer "
+                          "computes it")  # fmt: skip
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
@@ -60,6 +78,12 @@ def _run_generate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             continuous_batch_size=args.continuous_batch_size,
             repetition_penalty=args.repetition_penalty,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            n=args.n,
+            seed=args.seed,
+            logprobs=args.logprobs,
         ),
     )
     if args.quiet:

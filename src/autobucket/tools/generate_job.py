@@ -4,14 +4,14 @@ The input is parsed and checked completely before the model loads, so a bad line
 names its line number. The output is written to a temporary file and renamed only after every prompt
 has finished, so a failed run never leaves a partial output file. Prompts run in chunks of a few
 continuous batches (one `generate` call each) only so that progress can be reported; tokens do not
-depend on the chunking, since every route is exact per request."""
+depend on the chunking: every route is exact per request, and each chunk passes its prompts the stream
+keys one call over the whole file would give them, so sampled tokens are the same too."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -21,8 +21,14 @@ from typing import Any
 
 from autobucket.checks import optional_int, require_bool, require_int
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.tools.generate_output import (
+    STDIO,
+    check_output_path,
+    output_rows,
+    prompt_samples,
+    write_jsonl,
+)
 
-STDIO = "-"
 INPUT_FORMATS = ("auto", "jsonl", "txt")
 CHUNK_BATCHES = 4  # continuous batches per generate call: progress granularity for long runs
 
@@ -185,7 +191,7 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     from autobucket.models import load_model
 
     records = read_prompts(job.prompts, job.input_format)
-    _check_output_path(job.out)
+    check_output_path(job.out)
     started = time.perf_counter()
     model, tokenizer = load_model(job.model, dtype=job.dtype, device=job.device, threads=job.threads,
                                   attn_implementation=job.attn_implementation, trust_remote_code=job.trust_remote_code)
@@ -196,67 +202,28 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     started = time.perf_counter()
     results = generate_in_chunks(rollout, prompts, job.sampling, chunk, on_progress)
     generate_s = time.perf_counter() - started
-    tokens = [t for result in results for t in result.tokens]
-    reasons = [r for result in results for r in result.finish_reasons]
-    write_jsonl(output_rows(records, tokens, reasons, tokenizer), job.out)
+    write_jsonl(output_rows(records, prompt_samples(results, job.sampling.n), tokenizer), job.out)
     return summarize(job, prompts, results, load_s, generate_s)
 
 
 def generate_in_chunks(
     rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None
 ) -> list[Any]:
-    """One `rollout.generate` per `chunk` prompts (input order); `on_progress` after each."""
+    """One `rollout.generate` per `chunk` prompts (input order); `on_progress` after each. Each chunk
+    gets its prompts' stream keys from the whole file's (`request_seeds`), so a sampled prompt draws what
+    one call over every prompt would draw for it, whatever the chunk size."""
+    from autobucket.engine.sampling.streams import request_seeds
+
+    seeds = request_seeds(sampling.seed, len(prompts))
     results = []
     if on_progress is not None:
         on_progress(0, len(prompts))
     for start in range(0, len(prompts), chunk):
-        results.append(rollout.generate(prompts[start : start + chunk], sampling))
+        chunk_sampling = dataclasses.replace(sampling, seed=list(seeds[start : start + chunk]))
+        results.append(rollout.generate(prompts[start : start + chunk], chunk_sampling))
         if on_progress is not None:
             on_progress(min(start + chunk, len(prompts)), len(prompts))
     return results
-
-
-def output_rows(
-    records: Sequence[PromptRecord], tokens: Sequence[list[int]], reasons: Sequence[str], tokenizer: Any
-) -> list[dict[str, Any]]:
-    """One JSON object per prompt: id, prompt (text; decoded ids; else null), completion, tokens, finish_reason."""
-    rows = []
-    for record, generated, reason in zip(records, tokens, reasons, strict=True):
-        prompt = record.text
-        if prompt is None and tokenizer is not None:
-            prompt = tokenizer.decode(record.ids)
-        completion = None if tokenizer is None else tokenizer.decode(generated, skip_special_tokens=True)
-        rows.append({"id": record.id, "prompt": prompt, "completion": completion, "tokens": generated,
-                     "finish_reason": reason})  # fmt: skip
-    return rows
-
-
-def _check_output_path(out: str) -> None:
-    if out == STDIO:
-        return
-    folder = Path(out).resolve().parent
-    if not folder.is_dir():
-        raise ValueError(f"cannot write --out {out!r}: the folder {str(folder)!r} does not exist")
-    if Path(out).is_dir():
-        raise ValueError(f"cannot write --out {out!r}: it is a folder; name a .jsonl file")
-
-
-def write_jsonl(rows: Iterable[dict[str, Any]], out: str) -> None:
-    """All rows, or nothing: a temporary file in the target's folder renamed over it ("-": stdout)."""
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    if out == STDIO:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    target = Path(out)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def summarize(
@@ -265,7 +232,7 @@ def summarize(
     """What ran and what it cost, summed over the chunks."""
     profiles = [result.profile for result in results]
     output_tokens = sum(p.output_tokens for p in profiles)
-    reasons = Counter(r for result in results for r in result.finish_reasons)
+    reasons = Counter(sample.finish_reason for samples in prompt_samples(results, job.sampling.n) for sample in samples)
     return {
         "model": job.model,
         "prompts": len(prompts),
