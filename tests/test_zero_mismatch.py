@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -152,6 +153,20 @@ def test_trainer_logprobs_is_trls_formula():
         assert torch.equal(ours, theirs)
     with pytest.raises(ValueError, match="temperature"):
         trainer_logprobs(logits, index, 0.0)
+
+
+@pytest.mark.parametrize(("tokens", "temperature", "message"), [
+    (torch.zeros(3, 8, dtype=torch.long), 1.0, "tokens (3, 8) must have the logits' shape (3, 7, 50) without"),
+    (torch.zeros(3, 7), 1.0, "tokens must hold integer ids (torch.long), got dtype torch.float32"),
+    (torch.full((3, 7), 50), 1.0, "tokens hold id 50, outside the logits' vocabulary [0, 50)"),
+    (torch.full((3, 7), -1), 1.0, "tokens hold id -1, outside the logits' vocabulary [0, 50)"),
+    (torch.zeros(3, 7, dtype=torch.long), float("nan"), "temperature=nan is invalid"),
+])  # fmt: skip
+def test_trainer_logprobs_names_what_is_wrong_with_its_input(tokens, temperature, message):
+    # torch's gather raises a RuntimeError about an index, or, given fewer tokens than positions, silently
+    # scores a prefix of them
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer_logprobs(torch.zeros(3, 7, 50), tokens, temperature)
 
 
 def test_bf16_down_projection_shape_stays_bitwise():

@@ -21,9 +21,13 @@ def trainer_logprobs(
 
     kernel=True (the engine's decode steps): logits [rows, vocab] take the fp32 logsumexp or the bf16
     log_softmax through the kernel library where it takes the call (`engine/kernels/trainer_reductions.py`),
-    bitwise torch's ops in one pass per row. The default is torch's ops alone, as the trainer runs them."""
-    if temperature <= 0:
+    bitwise torch's ops in one pass per row. The default is torch's ops alone, as the trainer runs them,
+    after checking the tokens against the logits (the engine's own calls skip that: their tokens come
+    from these logits, and the kernels refuse an id outside the vocabulary themselves)."""
+    if not temperature > 0 or temperature == float("inf"):  # NaN fails the first test
         raise ValueError(f"temperature={temperature!r} is invalid: pass a positive temperature (1.0 when greedy)")
+    if not kernel:
+        _check_tokens(logits, tokens)
     if temperature != 1.0:
         logits = logits / temperature
     if kernel and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16):
@@ -36,6 +40,21 @@ def trainer_logprobs(
     if logits.dtype in (torch.float32, torch.float64):
         return (logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(-1)
     return torch.log_softmax(logits, dim=-1).gather(-1, index).squeeze(-1)
+
+
+def _check_tokens(logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    """One integer id in [0, vocab) per position of `logits` [..., vocab], else a ValueError saying which."""
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must hold integer ids (torch.long), got dtype {tokens.dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)} must have the logits' shape {tuple(logits.shape)} without its last "
+            f"(vocabulary) dimension, {tuple(logits.shape[:-1])}: one token per scored position"
+        )
+    vocab = logits.shape[-1]
+    if tokens.numel() > 0 and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise ValueError(f"tokens hold id {bad}, outside the logits' vocabulary [0, {vocab})")
 
 
 def teacher_forced_batch(
