@@ -157,6 +157,21 @@ def test_a_sampled_job_draws_what_one_call_draws_whatever_its_chunks(tiny_models
     assert summary["finish_reasons"] == {"length": 10}
 
 
+def test_one_sample_a_prompt_keeps_one_row_a_prompt_with_its_logprobs(tiny_models, tmp_path):
+    prompts = random_prompts([9, 2, 17], seed=5)
+    path, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, [{"prompt_ids": p} for p in prompts])
+    sampling = {**SAMPLED, "n": 1}
+    job = GenerateJob(prompts=str(path), out=str(out), model=MODEL, rollout=RolloutConfig(route="aligned"),
+                      sampling=SamplingConfig(**sampling), chunk_prompts=2)  # fmt: skip
+    run_generate_job(job)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = one_call_samples(tiny_models(MODEL), prompts, **sampling)
+    assert [sorted(row) for row in rows] == [sorted(["id", "prompt", "completion", "tokens", "finish_reason",
+                                                     "logprobs"])] * 3  # fmt: skip
+    assert [(row["tokens"], row["logprobs"]) for row in rows] == [(s.tokens, s.logprobs) for [s] in expected]
+
+
 def test_control_chunks_keyed_by_their_own_prompt_index_draw_something_else(tiny_models):
     """Why each chunk passes its prompts' whole-file stream keys: with the call-wide seed alone, a chunk's
     prompts are keyed by their index in the chunk, and every prompt after the first chunk draws anew."""

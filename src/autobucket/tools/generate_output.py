@@ -39,16 +39,17 @@ class Sample:
 
 def prompt_samples(results: Sequence[Any], n: int) -> list[list[Sample]]:
     """Per prompt (input order, over the chunks' results), its n samples."""
-    per_prompt: list[list[Sample]] = []
+
+    def per_sample(entry: Any) -> list[Any]:  # with n = 1 a result holds each prompt's one sequence itself
+        return entry if n > 1 else [entry]
+
+    per_prompt = []
     for result in results:
-        for index, tokens in enumerate(result.tokens):
-            reasons = result.finish_reasons[index]
-            logprobs = result.logprobs[index] if result.logprobs is not None else None
-            if n == 1:  # the result lists one sequence per prompt, not a list of one
-                tokens, reasons, logprobs = [tokens], [reasons], None if logprobs is None else [logprobs]
-            per_prompt.append([
-                Sample(tokens[s], reasons[s], None if logprobs is None else logprobs[s]) for s in range(n)
-            ])  # fmt: skip
+        logprobs = result.logprobs if result.logprobs is not None else [None] * len(result.tokens)
+        for tokens, reasons, logps in zip(result.tokens, result.finish_reasons, logprobs, strict=True):
+            sample_logps = [None] * n if logps is None else per_sample(logps)
+            entries = zip(per_sample(tokens), per_sample(reasons), sample_logps, strict=True)
+            per_prompt.append([Sample(*entry) for entry in entries])
     return per_prompt
 
 
