@@ -260,7 +260,8 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
     own columns (right-aligned, of different lengths), several rows to a group. The oracle is each row
     holding [prompt | own keys] in its own cache row, in a call of its own, bitwise; rows without a group
     ride along, and one of them is checked against SDPA. In the vector form a group of 2+ rows takes its
-    prompt's whole 64-key blocks as one tile and each row resumes from their softmax states (the 150-,
+    prompt's whole 64-key blocks together (as one tile; in fp32 on AVX2 its heads walk the keys in place,
+    48 heads of 17 rows flushing their P.V at 32) and each row resumes from their softmax states (the 150-,
     64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row). On two
     threads the groups' tiles and the rows are shared out by their cost (groups of 2 to 17 rows); on
     eight, more than the 6 (group, K/V head) pairs, each group's rows are cut into two slices (1 + 2,

@@ -18,8 +18,8 @@
 // once over 16-lane vectors, so both widths give the same bits); every other build or head_dim runs the
 // portable `attend_one`. Each is invariant; the two forms differ from each other in the last bits.
 // The vector form has two ways of forming the same scores, bitwise equal by construction (and tested):
-// `attend_query` for work items of few queries (decode: one dot product per key, the cache read in place)
-// and `attend_queries_tiled` for many (prefill, chunks: each key list transposed once, 16 keys' scores per
+// `attend_blocks` for work items of few queries (decode: one dot product per key, the cache read in place;
+// also an fp32 cascade prefix's heads on AVX2) and `attend_queries_tiled` for many (prefill, chunks: each key list transposed once, 16 keys' scores per
 // vector, the queries of a tile sharing each key block in L1). Both end in the same softmax_block and
 // add_values, which run the P.V of several heads together without changing any head's sums.
 // Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
@@ -241,10 +241,11 @@ inline void add_values_of(int rows, const float* const* p, const int64_t* n, con
   }
 }
 
-// Rows of one block waiting for their P.V: collected by `add`, run rows_together(C) at a time.
-template <int C, typename KV>
+// Rows of one block waiting for their P.V: collected by `add` (up to Capacity, then flushed), run
+// rows_together(C) at a time. A row's P.V is the same sums whenever it runs after its own scores.
+template <int C, typename KV, int Capacity = rows_together(C)>
 struct PendingRows {
-  static constexpr int kMax = rows_together(C);
+  static constexpr int kMax = Capacity;
   alignas(64) float probs[kMax][kBlockKeys];
   const float* p[kMax];
   int64_t n[kMax];
@@ -265,7 +266,10 @@ struct PendingRows {
     if (++count == kMax) flush();
   }
   void flush() {
-    if (count > 0) add_values_of<C>(count, p, n, rescale, values, head);
+    for (int first = 0; first < count; first += rows_together(C)) {
+      const int taken = std::min(rows_together(C), count - first);
+      add_values_of<C>(taken, p + first, n + first, rescale + first, values, head + first);
+    }
     count = 0;
   }
 };
@@ -328,25 +332,17 @@ inline void prefetch_for_key(DecodePrefetch form, const KV* const* keys, const K
   if (key + kBlockKeys < count) prefetch_lines<_MM_HINT_T1>(keys[key + kBlockKeys], kBytes);
 }
 
-// One query's group of heads over its keys; q [group][16 C] fp32 in, out [group][16 C] fp32 (normalized);
-// KV: the keys' and values' element type (float, or bf16 read in place). The form for few queries (decode).
-// `resume`: null, or the group's HeadState<C>s after the keys before these (a whole number of blocks: a
-// cascade's shared prefix, attend_queries_tiled's states), to go on from as the same sequence would.
-template <int C, typename KV>
-void attend_query(const float* q, int64_t group, const KV* const* keys, const KV* const* values,
-                  int64_t count, float scale, float* out, const void* resume) {
+// Heads sharing one key list (a query's group of heads; or, for a cascade's shared prefix, the group's rows'
+// heads) over its keys [0, count) in blocks, from the states in heads[0, group): q [group][16 C] fp32;
+// fresh: the states are empty (the first block sets them rather than rescales them). KV: the keys' and
+// values' element type (float, or bf16 read in place). Each head's arithmetic is its own: how many heads
+// share the walk changes the time only.
+template <int C, typename KV, int Pending = rows_together(C)>
+void attend_blocks(const float* q, int64_t group, const KV* const* keys, const KV* const* values, int64_t count,
+                   float scale, HeadState<C>* heads, bool fresh) {
   const bool prefetch_ahead = decode_prefetch().load(std::memory_order_relaxed);
   const DecodePrefetch form = decode_prefetch_form();
-  const auto* resumed = static_cast<const HeadState<C>*>(resume);
-  HeadState<C> heads[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    if (resumed != nullptr) {
-      heads[g] = resumed[g];
-    } else {
-      heads[g].reset();
-    }
-  }
-  PendingRows<C, KV> pending;
+  PendingRows<C, KV, Pending> pending;
   for (int64_t first = 0; first < count; first += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, count - first);
     pending.start(values + first);
@@ -371,11 +367,42 @@ void attend_query(const float* q, int64_t group, const KV* const* keys, const KV
         }
       }
       for (; j < n; ++j) scores[j] = sum_lanes(dot_of(j)) * scale;
-      pending.add(n, softmax_block<C>(scores, n, first == 0 && resumed == nullptr, heads[g]), &heads[g]);
+      pending.add(n, softmax_block<C>(scores, n, first == 0 && fresh, heads[g]), &heads[g]);
     }
     pending.flush();
   }
+}
+
+// One query's group of heads over its keys; q [group][16 C] fp32 in, out [group][16 C] fp32 (normalized).
+// The form for few queries (decode). `resume`: null, or the group's HeadState<C>s after the keys before
+// these (a whole number of blocks: a cascade's shared prefix), to go on from as the same sequence would.
+template <int C, typename KV>
+void attend_query(const float* q, int64_t group, const KV* const* keys, const KV* const* values,
+                  int64_t count, float scale, float* out, const void* resume) {
+  const auto* resumed = static_cast<const HeadState<C>*>(resume);
+  HeadState<C> heads[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    if (resumed != nullptr) {
+      heads[g] = resumed[g];
+    } else {
+      heads[g].reset();
+    }
+  }
+  attend_blocks<C, KV>(q, group, keys, values, count, scale, heads, resumed == nullptr);
   for (int64_t g = 0; g < group; ++g) write_normalized(heads[g], count > 0 || resumed != nullptr, out + g * 16 * C);
+}
+
+// The states of `heads` heads, q [heads][16 C] fp32, after the keys [0, count) of one list read in place
+// (a cascade's shared prefix, whole blocks): states_out [heads] HeadState<C>. Up to kPrefixPending heads'
+// scores of a block run before their P.V, so the block's keys, then its values, stay in L1 across them
+// (P.V right after each head's scores, as decode runs it: 0.94x the tiles' time instead of 0.84-0.87x).
+constexpr int kPrefixPending = 32;
+template <int C, typename KV>
+void prefix_states_in_place(const float* q, int64_t heads, const KV* const* keys, const KV* const* values,
+                            int64_t count, float scale, void* states_out) {
+  auto* states = static_cast<HeadState<C>*>(states_out);
+  for (int64_t h = 0; h < heads; ++h) states[h].reset();
+  attend_blocks<C, KV, kPrefixPending>(q, heads, keys, values, count, scale, states, true);
 }
 
 // The same for many queries over one key list (prefill, chunks). The keys are transposed once per list
@@ -713,6 +740,18 @@ inline void load_query_group(const T* q, Strides qs, int64_t row, int64_t kv_hea
 // 108-856 keys, 4 layers): 0.91x the per-row walk's time in fp32, 0.93x in bf16 (the group's rows already
 // found the shared keys in L2). Groups with fewer rows in the call than this keep the per-row form.
 constexpr int64_t kCascadeMinRows = 2;
+// AVX2 builds take an fp32 prefix in place instead (prefix_states_in_place): the group's heads walk the
+// cache's keys block by block with decode's eight-key scores, all of a block's scores before its P.V
+// (each K and V block read from L1 by every head), and no transposed copy. The same scores, softmax and
+// P.V, so the same bits. Zen 3, benchmarks/attention_ab.py --repeats 41, interleaved against the tiles,
+// bitwise equal: 0.84-0.87x the time of the 64-row case, 0.82-0.89x of one prompt's 8 rows over one K/V
+// head. A bf16 prefix keeps the tiles (in place it widens every key once per head: 1.07x), and AVX-512
+// builds keep them as measured there (the in-place form was not measured on those CPUs).
+#if defined(__AVX512F__)
+constexpr bool kCascadePrefixInPlace = false;
+#else
+constexpr bool kCascadePrefixInPlace = true;
+#endif
 
 // Per (row, K/V head): the group's HeadStates after the row's shared prefix's whole blocks.
 struct PrefixStates {
@@ -725,9 +764,28 @@ struct PrefixStates {
   }
 };
 
+template <typename KV>
+using PrefixKernel = void (*)(const float*, int64_t, const KV* const*, const KV* const*, int64_t, float, void*);
+
+template <typename KV>
+inline PrefixKernel<KV> prefix_kernel_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return prefix_states_in_place<1, KV>;
+    case 32: return prefix_states_in_place<2, KV>;
+    case 48: return prefix_states_in_place<3, KV>;
+    case 64: return prefix_states_in_place<4, KV>;
+    case 80: return prefix_states_in_place<5, KV>;
+    case 96: return prefix_states_in_place<6, KV>;
+    case 112: return prefix_states_in_place<7, KV>;
+    case 128: return prefix_states_in_place<8, KV>;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
 PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, int64_t rows, int64_t kv_heads,
                                   int64_t group, int64_t head_dim, TiledKernel tiled, float scale) {
+  const PrefixKernel<T> in_place = kCascadePrefixInPlace && std::is_same_v<T, float> ? prefix_kernel_for<T>(head_dim) : nullptr;
   PrefixStates out;
   out.lanes_per_head = head_dim / 16 + 1;
   out.keys.assign(static_cast<size_t>(rows), 0);
@@ -780,6 +838,20 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
       const T* sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
       key_ptrs.resize(static_cast<size_t>(whole)), value_ptrs.resize(static_cast<size_t>(whole));
       for (int64_t j = 0; j < whole; ++j) key_ptrs[j] = sk + j * sks.token, value_ptrs[j] = sv + j * svs.token;
+      if (in_place != nullptr) {
+        for (int64_t first = slice_first; first < slice_end; first += kQueryTile) {  // rows whose heads walk together
+          const int64_t n = std::min<int64_t>(kQueryTile, slice_end - first);
+          for (int64_t t = 0; t < n; ++t)
+            load_query_group(q, qs, group_rows[first + t], kv_head, group, 0, head_dim, tile_q.data() + t * group * head_dim);
+          in_place(tile_q.data(), n * group, key_ptrs.data(), value_ptrs.data(), whole, scale, states.data());
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t row = group_rows[first + t];
+            const Lanes* from = states.data() + t * group * per_head;
+            std::copy(from, from + group * per_head, out.states.begin() + ((row * kv_heads + kv_head) * group) * per_head);
+          }
+        }
+        continue;
+      }
       list.take(key_ptrs, value_ptrs, whole, head_dim);
       for (int64_t first = slice_first; first < slice_end; first += kQueryTile) {
         const int64_t n = std::min<int64_t>(kQueryTile, slice_end - first);
