@@ -19,9 +19,10 @@
 // portable `attend_one`. Each is invariant; the two forms differ from each other in the last bits.
 // The vector form has two ways of forming the same scores, bitwise equal by construction (and tested):
 // `attend_blocks` for work items of few queries (decode: one dot product per key, the cache read in place;
-// also an fp32 cascade prefix's heads on AVX2) and `attend_queries_tiled` for many (prefill, chunks: each key list transposed once, 16 keys' scores per
-// vector, the queries of a tile sharing each key block in L1). Both end in the same softmax_block and
-// add_values, which run the P.V of several heads together without changing any head's sums.
+// also an fp32 cascade prefix's heads on AVX2) and `attend_queries_tiled` for many (prefill, chunks: each
+// key list transposed once, 16 keys' scores per vector, the queries of a tile sharing each key block in
+// L1). Both end in the same softmax_block and add_values, which run the P.V of several heads together
+// without changing any head's sums.
 // Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
 // 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill, and
 // docs/benchmarks.md for the AVX2 form on an AMD EPYC Zen 3.
@@ -785,7 +786,8 @@ inline PrefixKernel<KV> prefix_kernel_for(int64_t head_dim) {
 template <typename T>
 PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, int64_t rows, int64_t kv_heads,
                                   int64_t group, int64_t head_dim, TiledKernel tiled, float scale) {
-  const PrefixKernel<T> in_place = kCascadePrefixInPlace && std::is_same_v<T, float> ? prefix_kernel_for<T>(head_dim) : nullptr;
+  const bool fp32_in_place = kCascadePrefixInPlace && std::is_same_v<T, float>;
+  const PrefixKernel<T> in_place = fp32_in_place ? prefix_kernel_for<T>(head_dim) : nullptr;  // else the tiles
   PrefixStates out;
   out.lanes_per_head = head_dim / 16 + 1;
   out.keys.assign(static_cast<size_t>(rows), 0);
