@@ -47,13 +47,11 @@ def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> lis
 def _token_id(index: int, token: Any, vocab_size: int) -> int:
     """`token` as a Python int (numpy's integers included), or a ValueError naming prompt `index`."""
     try:
-        if isinstance(token, bool):
-            raise TypeError
-        token_id = operator.index(token)
+        token_id = None if isinstance(token, bool) else operator.index(token)
     except TypeError:
-        raise ValueError(
-            f"prompt {index} has token id {token!r}, a {type(token).__name__}: token ids are integers"
-        ) from None
+        token_id = None
+    if token_id is None:
+        raise ValueError(f"prompt {index} has token id {token!r}, a {type(token).__name__}: token ids are integers")
     if not 0 <= token_id < vocab_size:
         raise ValueError(f"prompt {index} has token id {token_id} outside the vocabulary [0, {vocab_size})")
     return token_id

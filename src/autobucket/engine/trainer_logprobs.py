@@ -51,9 +51,12 @@ def _check_tokens(logits: torch.Tensor, tokens: torch.Tensor) -> None:
             f"tokens {tuple(tokens.shape)} must have the logits' shape {tuple(logits.shape)} without its last "
             f"(vocabulary) dimension, {tuple(logits.shape[:-1])}: one token per scored position"
         )
+    if tokens.numel() == 0:
+        return
     vocab = logits.shape[-1]
-    if tokens.numel() > 0 and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+    lowest, highest = (int(value) for value in torch.aminmax(tokens))  # one reduction, one sync
+    if lowest < 0 or highest >= vocab:
+        bad = lowest if lowest < 0 else highest
         raise ValueError(f"tokens hold id {bad}, outside the logits' vocabulary [0, {vocab})")
 
 

@@ -23,6 +23,7 @@ from autobucket.checks import optional_int, require_bool, require_int
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.tools.generate_output import (
     STDIO,
+    Sample,
     check_output_path,
     output_rows,
     prompt_samples,
@@ -202,8 +203,9 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     started = time.perf_counter()
     results = generate_in_chunks(rollout, prompts, job.sampling, chunk, on_progress)
     generate_s = time.perf_counter() - started
-    write_jsonl(output_rows(records, prompt_samples(results, job.sampling.n), tokenizer), job.out)
-    return summarize(job, prompts, results, load_s, generate_s)
+    samples = prompt_samples(results, job.sampling.n)
+    write_jsonl(output_rows(records, samples, tokenizer), job.out)
+    return summarize(job, prompts, results, samples, load_s, generate_s)
 
 
 def generate_in_chunks(
@@ -227,12 +229,17 @@ def generate_in_chunks(
 
 
 def summarize(
-    job: GenerateJob, prompts: Sequence[list[int]], results: Sequence[Any], load_s: float, generate_s: float
+    job: GenerateJob,
+    prompts: Sequence[list[int]],
+    results: Sequence[Any],
+    samples: Sequence[list[Sample]],
+    load_s: float,
+    generate_s: float,
 ) -> dict[str, Any]:
-    """What ran and what it cost, summed over the chunks."""
+    """What ran and what it cost, summed over the chunks (`samples`: per prompt, as written)."""
     profiles = [result.profile for result in results]
     output_tokens = sum(p.output_tokens for p in profiles)
-    reasons = Counter(sample.finish_reason for samples in prompt_samples(results, job.sampling.n) for sample in samples)
+    reasons = Counter(sample.finish_reason for prompt_rows in samples for sample in prompt_rows)
     return {
         "model": job.model,
         "prompts": len(prompts),

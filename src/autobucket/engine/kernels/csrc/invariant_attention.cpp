@@ -516,21 +516,31 @@ void attend_queries_tiled(const float* q, int64_t queries, int64_t group, const 
   for (int64_t r = 0; r < rows; ++r) write_normalized(heads[r], counts[r / group] > 0, out + r * 16 * C);
 }
 
+// The vector form's instance for a head_dim: make(std::integral_constant<int, head_dim / 16>{}) for head_dim
+// 16, 32, ..., 128, else null (the portable loop). The one place the head sizes the kernels are built for
+// are listed.
+template <typename Kernel, typename Make>
+inline Kernel for_head_dim(int64_t head_dim, Make make) {
+  switch (head_dim) {
+    case 16: return make(std::integral_constant<int, 1>{});
+    case 32: return make(std::integral_constant<int, 2>{});
+    case 48: return make(std::integral_constant<int, 3>{});
+    case 64: return make(std::integral_constant<int, 4>{});
+    case 80: return make(std::integral_constant<int, 5>{});
+    case 96: return make(std::integral_constant<int, 6>{});
+    case 112: return make(std::integral_constant<int, 7>{});
+    case 128: return make(std::integral_constant<int, 8>{});
+    default: return nullptr;
+  }
+}
+
 using TiledKernel = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, const int64_t*, float,
                             float*, void*, float*);
 
 inline TiledKernel tiled_kernel_for(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return attend_queries_tiled<1>;
-    case 32: return attend_queries_tiled<2>;
-    case 48: return attend_queries_tiled<3>;
-    case 64: return attend_queries_tiled<4>;
-    case 80: return attend_queries_tiled<5>;
-    case 96: return attend_queries_tiled<6>;
-    case 112: return attend_queries_tiled<7>;
-    case 128: return attend_queries_tiled<8>;
-    default: return nullptr;
-  }
+  return for_head_dim<TiledKernel>(head_dim, [](auto chunks) -> TiledKernel {
+    return attend_queries_tiled<decltype(chunks)::value>;
+  });
 }
 
 template <typename KV>
@@ -538,18 +548,10 @@ using QueryKernel = void (*)(const float*, int64_t, const KV* const*, const KV* 
                              const void*);
 
 template <typename KV>
-inline QueryKernel<KV> query_kernel_for(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return attend_query<1, KV>;
-    case 32: return attend_query<2, KV>;
-    case 48: return attend_query<3, KV>;
-    case 64: return attend_query<4, KV>;
-    case 80: return attend_query<5, KV>;
-    case 96: return attend_query<6, KV>;
-    case 112: return attend_query<7, KV>;
-    case 128: return attend_query<8, KV>;
-    default: return nullptr;  // the portable loop below
-  }
+inline QueryKernel<KV> query_kernel_for(int64_t head_dim) {  // null: the portable loop below
+  return for_head_dim<QueryKernel<KV>>(head_dim, [](auto chunks) -> QueryKernel<KV> {
+    return attend_query<decltype(chunks)::value, KV>;
+  });
 }
 #endif
 
@@ -770,17 +772,9 @@ using PrefixKernel = void (*)(const float*, int64_t, const KV* const*, const KV*
 
 template <typename KV>
 inline PrefixKernel<KV> prefix_kernel_for(int64_t head_dim) {
-  switch (head_dim) {
-    case 16: return prefix_states_in_place<1, KV>;
-    case 32: return prefix_states_in_place<2, KV>;
-    case 48: return prefix_states_in_place<3, KV>;
-    case 64: return prefix_states_in_place<4, KV>;
-    case 80: return prefix_states_in_place<5, KV>;
-    case 96: return prefix_states_in_place<6, KV>;
-    case 112: return prefix_states_in_place<7, KV>;
-    case 128: return prefix_states_in_place<8, KV>;
-    default: return nullptr;
-  }
+  return for_head_dim<PrefixKernel<KV>>(head_dim, [](auto chunks) -> PrefixKernel<KV> {
+    return prefix_states_in_place<decltype(chunks)::value, KV>;
+  });
 }
 
 template <typename T>
