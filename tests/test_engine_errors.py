@@ -60,8 +60,9 @@ def test_no_prompts_give_an_empty_result(model, route):
         ([np.array([5, 1024])], "prompt 0 has token id 1024 outside the vocabulary"),
         ([[5], "hello"], "prompt 1 is a string but the Rollout has no tokenizer"),
         ("hello", "prompts must be a list"),
-        (torch.tensor([[5, 6]]), "prompts must be a list"),
-        (np.array([[5, 6]]), "prompts must be a list"),
+        (torch.tensor([[5, 6]]), "pass list(input_ids) when its rows have no padding, or generate_padded"),
+        (np.array([[5, 6]]), "prompts is a 2-D ndarray of shape (1, 2)"),
+        (torch.tensor([5, 6]), "prompts must be a list"),
     ],
 )
 @pytest.mark.parametrize("route", ["ordinary", "aligned"])
@@ -227,6 +228,36 @@ def test_bad_sampling_config_is_rejected_naming_the_field(kwargs, field):
         SamplingConfig(**kwargs)
 
 
+def test_numpy_sampling_values_are_stored_as_plain_python_values():
+    # what a sweep over np.arange / a numpy config hands over; the config holds plain values afterwards
+    config = SamplingConfig(
+        max_new_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3), top_p=np.float64(0.9),
+        n=np.int64(2), seed=np.array([7, 8]), eos_token_id=np.array([1, 2]),
+    )  # fmt: skip
+    plain = SamplingConfig(max_new_tokens=4, temperature=0.5, top_k=3, top_p=0.9, n=2, seed=[7, 8], eos_token_id=[1, 2])
+    assert config == plain
+    assert type(config.max_new_tokens) is int and type(config.temperature) is float
+    assert all(type(seed) is int for seed in config.seed)
+    assert SamplingConfig(seed=np.uint64(2**64 - 1)).seed == 2**64 - 1
+    assert SamplingConfig(seed=(np.int32(1), 2)).seed == [1, 2]
+    with pytest.raises(ValueError, match="seed=array"):
+        SamplingConfig(seed=np.array([1.5]))
+    with pytest.raises(ValueError, match="seed=-1"):
+        SamplingConfig(seed=-1)
+    engine = RolloutConfig(prefill_max_tokens=np.int64(64), cache_capacity=np.int32(99), prefix_cache_mb=np.float32(1.5))
+    assert engine == RolloutConfig(prefill_max_tokens=64, cache_capacity=99, prefix_cache_mb=1.5)
+    assert type(engine.prefill_max_tokens) is int and type(engine.prefix_cache_mb) is float
+
+
+def test_numpy_seeds_sample_what_the_same_python_seeds_sample(model):
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    as_python = rollout.generate(GOOD_PROMPTS, sampling(temperature=1.0, seed=[5, 6, 7]))
+    seeds = np.arange(5, 5 + len(GOOD_PROMPTS), dtype=np.uint32)
+    assert rollout.generate(GOOD_PROMPTS, sampling(temperature=1.0, seed=seeds)).tokens == as_python.tokens
+    other = rollout.generate(GOOD_PROMPTS, sampling(temperature=1.0, seed=seeds + 100))
+    assert other.tokens != as_python.tokens  # control: the seeds reach the sampler
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -247,6 +278,11 @@ def test_bad_rollout_config_is_rejected_naming_the_field(kwargs, field):
 def test_wrong_config_types_are_type_errors(model):
     with pytest.raises(TypeError, match="RolloutConfig"):
         Rollout(model, config={"route": "aligned"})
+    # the config in the tokenizer's slot, second positional: named, not an error at the first string prompt
+    with pytest.raises(TypeError, match=re.escape("pass it by keyword, Rollout(model, config=RolloutConfig(...))")):
+        Rollout(model, RolloutConfig(route="aligned"))
+    with pytest.raises(TypeError, match="tokenizer must be a Hugging Face tokenizer"):
+        Rollout(model, "gpt2")
     with pytest.raises(TypeError, match="SamplingConfig"):
         Rollout(model).generate(GOOD_PROMPTS, {"max_new_tokens": 3})
 

@@ -28,6 +28,22 @@ def require_int(field: str, value: Any, minimum: int = 1, fix: str = "") -> int:
     return int(value)
 
 
+def plain_int_or_list(value: Any) -> int | list[int] | None:
+    """`value` as a plain int or a list of plain ints (Python or numpy integers; a list, a tuple, or a 1-D
+    array or tensor of them), or None when it is not one of those. Range checks are the caller's."""
+    if _is_int(value):
+        return int(value)
+    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # numpy array, torch tensor
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and all(_is_int(item) for item in value):
+        return [int(item) for item in value]
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def optional_int(field: str, value: Any, minimum: int = 1, fix: str = "") -> int | None:
     """`require_int`, with None passed through (None usually means "no limit")."""
     return None if value is None else require_int(field, value, minimum, fix)

@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
-from autobucket.checks import require_bool, require_choice, require_finite, require_int
+from autobucket.checks import (
+    optional_int,
+    plain_int_or_list,
+    require_bool,
+    require_choice,
+    require_finite,
+    require_int,
+)
 
 if TYPE_CHECKING:
     from autobucket.planning.costs import CostCoefficients
@@ -111,13 +118,17 @@ class RolloutConfig:
         require_choice("kernels", self.kernels, KERNELS)
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
-        if self.prefill_max_tokens is not None:
-            require_int("prefill_max_tokens", self.prefill_max_tokens, 1, "or pass None for no limit")
-        if self.cache_capacity is not None:
-            require_int("cache_capacity", self.cache_capacity, 1, "or pass None to size it per call")
-        require_finite("prefix_cache_mb", self.prefix_cache_mb, "pass megabytes >= 0 (0 turns the prefix cache off)", minimum=0.0)
+        # Numbers are stored as the plain Python values their checks return (numpy's are accepted).
+        fix = "or pass None for no limit"
+        _store(self, "prefill_max_tokens", optional_int("prefill_max_tokens", self.prefill_max_tokens, 1, fix))
+        fix = "or pass None to size it per call"
+        _store(self, "cache_capacity", optional_int("cache_capacity", self.cache_capacity, 1, fix))
+        fix = "pass megabytes >= 0 (0 turns the prefix cache off)"
+        _store(self, "prefix_cache_mb", require_finite("prefix_cache_mb", self.prefix_cache_mb, fix, minimum=0.0))
         if self.packed_weights_mb is not None:
-            require_finite("packed_weights_mb", self.packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
+            fix = "pass megabytes >= 0, or None for no limit"
+            budget_mb = require_finite("packed_weights_mb", self.packed_weights_mb, fix, minimum=0.0)
+            _store(self, "packed_weights_mb", budget_mb)
         for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs", "share_prefixes"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
@@ -191,49 +202,67 @@ class SamplingConfig:
     logprobs_mode: LogprobsMode = "trainer"
 
     def __post_init__(self) -> None:
-        require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
-        require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
+        # Each value is stored as the plain Python type its check returns (numpy and Python numbers are both
+        # accepted), so everything downstream sees ints, floats and lists of ints.
+        budget = require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
+        _store(self, "max_new_tokens", budget)
+        rows = require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
+        _store(self, "continuous_batch_size", rows)
         penalty = require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
         if penalty <= 0:
             raise ValueError(f"repetition_penalty={penalty!r} is invalid: it must be > 0 (1.0 disables it)")
-        if require_finite("temperature", self.temperature, "use 0.0 for greedy decoding") < 0:
-            raise ValueError(f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value")
-        require_int("top_k", self.top_k, 0, "0 disables top-k")
+        _store(self, "repetition_penalty", penalty)
+        temperature = require_finite("temperature", self.temperature, "use 0.0 for greedy decoding")
+        if temperature < 0:
+            raise ValueError(
+                f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value"
+            )
+        _store(self, "temperature", temperature)
+        _store(self, "top_k", require_int("top_k", self.top_k, 0, "0 disables top-k"))
         top_p = require_finite("top_p", self.top_p, "1.0 disables top-p")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} is invalid: it must be in (0, 1] (1.0 disables top-p)")
+        _store(self, "top_p", top_p)
         self._check_warpers()
-        require_int("n", self.n, 1, "ask for at least one sample per prompt")
-        self._check_seed()
+        _store(self, "n", require_int("n", self.n, 1, "ask for at least one sample per prompt"))
+        _store(self, "seed", self._checked_seed())
         require_bool("logprobs", self.logprobs)
         require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
-        self._check_eos()
+        _store(self, "eos_token_id", self._checked_eos())
 
     def _check_warpers(self) -> None:
         for name, (inside, bounds, off) in _WARPER_RANGES.items():
-            value = getattr(self, name)
-            if not inside(require_finite(name, value, f"{off} disables it")):
-                raise ValueError(f"{name}={value!r} is invalid: it must be in {bounds} ({off} disables it)")
-
-    def _check_seed(self) -> None:
-        seeds = self.seed if isinstance(self.seed, (list, tuple)) else [self.seed]
-        for value in seeds:
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+            value = require_finite(name, getattr(self, name), f"{off} disables it")
+            if not inside(value):
                 raise ValueError(
-                    f"seed={self.seed!r} is invalid: pass an int in [0, 2**64) or a list of them, one per prompt"
+                    f"{name}={getattr(self, name)!r} is invalid: it must be in {bounds} ({off} disables it)"
                 )
+            _store(self, name, value)
 
-    def _check_eos(self) -> None:
+    def _checked_seed(self) -> int | list[int]:
+        seed = plain_int_or_list(self.seed)
+        seeds = seed if isinstance(seed, list) else [seed]
+        if seed is None or not all(0 <= value < 2**64 for value in seeds):  # type: ignore[operator]
+            raise ValueError(
+                f"seed={self.seed!r} is invalid: pass an int in [0, 2**64) or a list of them, one per prompt"
+            )
+        return seed
+
+    def _checked_eos(self) -> int | list[int] | None:
         if self.eos_token_id is None:
-            return
-        ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id
-        if not isinstance(ids, (list, tuple)) or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
-        ):
+            return None
+        ids = plain_int_or_list(self.eos_token_id)
+        if ids is None or any(i < 0 for i in (ids if isinstance(ids, list) else [ids])):
             raise ValueError(
                 f"eos_token_id={self.eos_token_id!r} is invalid: pass a non-negative int, a list of them "
                 "([] disables EOS), or None for the model's generation config"
             )
+        return ids
+
+
+def _store(config: RolloutConfig | SamplingConfig, name: str, value: object) -> None:
+    """Set a frozen config's field to its checked, plain-Python value (only ever from `__post_init__`)."""
+    object.__setattr__(config, name, value)
 
 
 def sampling_or_default(sampling: SamplingConfig | None) -> SamplingConfig:

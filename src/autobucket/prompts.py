@@ -13,11 +13,30 @@ import torch
 def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token-id lists from lists/tuples of ints (numpy's included), 1-D integer tensors or numpy arrays,
     or strings (with a tokenizer)."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 2:
+        raise ValueError(
+            f"prompts is a 2-D {type(prompts).__name__} of shape {tuple(prompts.shape)}: pass list(input_ids) "
+            "when its rows have no padding, or generate_padded(input_ids, attention_mask) for a left-padded batch"
+        )
     if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or not isinstance(prompts, Sequence):
         raise ValueError(
             f"prompts must be a list of prompts (token-id lists, 1-D tensors or strings), got {type(prompts).__name__}"
         )
     return [_prompt_ids(index, prompt, tokenizer, vocab_size) for index, prompt in enumerate(prompts)]
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """A TypeError unless `tokenizer` is None or callable like a HF tokenizer; it names the common slip of
+    passing a config in the tokenizer's place (`Rollout(model, RolloutConfig(...))`)."""
+    if tokenizer is None or callable(tokenizer):
+        return
+    kind = type(tokenizer).__name__
+    if kind.endswith("Config"):
+        raise TypeError(
+            f"tokenizer is a {kind}: pass it by keyword, Rollout(model, config={kind}(...)), "
+            "or Rollout(model, tokenizer, config)"
+        )
+    raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable on a string) or None, got {kind}")
 
 
 def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:

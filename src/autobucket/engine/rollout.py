@@ -42,7 +42,7 @@ from autobucket.engine.sampling.streams import request_seeds
 from autobucket.engine.selection import SamplerSettings, Selection
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
-from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
+from autobucket.prompts import check_context, check_tokenizer, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
 from autobucket.threads import warn_if_oversubscribed
 
@@ -56,6 +56,7 @@ class Rollout:
 
     def __init__(self, model: Any, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
         self.model = unwrap_model(model)
+        check_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.config = config if config is not None else RolloutConfig()
         if not isinstance(self.config, RolloutConfig):

@@ -177,6 +177,7 @@ def encode_prompts(
                 '{"prompt_ids": [...]}'
             )
         else:
+            assert record.text is not None, "read_prompts gives every record its ids or its text"
             ids = chat_prompt_ids(tokenizer, record.text) if chat else tokenizer(record.text)["input_ids"]
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
