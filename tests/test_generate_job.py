@@ -211,6 +211,10 @@ def test_cli_sampling_flags_reach_the_rows(tiny_models, tmp_path, capsys, single
     ("--top-p", "2", "--top-p 2.0 is invalid: it must be in (0, 1]"),
     ("--temperature", "-1", "--temperature -1.0 is invalid"),
     ("--n", "0", "argument --n: expected a positive integer, got '0'"),
+    # sampling flags under greedy decoding would be silently ignored
+    ("--top-k", "5", "--top-k 5 only apply when sampling, and --temperature is 0"),
+    ("--top-p", "0.9", "--top-p 0.9 only apply when sampling"),
+    ("--n", "4", "--n 4 only apply when sampling"),
 ])  # fmt: skip
 def test_bad_sampling_flags_are_named(tmp_path, capsys, flag, value, message):
     path = tmp_path / "prompts.jsonl"
@@ -238,6 +242,16 @@ def test_a_failed_job_leaves_an_existing_output_untouched(tmp_path, capsys):
     assert "line 1: a text prompt, but 'tiny-qwen2' has no tokenizer" in capsys.readouterr().err
     assert out.read_text() == "previous results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.txt"]
+
+
+def test_the_prompts_file_is_never_the_output(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": [3, 4]}])
+    before = path.read_text()
+    monkeypatch.chdir(tmp_path)  # the same file by another spelling
+    assert main(["generate", "--model", MODEL, "--prompts", str(path), "--out", "prompts.jsonl"]) == 2
+    assert "--out 'prompts.jsonl' is the --prompts file" in capsys.readouterr().err
+    assert path.read_text() == before
 
 
 def test_output_folder_must_exist_before_the_model_loads(tmp_path, capsys):

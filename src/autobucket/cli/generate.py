@@ -67,6 +67,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     from autobucket.config import RolloutConfig, SamplingConfig
     from autobucket.tools.generate_job import GenerateJob, run_generate_job
 
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        continuous_batch_size=args.continuous_batch_size,
+        repetition_penalty=args.repetition_penalty,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        n=args.n,
+        seed=args.seed,
+        logprobs=args.logprobs,
+    )
+    _check_sampling_flags(args)  # after the config's own range checks, which name a value more precisely
     job = GenerateJob(
         prompts=args.prompts,
         out=args.out,
@@ -74,17 +86,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         **model_arguments(args),  # the --model group, named as `autobucket.load_model` takes it
         rollout=RolloutConfig(route=args.route, costs=args.costs, kernels=args.kernels),
-        sampling=SamplingConfig(
-            max_new_tokens=args.max_new_tokens,
-            continuous_batch_size=args.continuous_batch_size,
-            repetition_penalty=args.repetition_penalty,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            n=args.n,
-            seed=args.seed,
-            logprobs=args.logprobs,
-        ),
+        sampling=sampling,
     )
     if args.quiet:
         run_generate_job(job)
@@ -92,6 +94,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     summary = _run_with_progress(job)
     _print_summary(summary)
     return 0
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """Sampling flags without --temperature would be ignored (greedy decoding, as in HF): say so instead."""
+    if args.temperature != 0.0:
+        return
+    ignored = [
+        *([f"--top-k {args.top_k}"] if args.top_k != 0 else []),
+        *([f"--top-p {args.top_p}"] if args.top_p != 1.0 else []),
+        *([f"--n {args.n}"] if args.n != 1 else []),
+    ]
+    if ignored:
+        raise ValueError(
+            f"{' and '.join(ignored)} only apply when sampling, and --temperature is 0 (greedy: every sample "
+            "would be the same, top-k / top-p ignored): add --temperature T > 0, e.g. --temperature 1.0"
+        )
 
 
 def _run_with_progress(job: Any) -> dict[str, Any]:

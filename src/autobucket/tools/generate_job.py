@@ -193,7 +193,7 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     from autobucket.models import load_model
 
     records = read_prompts(job.prompts, job.input_format)
-    check_output_path(job.out)
+    check_output_path(job.out, job.prompts)
     started = time.perf_counter()
     model, tokenizer = load_model(job.model, dtype=job.dtype, device=job.device, threads=job.threads,
                                   attn_implementation=job.attn_implementation, trust_remote_code=job.trust_remote_code)

@@ -74,9 +74,13 @@ def output_rows(records: Sequence[InputPrompt], samples: Sequence[list[Sample]],
     return rows
 
 
-def check_output_path(out: str) -> None:
+def check_output_path(out: str, prompts: str = STDIO) -> None:
+    """Refuse, before any work, an --out that cannot be written or that is the --prompts file itself
+    (written over, the prompts would be gone)."""
     if out == STDIO:
         return
+    if prompts != STDIO and Path(out).resolve() == Path(prompts).resolve():
+        raise ValueError(f"--out {out!r} is the --prompts file: writing it would replace the prompts; name another file")
     folder = Path(out).resolve().parent
     if not folder.is_dir():
         raise ValueError(f"cannot write --out {out!r}: the folder {str(folder)!r} does not exist")
