@@ -146,6 +146,8 @@ def test_load_model_loads_every_model_form_with_those_keywords(tmp_path):
     ({"dtype": "fp8"}, "dtype='fp8' is invalid: pass one of float32, bfloat16, float16"),
     ({"threads": 0}, "threads=0"),
     ({"model": "./absent"}, "model './absent' does not exist"),
+    ({"device": "gpu"}, "device='gpu' is invalid: pass 'cpu', 'cuda' or 'cuda:N'"),
+    ({"device": "cuda:99"}, "device='cuda:99' is invalid: this (torch .* sees no CUDA device|machine has)"),
 ])  # fmt: skip
 def test_bad_loader_arguments_name_the_field(kwargs, message):
     from autobucket.models import load_model

@@ -228,6 +228,25 @@ def test_bad_sampling_config_is_rejected_naming_the_field(kwargs, field):
         SamplingConfig(**kwargs)
 
 
+def test_a_model_whose_weights_were_never_loaded_is_named_at_construction(tiny_models):
+    import copy
+
+    meta = copy.deepcopy(tiny_models("tiny-qwen2")).to("meta")
+    with pytest.raises(ValueError, match="parameter 'model.embed_tokens.weight' is on the meta device"):
+        Rollout(meta)
+
+
+def test_to_padded_names_a_missing_pad_id(model):
+    result = Rollout(model).generate(GOOD_PROMPTS, sampling())
+    # GPT-2's and Llama's tokenizers have pad_token_id None: the README's to_padded(pad_id=tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="pad_id=None is invalid: pass an int token id .this tokenizer has no pad"):
+        result.to_padded(pad_id=None)
+    with pytest.raises(ValueError, match="pad_id='0' is invalid"):
+        result.to_padded(pad_id="0")
+    responses, mask = result.to_padded(pad_id=np.int64(7))
+    assert responses[mask == 0].eq(7).all() and mask.sum().item() == sum(map(len, result.tokens))
+
+
 def test_numpy_sampling_values_are_stored_as_plain_python_values():
     # what a sweep over np.arange / a numpy config hands over; the config holds plain values afterwards
     config = SamplingConfig(

@@ -126,6 +126,7 @@ def load_model(
 
     check_model_name(model)
     torch_dtype = _checked_dtype(dtype)
+    device = _checked_device(device)
     set_torch_threads(threads)
     if model.endswith(".json") and Path(model).is_file():
         return random_model_from_config(model, torch_dtype, attn_implementation=attn_implementation, device=device), None
@@ -144,6 +145,23 @@ def _checked_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str) and dtype in DTYPES:
         return getattr(torch, dtype)
     raise ValueError(f"dtype={dtype!r} is invalid: pass one of {', '.join(DTYPES)} or a torch.dtype")
+
+
+def _checked_device(device: Any) -> torch.device:
+    """`device` as a torch.device this process can put weights on, else a ValueError before any loading."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is invalid: pass 'cpu', 'cuda' or 'cuda:N' ({exc})") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device={device!r} is invalid: this torch ({torch.__version__}) sees no CUDA device; pass 'cpu'"
+            )
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device={device!r} is invalid: this machine has {count} CUDA device(s), 0 .. {count - 1}")
+    return parsed
 
 
 def check_model_name(name: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +30,12 @@ class RolloutResult:
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded responses `[rows, longest]` and their mask (1 = generated token); rows are
         prompts, or (prompt, sample) pairs prompt-major when n > 1."""
+        if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral):
+            hint = " (this tokenizer has no pad token: pass its eos_token_id, or 0; the mask marks padding)"
+            raise ValueError(f"pad_id={pad_id!r} is invalid: pass an int token id{hint if pad_id is None else ''}")
         rows = self.flat_tokens()
         width = max((len(t) for t in rows), default=0)
-        responses = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        responses = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for row, tokens in enumerate(rows):
             responses[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)

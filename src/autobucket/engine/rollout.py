@@ -32,6 +32,7 @@ from autobucket.engine.model_access.grad_mode import autograd_off_for
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
     attention_implementation,
+    check_weights_loaded,
     forward_spec,
     unwrap_model,
     vocab_size,
@@ -56,6 +57,7 @@ class Rollout:
 
     def __init__(self, model: Any, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
         self.model = unwrap_model(model)
+        check_weights_loaded(self.model)
         check_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.config = config if config is not None else RolloutConfig()

@@ -45,6 +45,17 @@ def unwrap_model(model: Any) -> torch.nn.Module:
     return inner
 
 
+def check_weights_loaded(model: torch.nn.Module) -> None:
+    """A ValueError when a parameter is on the meta device (a model built under `init_empty_weights` or
+    `device="meta"` whose weights were never loaded): nothing could run, and torch would fail mid-call."""
+    name = next((name for name, parameter in model.named_parameters() if parameter.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"the model's parameter {name!r} is on the meta device (its weights were never loaded): load them "
+            "first (from_pretrained, or load_state_dict(state, assign=True)) and pass the loaded model"
+        )
+
+
 def _unwrap_once(model: Any) -> Any:
     if _is_peft_model(model):
         return model.get_base_model()
