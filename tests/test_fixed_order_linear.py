@@ -16,7 +16,7 @@ import torch
 
 from autobucket.engine.kernels import packed_linear
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
+from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels, panel_bytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -61,6 +61,28 @@ def test_each_output_is_the_fma_chain_over_k_in_order(rows, in_features, out_fea
     bias = bias if with_bias else None
     out = kernel(x, fixed_order_panels(weight), bias, out_features)
     assert torch.equal(out, fma_chain(x, weight, bias))
+
+
+@pytest.mark.parametrize(
+    "rows,in_features,out_features",
+    [(1, 16, 32), (13, 300, 70), (64, 256, 1000), (130, 64, 33), (100, 300, 100), (600, 1100, 40)],
+)
+def test_bf16_panels_give_the_chain_of_the_widened_weight(rows, in_features, out_features):
+    """A bf16 weight's panels stay bf16 and are widened as the kernel reads them: every tile form (pair
+    tiles, micro-panels, partial panels, K slices, the next slices' prefetch of a decode-sized call)
+    gives each output the chain over the exactly widened weight, in half the bytes."""
+    kernel = _kernel()
+    x, weight, bias = _case(rows, in_features, out_features, seed=3 * rows + out_features)
+    weight = weight.bfloat16()
+    panels = fixed_order_panels(weight)
+    assert panels.dtype == torch.bfloat16 and panels.nbytes == panel_bytes(out_features, in_features, torch.bfloat16)
+    assert panels.nbytes * 2 == fixed_order_panels(weight.float()).nbytes
+    expected = fma_chain(x, weight.float(), bias)
+    assert torch.equal(kernel(x, panels, bias, out_features), expected)
+    assert torch.equal(kernel(x, fixed_order_panels(weight.float()), bias, out_features), expected)
+    # control: the chain of the weight before its rounding to bf16 is another result
+    x_fp32_weight = fma_chain(x, _case(rows, in_features, out_features, seed=3 * rows + out_features)[1], bias)
+    assert not torch.equal(kernel(x, panels, bias, out_features), x_fp32_weight)
 
 
 # the unpacked kernel: calls of <= 16 rows (24 outputs a tile) and more (12), a last block of one vector,
@@ -154,14 +176,34 @@ def test_packed_fp32_linears_run_it_and_follow_a_weight_update():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panels_rewritten_in_place_equal_fresh_ones_tail_zeroed(out_features, dtype):
     """A repack writes over the old panels: every column (the last panel's past N included, which the
-    kernel reads) must be the fresh layout's, whatever the storage held; bf16 weights widen exactly."""
+    kernel reads) must be the fresh layout's, whatever the storage held."""
     weight = torch.randn(out_features, 24, generator=torch.Generator().manual_seed(out_features)).to(dtype)
     fresh = fixed_order_panels(weight)
-    assert fresh.dtype == torch.float32 and fresh.shape == (-(-out_features // 32), 24, 32)
-    reference = torch.nn.functional.pad(weight.float(), (0, 0, 0, -out_features % 32)).view(-1, 32, 24).transpose(1, 2)
+    assert fresh.dtype == dtype and fresh.shape == (-(-out_features // 32), 24, 32)  # bf16 panels stay bf16
+    reference = torch.nn.functional.pad(weight, (0, 0, 0, -out_features % 32)).view(-1, 32, 24).transpose(1, 2)
     assert torch.equal(fresh, reference)
     stale = torch.full_like(fresh, float("nan"))
     assert fixed_order_panels(weight, out=stale) is stale and torch.equal(stale, fresh)
+
+
+def test_packed_bf16_linears_hold_bf16_panels_where_they_run_the_fixed_order_kernel():
+    """Where a bf16 weight runs the fixed-order kernel (CPUs without a trusted bf16 GEMM), its pack holds
+    bf16 panels: half the bytes of the fp32 ones it held before, the same values (the chain of the
+    widened weight, rounded to bf16 as the linear's output)."""
+    _kernel()
+    packs = PackedLinears(fixed_order=True)
+    x, weight, bias = _case(9, 96, 40, seed=6)
+    x, weight, bias = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    with torch.inference_mode():
+        out = packs.linear(x, weight, bias)
+        pack = packs._packs[id(weight)]
+        if not pack.fixed_order:
+            pytest.skip("this CPU runs bf16 linears on oneDNN's bf16 GEMM (row blocks)")
+        assert pack.packed.dtype == torch.bfloat16 and packs.nbytes == panel_bytes(40, 96, torch.bfloat16)
+        assert torch.equal(out, fma_chain(x.float(), weight.float(), bias.float()).bfloat16())
+        weight.mul_(0.5)  # an in-place update: repacked into the same bf16 panels
+        assert torch.equal(packs.linear(x, weight, bias), fma_chain(x.float(), weight.float(), bias.float()).bfloat16())
+        assert packs._packs[id(weight)] is pack and pack.packed.dtype == torch.bfloat16
 
 
 def test_packed_panels_of_a_reshaped_weight_are_made_anew():
@@ -223,5 +265,8 @@ def test_every_build_gives_the_same_values(tmp_path, form, extra_flags):
         panels = fixed_order_panels(weight)
         expected = kernel(x, panels, bias, out_features)
         assert torch.equal(other.fixed_order_linear(x, panels, bias, out_features), expected)
+        bf16_panels = fixed_order_panels(weight.bfloat16())  # widened as read, in every form alike
+        bf16_expected = kernel(x, bf16_panels, bias, out_features)
+        assert torch.equal(other.fixed_order_linear(x, bf16_panels, bias, out_features), bf16_expected)
         if form == "avx2":  # the portable build registers no unpacked kernel
             assert torch.equal(other.fixed_order_linear_unpacked(x, weight, bias), expected)

@@ -44,6 +44,7 @@ from autobucket.engine.kernels.packed_matmul import (
     fixed_order_panels,
     packed_matmul,
     panel_bytes,
+    panels_dtype,
     panels_shape,
 )
 from autobucket.engine.model_access.function_routes import (
@@ -233,19 +234,20 @@ class PackedLinears:
         row_blocks = _bf16_blocks(dense)
         fixed_order = not row_blocks and self.fixed_order
         if fixed_order and pack is not None and pack.fixed_order and pack.owner() is weight and (
-            pack.packed.shape == panels_shape(*dense.shape)
+            pack.packed.shape == panels_shape(*dense.shape) and pack.packed.dtype == panels_dtype(dense.dtype)
         ):  # a weight updated in place (an optimizer step): its panels rewritten where they are
             fixed_order_panels(dense, out=pack.packed)
             pack.version = version
             self.packs_made += 1
             self.pack_ms += (time.perf_counter() - started) * 1e3
             return pack
-        # the GEMM's weight: bf16 for the row blocks; fp32, or bf16 as fp32 (exact): see the module docstring
-        source = dense if row_blocks or fixed_order else dense.float()  # (the panels widen as they copy)
+        # the GEMM's weight: bf16 for the row blocks and the fixed-order panels (widened as they are read);
+        # oneDNN's fp32 GEMM takes bf16 as fp32 (exact): see the module docstring
+        source = dense if row_blocks or fixed_order else dense.float()
         if pack is not None:
             del self._packs[id(weight)]
             self._held_bytes -= pack.nbytes
-        size = panel_bytes(*source.shape) if fixed_order else source.numel() * source.element_size()
+        size = panel_bytes(*source.shape, source.dtype) if fixed_order else source.numel() * source.element_size()
         small = row_blocks and bf16_small_blocks_agree(dense.shape[1], dense.shape[0])
         fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the Pack fields of the fp32 GEMM
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:

@@ -1,13 +1,15 @@
 """The GEMM of one packed linear: a packed copy (`Pack`) and the call that runs on it (`packed_matmul`).
 
-fp32 GEMMs (fp32 weights, and bf16 weights packed as fp32 where oneDNN's bf16 GEMM is not trusted) run
+fp32 GEMMs (fp32 weights, and bf16 weights where oneDNN's bf16 GEMM is not trusted or absent) run
 the engine's own fixed-order kernel where its library builds with AVX-512 or AVX2
 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in order, so invariant by construction,
 no probe and no M = 1 workaround), else oneDNN's fp32 GEMM, a single row run as two (oneDNN's M = 1 path
 can differ). On an AMD EPYC (Zen 5) the fixed-order kernel took 0.35-0.84x oneDNN's time at a decode
 step's 8-32 rows and 1.00-1.11x at 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x
 slower than both (`benchmarks/fp32_linears.py`). A weight past the packed-weight budget is read where it
-is by the kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise).
+is by the kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise). A bf16
+weight's panels stay bf16, widened in registers as the kernel reads them (exact), so they hold and
+stream half the bytes of fp32 panels of the same values.
 
 bf16 GEMMs run oneDNN's bf16 GEMM in the fixed row blocks `onednn_probes.py` found invariant for the
 weight's shape."""
@@ -42,7 +44,7 @@ class Pack:
     packed: torch.Tensor  # oneDNN-blocked copy of the weight (bf16 when `row_blocks`), or fixed-order panels
     row_blocks: bool  # a bf16 GEMM run in ROW_BLOCK-row blocks (else one fp32 GEMM over all rows)
     small_block: bool = False  # calls of <= SMALL_BLOCK rows run as one SMALL_BLOCK-row block
-    fixed_order: bool = False  # fp32 panels [ceil(N / 32), K, 32] for `fixed_order_linear` (else oneDNN)
+    fixed_order: bool = False  # panels [ceil(N / 32), K, 32] (fp32, or bf16) for `fixed_order_linear` (else oneDNN)
     out_features: int = 0
     unpacked: bool = False  # fixed order on the weight itself, fp32 [N, K] (a call past the budget)
 
@@ -134,21 +136,27 @@ def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
     return -(-out_features // FIXED_ORDER_PANEL), in_features, FIXED_ORDER_PANEL
 
 
-def panel_bytes(out_features: int, in_features: int) -> int:
+def panel_bytes(out_features: int, in_features: int, dtype: torch.dtype = torch.float32) -> int:
     panels, _, width = panels_shape(out_features, in_features)
-    return panels * width * in_features * 4
+    return panels * width * in_features * panels_dtype(dtype).itemsize
+
+
+def panels_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The panels' dtype for a weight of `weight_dtype`: bf16 stays bf16 (the kernel widens it as it
+    reads, exactly), anything else becomes fp32."""
+    return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
 
 
 def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A [N, K] weight (fp32, or bf16 widened exactly) as `fixed_order_linear`'s fp32 panels
-    [ceil(N / 32), K, 32], columns past N zero; written into `out` (an earlier pack of the same shape)
-    where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a repack
+    """A [N, K] weight as `fixed_order_linear`'s panels [ceil(N / 32), K, 32] (bf16 for a bf16 weight,
+    else fp32: `panels_dtype`), columns past N zero; written into `out` (an earlier pack of the same shape
+    and dtype) where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a repack
     of bench-qwen2's 33 MB head took 26 ms through a padded copy and a new tensor, Intel Xeon)."""
     out_features, in_features = dense.shape
     shape = panels_shape(out_features, in_features)
     panels, full = shape[0], out_features // FIXED_ORDER_PANEL
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32)
+        out = torch.empty(shape, dtype=panels_dtype(dense.dtype))
     if full:  # [full * 32, K] -> [full, K, 32]
         out[:full].copy_(dense[: full * FIXED_ORDER_PANEL].view(full, FIXED_ORDER_PANEL, in_features).transpose(1, 2))
     if full < panels:  # the last panel's columns past N are zero

@@ -5,7 +5,9 @@
 // oneDNN's and MKL's GEMMs choose their blocking by M, which is why they needed probes and workarounds.
 //
 // The weight is packed once per version (packed_linear.py) as panels of 32 output columns,
-// [panels, K, 32]: one k step of a panel is two 16-float vectors. A tile of R rows x 32 columns keeps
+// [panels, K, 32]: one k step of a panel is two 16-float vectors. A bf16 weight's panels stay bf16 and are
+// widened in registers as they are read (a bf16 is its fp32's upper half: exact, the same chains, so the
+// same bits as fp32 panels of the widened weight) for half the bytes held and streamed per call. A tile of R rows x 32 columns keeps
 // 2R accumulators in registers and broadcasts each row's k-th input from the row itself (AVX-512: copying
 // the rows into [K][R] micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x
 // 128; AVX2 calls of 512+ rows do copy them, where it paid: kPackRowsFrom). Loops, outermost first:
@@ -32,6 +34,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -105,18 +108,18 @@ struct SpreadPrefetch {
 
   // Lines [first, first + lines) of a pass's next slices: panel i's slice of `segment_lines` lines
   // starts at `slice` + i * `panel_bytes`.
-  SpreadPrefetch(const float* slice, int64_t segment_lines, int64_t panel_bytes, int64_t first, int64_t lines,
+  SpreadPrefetch(const void* slice, int64_t segment_lines, int64_t panel_bytes, int64_t first, int64_t lines,
                  int64_t depth)
       : left(slice != nullptr ? lines : 0), segment_lines(segment_lines), panel_bytes(panel_bytes) {
     const int64_t panel = segment_lines > 0 ? first / segment_lines : 0;
-    next = reinterpret_cast<const char*>(slice) + panel * panel_bytes + (first - panel * segment_lines) * 64;
+    next = static_cast<const char*>(slice) + panel * panel_bytes + (first - panel * segment_lines) * 64;
     segment_left = segment_lines - (first - panel * segment_lines);
     burst = std::max<int64_t>(1, (lines + depth - 1) / std::max<int64_t>(1, depth));
     const int64_t fetches = (lines + burst - 1) / burst;
     period = std::max<int64_t>(1, depth / std::max<int64_t>(1, fetches));
   }
   // `lines` lines of one contiguous run from `start`
-  SpreadPrefetch(const float* start, int64_t lines, int64_t depth) : SpreadPrefetch(start, lines, 0, 0, lines, depth) {}
+  SpreadPrefetch(const void* start, int64_t lines, int64_t depth) : SpreadPrefetch(start, lines, 0, 0, lines, depth) {}
   __attribute__((always_inline)) inline void step() {
     if (left <= 0 || --countdown > 0) return;
     countdown = period;
@@ -131,12 +134,31 @@ struct SpreadPrefetch {
   }
 };
 
+// A panel's weights: fp32, or bf16 as its raw bits (widened to fp32 exactly as they are read).
+using Bf16Bits = uint16_t;
+template <typename W>
+constexpr int64_t kLinesPerStep = static_cast<int64_t>(sizeof(W)) * kPanel / 64;  // 64-byte lines a panel's k step spans
+
+inline float widen(float x) { return x; }
+inline float widen(Bf16Bits bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
 // One tile: out[r, c] (+)= sum_k rows[r][k] * panel[k][c] for R rows, `columns` <= 32 valid columns.
 // `rows` starts at the slice's first k of the tile's first row, rows `row_stride` apart; `panel` is a
 // [depth][32] slice; `out` row-major with `ld`.
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
-template <int R>
-void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
+inline __m512 load_weights16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_weights16(const Bf16Bits* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int R, typename W>
+void tile(const float* rows, int64_t row_stride, const W* panel, int64_t depth, float* out, int64_t ld,
           bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
   SpreadPrefetch prefetch = next_slices;
   const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
@@ -149,7 +171,7 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 #pragma GCC unroll 4
   for (int64_t k = 0; k < depth; ++k) {
     prefetch.step();
-    const __m512 w_left = _mm512_loadu_ps(panel + k * kPanel), w_right = _mm512_loadu_ps(panel + k * kPanel + 16);
+    const __m512 w_left = load_weights16(panel + k * kPanel), w_right = load_weights16(panel + k * kPanel + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(rows[r * row_stride + k]);
@@ -173,8 +195,8 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 // A pair tile: two adjacent full panels (64 columns, 4 vectors a row) for R <= kPairRows rows, so one
 // broadcast feeds 4 FMAs instead of 2 (many-row calls: 2,048 x 256 x 256 195 -> 217 GFLOPS). The same
 // chains as `tile`, so the same values.
-template <int R>
-void pair_tile(const float* rows, int64_t row_stride, const float* panel, const float* second_panel, int64_t depth,
+template <int R, typename W>
+void pair_tile(const float* rows, int64_t row_stride, const W* panel, const W* second_panel, int64_t depth,
                float* out, int64_t ld, bool first, const float* bias, const SpreadPrefetch& next_slices) {
   SpreadPrefetch prefetch = next_slices;
   __m512 sums[4][R];
@@ -183,8 +205,8 @@ void pair_tile(const float* rows, int64_t row_stride, const float* panel, const 
 #pragma GCC unroll 2
   for (int64_t k = 0; k < depth; ++k) {
     prefetch.step();
-    const __m512 w[4] = {_mm512_loadu_ps(panel + k * kPanel), _mm512_loadu_ps(panel + k * kPanel + 16),
-                         _mm512_loadu_ps(second_panel + k * kPanel), _mm512_loadu_ps(second_panel + k * kPanel + 16)};
+    const __m512 w[4] = {load_weights16(panel + k * kPanel), load_weights16(panel + k * kPanel + 16),
+                         load_weights16(second_panel + k * kPanel), load_weights16(second_panel + k * kPanel + 16)};
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(rows[r * row_stride + k]);
@@ -214,18 +236,24 @@ inline void store8(float* p, bool whole, __m256i live, __m256 x) {
     _mm256_maskstore_ps(p, live, x);
 }
 
+inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_weights8(const Bf16Bits* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // The AVX2 tile: R <= 6 rows, the panel's two 16-column halves one after the other (the next slices'
 // prefetches ride on the first half's k steps). The same chains as the AVX-512 tile. `kPackedRows`: the
 // rows come as a micro-panel, row r's k-th input at rows[6 k + r] (`pack_tile_rows`), else in place.
-template <int R, bool kPackedRows = false>
-void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
+template <int R, typename W, bool kPackedRows = false>
+void tile(const float* rows, int64_t row_stride, const W* panel, int64_t depth, float* out, int64_t ld,
           bool first, const float* bias, int64_t columns, const SpreadPrefetch& next_slices) {
   SpreadPrefetch prefetch = next_slices;
   for (int64_t half = 0; half < 2 && columns > 16 * half; ++half) {
     const int64_t valid = columns - 16 * half;
     const __m256i low = lane_mask(valid), high = lane_mask(valid - 8);
     const bool whole = valid >= 16;
-    const float* weights = panel + 16 * half;
+    const W* weights = panel + 16 * half;
     float* target = out + 16 * half;
     __m256 left[R], right[R];
     for (int r = 0; r < R; ++r) {
@@ -235,7 +263,7 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 #pragma GCC unroll 4
     for (int64_t k = 0; k < depth; ++k) {
       if (half == 0) prefetch.step();
-      const __m256 w_left = _mm256_loadu_ps(weights + k * kPanel), w_right = _mm256_loadu_ps(weights + k * kPanel + 8);
+      const __m256 w_left = load_weights8(weights + k * kPanel), w_right = load_weights8(weights + k * kPanel + 8);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 x = _mm256_broadcast_ss(kPackedRows ? rows + 6 * k + r : rows + r * row_stride + k);
@@ -258,8 +286,8 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
 }
 #else
 // The same chains with std::fma on 32 columns at a time; the compiler vectorizes the column loop.
-template <int R>
-void tile(const float* rows, int64_t row_stride, const float* panel, int64_t depth, float* out, int64_t ld,
+template <int R, typename W>
+void tile(const float* rows, int64_t row_stride, const W* panel, int64_t depth, float* out, int64_t ld,
           bool first, const float* bias, int64_t columns, const SpreadPrefetch& /* next_slices */) {
   float sums[R][kPanel];
   for (int r = 0; r < R; ++r)
@@ -267,26 +295,28 @@ void tile(const float* rows, int64_t row_stride, const float* panel, int64_t dep
   for (int64_t k = 0; k < depth; ++k)
     for (int r = 0; r < R; ++r) {
       const float x = rows[r * row_stride + k];
-      for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = std::fma(x, panel[k * kPanel + c], sums[r][c]);
+      for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = std::fma(x, widen(panel[k * kPanel + c]), sums[r][c]);
     }
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < columns; ++c) out[r * ld + c] = bias != nullptr ? sums[r][c] + bias[c] : sums[r][c];
 }
 #endif
 
-using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const float*,
+template <typename W>
+using TileFunction = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, bool, const float*,
                              int64_t, const SpreadPrefetch&);
-using PairFunction = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, bool,
+template <typename W>
+using PairFunction = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*, int64_t, bool,
                               const float*, const SpreadPrefetch&);
 
-template <int... R>
-constexpr std::array<TileFunction, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
+template <typename W, int... R>
+constexpr std::array<TileFunction<W>, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, W>...};
 }
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
-template <int... R>
-constexpr std::array<TileFunction, sizeof...(R)> packed_tile_table(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1, true>...};
+template <typename W, int... R>
+constexpr std::array<TileFunction<W>, sizeof...(R)> packed_tile_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, W, true>...};
 }
 constexpr bool kPackRows = true;
 #else
@@ -323,28 +353,14 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t out_featu
   return values;
 }
 
-// `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB apart
-// computes through a staging buffer (`fixed_order_linear` chooses by the CPU; either way the same values).
-at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
-                                      const c10::optional<at::Tensor>& bias, int64_t out_features,
-                                      bool stage_aliased_rows) {
-  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear takes fp32 rows [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == input.size(1) && panels.size(2) == kPanel &&
-                  panels.size(0) * kPanel >= out_features && panels.is_contiguous(),
-              "fixed_order_linear takes panels [ceil(N / 32), K, 32]");
-  const at::Tensor rows = input.contiguous();
-  const int64_t count = rows.size(0), in_features = rows.size(1);
-  at::Tensor out = at::empty({count, out_features}, rows.options());
-  if (count == 0 || out_features == 0) return out;
-  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear");
-  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
-  const float* rows_data = rows.data_ptr<float>();
-  const float* panel_data = panels.data_ptr<float>();
-  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
-  static const auto tiles = tile_table(std::make_integer_sequence<int, kRowTile>{});
+// The call's loops over `panel_data` (fp32, or bf16 bits: `W`), the rows, bias and output already checked.
+template <typename W>
+void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features, const W* panel_data,
+                     int64_t weight_bytes, const float* bias_data, float* out_data, int64_t out_features,
+                     bool stage_aliased_rows) {
+  static const auto tiles = tile_table<W>(std::make_integer_sequence<int, kRowTile>{});
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
-  static const auto packed_tiles = packed_tile_table(std::make_integer_sequence<int, kRowTile>{});
+  static const auto packed_tiles = packed_tile_table<W>(std::make_integer_sequence<int, kRowTile>{});
 #else
   static const auto& packed_tiles = tiles;  // never taken (kPackRows is false)
 #endif
@@ -353,11 +369,11 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
       pack_rows ? std::clamp<int64_t>(kPackedBlockFloats / in_features / kRowTile * kRowTile, kRowTile, kRowBlock) : kRowBlock;
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
   constexpr bool kPairs = true;
-  static const std::array<PairFunction, kPairRows> pair_tiles = {&pair_tile<1>, &pair_tile<2>, &pair_tile<3>,
-                                                                 &pair_tile<4>, &pair_tile<5>, &pair_tile<6>};
+  static const std::array<PairFunction<W>, kPairRows> pair_tiles = {&pair_tile<1, W>, &pair_tile<2, W>, &pair_tile<3, W>,
+                                                                    &pair_tile<4, W>, &pair_tile<5, W>, &pair_tile<6, W>};
 #else
   constexpr bool kPairs = false;  // single-panel tiles only (their values are the pair tile's)
-  static const std::array<PairFunction, kPairRows> pair_tiles = {};
+  static const std::array<PairFunction<W>, kPairRows> pair_tiles = {};
 #endif
   const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
   // Output rows a multiple of 4 KB apart share L1 sets, so on an AMD EPYC a tile's 12 rows evict its own
@@ -371,7 +387,7 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
   // weights from DRAM, no software prefetch took 0.80-0.93x the time on 0.5-1.5 MB layers at 8-64 rows
   // (bench-qwen2's and SmolLM2's projections; 0.75-0.95x with the weights in L3), while the 33 and 113
   // MB heads took 1.03-1.20x without it. Intel CPUs keep it everywhere (measured to pay from L3 there).
-  const bool prefetch_next = cpu_vendor() != CpuVendor::kAmd || panels.numel() * static_cast<int64_t>(sizeof(float)) > kSmallWeightBytes;
+  const bool prefetch_next = cpu_vendor() != CpuVendor::kAmd || weight_bytes > kSmallWeightBytes;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
     std::vector<float> micro_panels(pack_rows ? static_cast<size_t>((row_block + kRowTile) * in_features) : 0);
@@ -388,12 +404,12 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
         for (int64_t k0 = 0; k0 < in_features; k0 += kDepth) {
           const int64_t depth = std::min(kDepth, in_features - k0);
           const bool first = k0 == 0, last = k0 + depth == in_features;
-          const float* slice = panel_data + (p * in_features + k0) * kPanel;
-          const float* next_slice = prefetch_next && p + width < end_panel ? slice + width * in_features * kPanel : nullptr;
+          const W* slice = panel_data + (p * in_features + k0) * kPanel;
+          const W* next_slice = prefetch_next && p + width < end_panel ? slice + width * in_features * kPanel : nullptr;
           const float* bias_slice = last && bias_data != nullptr ? bias_data + p * kPanel : nullptr;
-          // the next pass's slice (`width` panels of `depth` x 32 floats, two lines a panel's k step),
-          // each tile of the block fetching its rows' share of the lines
-          const int64_t slice_lines = width * depth * 2, block_rows = block_end - block;
+          // the next pass's slice (`width` panels of `depth` x 32 weights, kLinesPerStep lines a panel's k
+          // step), each tile of the block fetching its rows' share of the lines
+          const int64_t slice_lines = width * depth * kLinesPerStep<W>, block_rows = block_end - block;
           const bool spread = count <= row_block;
           // the block's rows in tiles of at most tile_height (`next_tile_rows`)
           const int64_t block_tiles = (block_end - block + tile_height - 1) / tile_height;
@@ -405,8 +421,8 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
             const int64_t first_line = spread ? slice_lines * (start - block) / block_rows : 0;
             const int64_t lines = spread ? slice_lines * (start - block + tile_rows) / block_rows - first_line
                                          : start == block ? slice_lines : 0;
-            const SpreadPrefetch prefetch(next_slice, depth * 2, in_features * kPanel * static_cast<int64_t>(sizeof(float)),
-                                          first_line, lines, depth);
+            const SpreadPrefetch prefetch(next_slice, depth * kLinesPerStep<W>,
+                                          in_features * kPanel * static_cast<int64_t>(sizeof(W)), first_line, lines, depth);
             if (pair)
               pair_tiles[tile_rows - 1](tile_input, in_features, slice, slice + in_features * kPanel, depth, tile_out, ld,
                                         first, bias_slice, prefetch);
@@ -423,6 +439,34 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
       }
     }
   });
+}
+
+// `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB apart
+// computes through a staging buffer (`fixed_order_linear` chooses by the CPU; either way the same values).
+at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features,
+                                      bool stage_aliased_rows) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear takes fp32 rows [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == input.size(1) && panels.size(2) == kPanel &&
+                  panels.size(0) * kPanel >= out_features && panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+              "fixed_order_linear takes fp32 or bf16 panels [ceil(N / 32), K, 32]");
+  const at::Tensor rows = input.contiguous();
+  const int64_t count = rows.size(0), in_features = rows.size(1);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  if (count == 0 || out_features == 0) return out;
+  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear");
+  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
+  const float* rows_data = rows.data_ptr<float>();
+  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  const int64_t weight_bytes = panels.numel() * panels.element_size();
+  if (panels.scalar_type() == at::kBFloat16)
+    run_fixed_order(rows_data, count, in_features, reinterpret_cast<const Bf16Bits*>(panels.data_ptr<at::BFloat16>()),
+                    weight_bytes, bias_data, out_data, out_features, stage_aliased_rows);
+  else
+    run_fixed_order(rows_data, count, in_features, panels.data_ptr<float>(), weight_bytes, bias_data, out_data,
+                    out_features, stage_aliased_rows);
   return out;
 }
 
