@@ -103,6 +103,11 @@ def test_the_unpacked_kernel_gives_each_output_the_chain_from_the_weight_itself(
     out = torch.ops.autobucket.fixed_order_linear_unpacked(x, weight, bias)
     assert torch.equal(out, fma_chain(x, weight, bias))
     assert torch.equal(out, kernel(x, fixed_order_panels(weight), bias, out_features))
+    # a bf16 weight is read as it is, widened as broadcast: the chain of the widened weight, no fp32 copy
+    bf16_weight = weight.bfloat16()
+    bf16_out = torch.ops.autobucket.fixed_order_linear_unpacked(x, bf16_weight, bias)
+    assert torch.equal(bf16_out, fma_chain(x, bf16_weight.float(), bias))
+    assert torch.equal(bf16_out, kernel(x, fixed_order_panels(bf16_weight), bias, out_features))
 
 
 def test_a_linear_past_the_budget_runs_the_unpacked_kernel_on_the_live_weight():
@@ -114,6 +119,18 @@ def test_a_linear_past_the_budget_runs_the_unpacked_kernel_on_the_live_weight():
         weight.mul_(-1.0)  # read live: nothing to repack
         assert torch.equal(packs.linear(x, weight, bias), fma_chain(x, weight, bias))
     assert packs.nbytes == 0 and packs.unpacked_calls == 2 and packs.packs_made == 0
+
+
+def test_a_bf16_linear_past_the_budget_reads_its_bf16_weight_in_place():
+    _kernel()
+    packs = PackedLinears(budget_bytes=0, fixed_order=True)
+    x, weight, bias = (t.bfloat16() for t in _case(9, 96, 40, seed=9))
+    with torch.inference_mode():
+        out = packs.linear(x, weight, bias)
+        if packs.unpacked_calls == 0:
+            pytest.skip("this CPU runs bf16 linears on oneDNN's bf16 GEMM (row blocks)")
+        assert torch.equal(out, fma_chain(x.float(), weight.float(), bias.float()).bfloat16())
+    assert packs.nbytes == 0 and packs.packs_made == 0
 
 
 def test_staged_and_direct_stores_of_aliased_rows_give_the_chain():
@@ -270,3 +287,4 @@ def test_every_build_gives_the_same_values(tmp_path, form, extra_flags):
         assert torch.equal(other.fixed_order_linear(x, bf16_panels, bias, out_features), bf16_expected)
         if form == "avx2":  # the portable build registers no unpacked kernel
             assert torch.equal(other.fixed_order_linear_unpacked(x, weight, bias), expected)
+            assert torch.equal(other.fixed_order_linear_unpacked(x, weight.bfloat16(), bias), bf16_expected)

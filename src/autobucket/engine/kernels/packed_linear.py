@@ -252,8 +252,8 @@ class PackedLinears:
         fp32_kernel = {"fixed_order": fixed_order, "out_features": dense.shape[0]}  # the Pack fields of the fp32 GEMM
         if self.budget_bytes is not None and self._held_bytes + size > self.budget_bytes:
             self.unpacked_calls += 1
-            if fixed_order:  # no copy: the unpacked kernel reads the weight as it is, the same chains
-                source, fp32_kernel["unpacked"] = source.float(), True
+            if fixed_order:  # no copy: the unpacked kernel reads the weight as it is (bf16 widened as read)
+                fp32_kernel["unpacked"] = True
             elif row_blocks and x.numel() > ROW_BLOCK * x.shape[-1]:  # several blocks: reorder once, not per block
                 source = torch.ops.mkldnn._reorder_linear_weight(source, ROW_BLOCK)
             return Pack(weakref.ref(weight), version, source, row_blocks, small, **fp32_kernel)  # this call only

@@ -46,7 +46,7 @@ class Pack:
     small_block: bool = False  # calls of <= SMALL_BLOCK rows run as one SMALL_BLOCK-row block
     fixed_order: bool = False  # panels [ceil(N / 32), K, 32] (fp32, or bf16) for `fixed_order_linear` (else oneDNN)
     out_features: int = 0
-    unpacked: bool = False  # fixed order on the weight itself, fp32 [N, K] (a call past the budget)
+    unpacked: bool = False  # fixed order on the weight itself, fp32 or bf16 [N, K] (a call past the budget)
 
     @property
     def nbytes(self) -> int:

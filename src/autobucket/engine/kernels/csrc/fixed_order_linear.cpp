@@ -484,7 +484,8 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
 // output for a vector of rows. fma(x, w, acc) and fma(w, x, acc) round alike, so every output is still
 // one FMA chain over k = 0 .. K-1 in order, then + bias: bitwise `fixed_order_linear` on the weight's
 // panels (tested). Slower than the panels at most shapes (measured in docs/benchmarks.md), far faster
-// than making the panels for each call.
+// than making the panels for each call. A bf16 weight is read as it is, each value widened as it is
+// broadcast (no fp32 copy of it per call: the budget bounds what a call holds).
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512)
 struct RowVector {  // 16 rows' values of one k (or one output)
@@ -493,6 +494,7 @@ struct RowVector {  // 16 rows' values of one k (or one output)
   static RowVector zero() { return {_mm512_setzero_ps()}; }
   static RowVector load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static RowVector broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+  static RowVector broadcast(const Bf16Bits* p) { return {_mm512_set1_ps(widen(*p))}; }
   static RowVector fmadd(RowVector x, RowVector w, RowVector acc) { return {_mm512_fmadd_ps(x.v, w.v, acc.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
@@ -503,6 +505,7 @@ struct RowVector {  // 8 rows' values of one k (or one output)
   static RowVector zero() { return {_mm256_setzero_ps()}; }
   static RowVector load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static RowVector broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  static RowVector broadcast(const Bf16Bits* p) { return {_mm256_set1_ps(widen(*p))}; }
   static RowVector fmadd(RowVector x, RowVector w, RowVector acc) { return {_mm256_fmadd_ps(x.v, w.v, acc.v)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
 };
@@ -514,8 +517,8 @@ constexpr int64_t kUnpackedBlock = 2 * kRowVector;  // rows per tile: two vector
 // R outputs x V vectors of rows over all K: xt [K][ldx] (the tile's rows from column 0), w the R weight
 // rows K apart; sums[r][kRowVector V] out (one output's rows contiguous). Prefetches `next_lines` lines
 // from `next` (the next tile's weight rows) spread over the k steps.
-template <int R, int V>
-void unpacked_tile(const float* xt, int64_t ldx, const float* w, int64_t in_features, float* sums,
+template <int R, int V, typename W>
+void unpacked_tile(const float* xt, int64_t ldx, const W* w, int64_t in_features, float* sums,
                    const SpreadPrefetch& next_rows) {
   SpreadPrefetch prefetch = next_rows;
   RowVector acc[R][V];
@@ -541,21 +544,10 @@ void unpacked_tile(const float* xt, int64_t ldx, const float* w, int64_t in_feat
 template <int V>
 constexpr int unpacked_outputs() { return (kRowVector == 16 ? 12 : 6) * (V == 2 ? 1 : 2); }
 
-at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor& weight,
-                                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear_unpacked takes fp32 rows [M, K]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) == input.size(1),
-              "fixed_order_linear_unpacked takes an fp32 weight [N, K]");
-  const at::Tensor rows = input.contiguous(), dense = weight.contiguous();
-  const int64_t count = rows.size(0), in_features = rows.size(1), out_features = dense.size(0);
-  at::Tensor out = at::empty({count, out_features}, rows.options());
-  if (count == 0 || out_features == 0) return out;
-  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear_unpacked");
-  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
-  const float* rows_data = rows.data_ptr<float>();
-  const float* weight_data = dense.data_ptr<float>();
-  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
+// The unpacked call's loops over `weight_data` [N, K] (fp32, or bf16 bits: `W`), everything checked.
+template <typename W>
+void run_unpacked(const float* rows_data, int64_t count, int64_t in_features, const W* weight_data,
+                  const float* bias_data, float* out_data, int64_t out_features) {
   // outputs per tile, fixed for the call: a call of at most one vector of rows takes twice as many (its
   // one vector per output would leave half the accumulators waiting on the loads)
   const bool narrow = count <= kRowVector;
@@ -564,7 +556,7 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
   const int64_t chunk_rows = std::min(kUnpackedChunk, (count + kRowVector - 1) / kRowVector * kRowVector);
   const int64_t ldx = chunk_rows + 16;  // not a multiple of 4 KB apart: the k steps' loads share no L1 set
   std::vector<float> xt(static_cast<size_t>(in_features * ldx));
-  std::vector<float> tail_rows;  // the last tile's weight rows, zero-padded to `outputs` rows
+  std::vector<W> tail_rows;  // the last tile's weight rows, zero-padded to `outputs` rows
   alignas(64) float sums[24 * 32];
   for (int64_t chunk = 0; chunk < count; chunk += kUnpackedChunk) {
     const int64_t chunk_end = std::min(count, chunk + kUnpackedChunk);
@@ -573,18 +565,19 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
       for (int64_t k = 0; k < in_features; ++k) xt[k * ldx + (m - chunk)] = rows_data[m * in_features + k];
     for (int64_t n0 = 0; n0 < out_features; n0 += outputs) {
       const int64_t tile_outputs = std::min(outputs, out_features - n0);
-      const float* w = weight_data + n0 * in_features;
+      const W* w = weight_data + n0 * in_features;
       if (tile_outputs < outputs) {  // the last tile reads a padded copy, never past the weight
-        tail_rows.assign(static_cast<size_t>(outputs * in_features), 0.0f);
+        tail_rows.assign(static_cast<size_t>(outputs * in_features), W{0});
         std::copy_n(w, tile_outputs * in_features, tail_rows.data());
         w = tail_rows.data();
       }
       const int64_t next_outputs = std::min(outputs, out_features - n0 - outputs);
-      const float* next = next_outputs > 0 ? weight_data + (n0 + outputs) * in_features : nullptr;
+      const W* next = next_outputs > 0 ? weight_data + (n0 + outputs) * in_features : nullptr;
       for (int64_t block = chunk; block < chunk_end; block += kUnpackedBlock) {
         const int64_t block_rows = std::min(kUnpackedBlock, chunk_end - block);
         const float* block_xt = xt.data() + (block - chunk);
-        const int64_t next_lines = block == chunk && next != nullptr ? next_outputs * in_features / 16 : 0;
+        const int64_t next_lines =
+            block == chunk && next != nullptr ? next_outputs * in_features * static_cast<int64_t>(sizeof(W)) / 64 : 0;
         const SpreadPrefetch prefetch(next, next_lines, in_features);
         const int vectors = narrow || block_rows <= kRowVector ? 1 : 2;
         if (narrow)
@@ -602,6 +595,28 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
       }
     }
   }
+}
+
+at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor& weight,
+                                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear_unpacked takes fp32 rows [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1) &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "fixed_order_linear_unpacked takes an fp32 or bf16 weight [N, K]");
+  const at::Tensor rows = input.contiguous(), dense = weight.contiguous();
+  const int64_t count = rows.size(0), in_features = rows.size(1), out_features = dense.size(0);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  if (count == 0 || out_features == 0) return out;
+  const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear_unpacked");
+  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
+  const float* rows_data = rows.data_ptr<float>();
+  const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  if (dense.scalar_type() == at::kBFloat16)
+    run_unpacked(rows_data, count, in_features, reinterpret_cast<const Bf16Bits*>(dense.data_ptr<at::BFloat16>()),
+                 bias_data, out_data, out_features);
+  else
+    run_unpacked(rows_data, count, in_features, dense.data_ptr<float>(), bias_data, out_data, out_features);
   return out;
 }
 #endif
