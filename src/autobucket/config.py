@@ -241,8 +241,7 @@ class SamplingConfig:
 
     def _checked_seed(self) -> int | list[int]:
         seed = plain_int_or_list(self.seed)
-        seeds = seed if isinstance(seed, list) else [seed]
-        if seed is None or not all(0 <= value < 2**64 for value in seeds):  # type: ignore[operator]
+        if seed is None or not all(0 <= value < 2**64 for value in (seed if isinstance(seed, list) else [seed])):
             raise ValueError(
                 f"seed={self.seed!r} is invalid: pass an int in [0, 2**64) or a list of them, one per prompt"
             )
