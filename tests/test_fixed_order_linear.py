@@ -85,6 +85,42 @@ def test_bf16_panels_give_the_chain_of_the_widened_weight(rows, in_features, out
     assert not torch.equal(kernel(x, panels, bias, out_features), x_fp32_weight)
 
 
+@pytest.mark.parametrize(
+    "rows,in_features,out_features", [(1, 16, 32), (13, 300, 70), (64, 256, 1000), (130, 64, 33), (600, 1100, 40)]
+)
+@pytest.mark.parametrize("panel_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_outputs_are_the_fp32_outputs_rounded_as_torch_rounds_them(rows, in_features, out_features, panel_dtype):
+    """`fixed_order_linear_bf16` (a bf16 model's linears): bitwise `fixed_order_linear(...).to(bfloat16)`,
+    the rounding done as the kernel copies each block out instead of over an fp32 output afterwards."""
+    kernel = _kernel()
+    x, weight, bias = _case(rows, in_features, out_features, seed=5 * rows + in_features)
+    panels = fixed_order_panels(weight.to(panel_dtype))
+    expected = kernel(x, panels, bias, out_features).to(torch.bfloat16)
+    out = torch.ops.autobucket.fixed_order_linear_bf16(x, panels, bias, out_features)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    # control: truncating instead of rounding to nearest gives other bits
+    truncated = (kernel(x, panels, bias, out_features).view(torch.int32) >> 16).to(torch.int16)
+    assert not torch.equal(out.view(torch.int16), truncated)
+
+
+def test_bf16_rounding_of_special_values_is_torchs():
+    """Ties (to even), values that round up to inf, inf, NaN (any payload), subnormals and signed zeros,
+    placed in the outputs through a bias with a zero weight: torch's `.to(torch.bfloat16)` bits, NaNs
+    included (0xFFFF from ATen's vectorized conversion)."""
+    kernel = _kernel()
+    ties = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-130 + 2.0**-137]
+    special = [float("inf"), float("-inf"), float("nan"), -float("nan"), 3.3895e38, -3.3895e38, 0.0, -0.0, 1e-40]
+    payload_nan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32).item()
+    values = torch.tensor(ties + special + [payload_nan] + torch.randn(30).tolist(), dtype=torch.float32)
+    bias = values.repeat(2)[: 2 * 32]  # 64 outputs: two whole panels (the 16-wide vector path) ...
+    for out_features in (64, 45):  # ... and a partial panel (the scalar tail)
+        x, weight = torch.randn(3, 8), torch.zeros(out_features, 8)
+        panels, column_bias = fixed_order_panels(weight), bias[:out_features].contiguous()
+        expected = kernel(x, panels, column_bias, out_features).to(torch.bfloat16)
+        out = torch.ops.autobucket.fixed_order_linear_bf16(x, panels, column_bias, out_features)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), out_features
+
+
 # the unpacked kernel: calls of <= 16 rows (24 outputs a tile) and more (12), a last block of one vector,
 # rows across its 256-row chunks, N with a partial last tile, K of 1
 @pytest.mark.parametrize(
@@ -285,6 +321,9 @@ def test_every_build_gives_the_same_values(tmp_path, form, extra_flags):
         bf16_panels = fixed_order_panels(weight.bfloat16())  # widened as read, in every form alike
         bf16_expected = kernel(x, bf16_panels, bias, out_features)
         assert torch.equal(other.fixed_order_linear(x, bf16_panels, bias, out_features), bf16_expected)
+        rounded = torch.ops.autobucket.fixed_order_linear_bf16(x, bf16_panels, bias, out_features)
+        assert torch.equal(other.fixed_order_linear_bf16(x, bf16_panels, bias, out_features).view(torch.int16),
+                           rounded.view(torch.int16))  # fmt: skip
         if form == "avx2":  # the portable build registers no unpacked kernel
             assert torch.equal(other.fixed_order_linear_unpacked(x, weight, bias), expected)
             assert torch.equal(other.fixed_order_linear_unpacked(x, weight.bfloat16(), bias), bf16_expected)

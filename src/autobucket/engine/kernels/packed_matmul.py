@@ -69,6 +69,8 @@ def _in_fp32(rows: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch
     bias_fp32 = None if bias is None else (bias.float() if bias.dtype != torch.float32 else bias)
     if pack.unpacked:
         out = torch.ops.autobucket.fixed_order_linear_unpacked(rows_fp32, pack.packed, bias_fp32)
+    elif pack.fixed_order and rows.dtype == torch.bfloat16:  # rounded to bf16 as the kernel copies it out
+        return torch.ops.autobucket.fixed_order_linear_bf16(rows_fp32, pack.packed, bias_fp32, pack.out_features)
     elif pack.fixed_order:
         out = torch.ops.autobucket.fixed_order_linear(rows_fp32, pack.packed, bias_fp32, pack.out_features)
     elif rows.shape[0] == 1:  # one row: oneDNN's M = 1 path can differ, run it as two

@@ -354,11 +354,48 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t out_featu
   return values;
 }
 
+// fp32 -> bf16 bits as torch's `.to(torch.bfloat16)` rounds them: to nearest, ties to even, and any NaN
+// as 0xFFFF (ATen's vectorized conversion; its scalar one writes 0x7FC0: a NaN either way).
+constexpr Bf16Bits kBf16Nan = 0xFFFF;
+inline Bf16Bits round_to_bf16(float x) {
+  if (std::isnan(x)) return kBf16Nan;
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<Bf16Bits>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
+#if defined(__AVX2__)
+// the same rounding for 8 floats, as 8 32-bit lanes holding the bf16 bits
+inline __m256i round8_to_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(kBf16Nan), nan);
+}
+#endif
+
+// `count` floats rounded to bf16 bits (round_to_bf16, 16 at a time where AVX2 is there)
+void round_to_bf16(const float* from, Bf16Bits* to, int64_t count) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 16 <= count; i += 16) {
+    const __m256i low = round8_to_bf16(_mm256_loadu_ps(from + i)), high = round8_to_bf16(_mm256_loadu_ps(from + i + 8));
+    // packus interleaves the two inputs' 128-bit halves; the permute puts the 16 values back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i), packed);
+  }
+#endif
+  for (; i < count; ++i) to[i] = round_to_bf16(from[i]);
+}
+
 // The call's loops over `panel_data` (fp32, or bf16 bits: `W`), the rows, bias and output already checked.
+// `rounded_out` (else nullptr): the outputs rounded to bf16 there instead of written to `out_data` in fp32,
+// each block of a panel computed in the staging buffer and rounded as it is copied out.
 template <typename W>
 void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features, const W* panel_data,
                      int64_t weight_bytes, const float* bias_data, float* out_data, int64_t out_features,
-                     bool stage_aliased_rows) {
+                     bool stage_aliased_rows, Bf16Bits* rounded_out = nullptr) {
   static const auto tiles = tile_table<W>(std::make_integer_sequence<int, kRowTile>{});
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
   static const auto packed_tiles = packed_tile_table<W>(std::make_integer_sequence<int, kRowTile>{});
@@ -382,7 +419,8 @@ void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features,
   // x 1,024: 158 -> 177 GFLOPS). On an Intel Xeon the staging itself is the cost (the same shape: 153
   // unstaged, 129 staged; oneDNN 151), so only AMD stages. A decode step's few rows store directly
   // (staging cost a head 5%). Staged or not, every output is the same chain: the choice changes no value.
-  const bool staged = stage_aliased_rows && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64;
+  const bool staged = rounded_out != nullptr ||
+                      (stage_aliased_rows && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64);
   // The next panel's slice is prefetched (SpreadPrefetch) except on AMD CPUs for weights of at most
   // kSmallWeightBytes, where the hardware's own prefetch did better: on a Zen 3, interleaved, with the
   // weights from DRAM, no software prefetch took 0.80-0.93x the time on 0.5-1.5 MB layers at 8-64 rows
@@ -433,7 +471,10 @@ void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features,
             start += tile_rows;
           }
         }
-        if (staged)
+        if (rounded_out != nullptr)
+          for (int64_t r = block; r < block_end; ++r)
+            round_to_bf16(staging.data() + (r - block) * kStagedStride, rounded_out + r * out_features + p * kPanel, columns);
+        else if (staged)
           for (int64_t r = block; r < block_end; ++r)
             std::copy_n(staging.data() + (r - block) * kStagedStride, columns, out_data + r * out_features + p * kPanel);
         p += width;
@@ -442,11 +483,11 @@ void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features,
   });
 }
 
-// `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB apart
-// computes through a staging buffer (`fixed_order_linear` chooses by the CPU; either way the same values).
-at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
-                                      const c10::optional<at::Tensor>& bias, int64_t out_features,
-                                      bool stage_aliased_rows) {
+// The checked call: fp32 outputs, or (`round_bf16`) bf16 ones, each the fp32 output rounded as torch
+// rounds it. `stage_aliased_rows`: whether a call of many rows whose output rows are a multiple of 4 KB
+// apart computes through a staging buffer (`fixed_order_linear` chooses by the CPU; the same values).
+at::Tensor fixed_order_call(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features, bool stage_aliased_rows, bool round_bf16) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat, "fixed_order_linear takes fp32 rows [M, K]");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == input.size(1) && panels.size(2) == kPanel &&
                   panels.size(0) * kPanel >= out_features && panels.is_contiguous() &&
@@ -454,21 +495,36 @@ at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor&
               "fixed_order_linear takes fp32 or bf16 panels [ceil(N / 32), K, 32]");
   const at::Tensor rows = input.contiguous();
   const int64_t count = rows.size(0), in_features = rows.size(1);
-  at::Tensor out = at::empty({count, out_features}, rows.options());
+  at::Tensor out = at::empty({count, out_features}, rows.options().dtype(round_bf16 ? at::kBFloat16 : at::kFloat));
   if (count == 0 || out_features == 0) return out;
   const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear");
-  if (in_features == 0) return bias_values.defined() ? bias_values.expand({count, out_features}).clone() : out.zero_();
+  if (in_features == 0)
+    return bias_values.defined() ? bias_values.expand({count, out_features}).to(out.scalar_type()) : out.zero_();
   const float* rows_data = rows.data_ptr<float>();
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
+  float* out_data = round_bf16 ? nullptr : out.data_ptr<float>();
+  Bf16Bits* rounded_out = round_bf16 ? reinterpret_cast<Bf16Bits*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t weight_bytes = panels.numel() * panels.element_size();
   if (panels.scalar_type() == at::kBFloat16)
     run_fixed_order(rows_data, count, in_features, reinterpret_cast<const Bf16Bits*>(panels.data_ptr<at::BFloat16>()),
-                    weight_bytes, bias_data, out_data, out_features, stage_aliased_rows);
+                    weight_bytes, bias_data, out_data, out_features, stage_aliased_rows, rounded_out);
   else
     run_fixed_order(rows_data, count, in_features, panels.data_ptr<float>(), weight_bytes, bias_data, out_data,
-                    out_features, stage_aliased_rows);
+                    out_features, stage_aliased_rows, rounded_out);
   return out;
+}
+
+at::Tensor fixed_order_linear_staging(const at::Tensor& input, const at::Tensor& panels,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features,
+                                      bool stage_aliased_rows) {
+  return fixed_order_call(input, panels, bias, out_features, stage_aliased_rows, false);
+}
+
+// The linear of a bf16 model's layer where it runs on the fixed-order kernel: bitwise
+// `fixed_order_linear(...).to(torch.bfloat16)`, without the fp32 output (written and read again) between.
+at::Tensor fixed_order_linear_bf16(const at::Tensor& input, const at::Tensor& panels,
+                                   const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return fixed_order_call(input, panels, bias, out_features, true, true);
 }
 
 at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
@@ -636,6 +692,7 @@ bool fixed_order_linear_vectorized() {
 TORCH_LIBRARY_FRAGMENT(autobucket, m) {
   m.def("fixed_order_linear(Tensor rows, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("fixed_order_linear_staging(Tensor rows, Tensor panels, Tensor? bias, int out_features, bool stage_aliased_rows) -> Tensor");
+  m.def("fixed_order_linear_bf16(Tensor rows, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("fixed_order_linear_vectorized() -> bool", &fixed_order_linear_vectorized);
   m.def("fixed_order_linear_unpacked(Tensor rows, Tensor weight, Tensor? bias) -> Tensor");
 }
@@ -643,6 +700,7 @@ TORCH_LIBRARY_FRAGMENT(autobucket, m) {
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("fixed_order_linear", &fixed_order_linear);
   m.impl("fixed_order_linear_staging", &fixed_order_linear_staging);
+  m.impl("fixed_order_linear_bf16", &fixed_order_linear_bf16);
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)
   m.impl("fixed_order_linear_unpacked", &fixed_order_linear_unpacked);
 #endif
