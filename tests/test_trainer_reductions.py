@@ -152,10 +152,50 @@ def test_a_rollouts_trainer_logprobs_take_the_kernels_and_keep_their_bits(kernel
     with_kernel = run()
     assert calls, "no decode step reached the kernel"
     monkeypatch.setattr(trainer_reductions, "_takes_fp32", lambda logits: False)
-    monkeypatch.setattr(trainer_reductions, "_takes_bf16", lambda logits, tokens: False)
+    monkeypatch.setattr(trainer_reductions, "_takes_bf16", lambda *args, **kwargs: False)
     calls.clear()
     without = run()
     assert not calls and with_kernel.tokens == without.tokens and with_kernel.logprobs == without.logprobs
+
+
+def test_the_widened_bf16_kernel_is_the_bf16_kernel_on_the_narrowed_logits(bf16_kernel, threads):
+    """A bf16 model's decode logits as the runner holds them (widened to fp32): the same bits as the bf16
+    kernel on the narrowed copy, which the selection no longer makes at temperature 1."""
+    widened_kernel = torch.ops.autobucket.trainer_log_softmax_at_widened
+    for vocab in BF16_VOCABS:
+        for rows in (1, 3, 64):
+            logits = spread_logits(rows, vocab, seed=2 * vocab + rows).bfloat16()
+            if rows > 1:
+                logits[1, : vocab // 2] = -math.inf
+            if rows > 2:
+                logits[2, vocab - 1] = math.nan
+            for token in (0, vocab // 2 + 1, vocab - 1):
+                tokens = torch.full((rows,), token, dtype=torch.long)
+                want = bf16_kernel(logits, tokens).view(torch.int16)
+                got = widened_kernel(logits.float(), tokens)
+                assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want), (vocab, rows, token)
+                assert torch.equal(trainer_reductions.log_softmax_at_widened(logits.float(), tokens).view(torch.int16), want)
+
+
+def test_a_bf16_rollout_at_temperature_one_scores_the_widened_logits_with_the_same_bits(tiny_models, monkeypatch):
+    if not trainer_reductions.bf16_available():
+        pytest.skip("trainer_log_softmax_at does not run here")
+    model = copy.deepcopy(tiny_models("tiny-qwen2")).to(torch.bfloat16)
+    prompts = random_prompts([5, 19, 11, 30], seed=3)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=[4, 3, 2, 1], logprobs=True, eos_token_id=[])
+
+    def run():
+        config = RolloutConfig(route="aligned", kernels="invariant", persist_costs=False)
+        return Rollout(model, config=config).generate(prompts, sampling)
+
+    kernel, calls = torch.ops.autobucket.trainer_log_softmax_at_widened, []
+    monkeypatch.setattr(torch.ops.autobucket, "trainer_log_softmax_at_widened",
+                        lambda *args: calls.append(1) or kernel(*args), raising=False)  # fmt: skip
+    widened = run()
+    assert calls, "no decode step scored the widened logits"
+    monkeypatch.setattr(trainer_reductions, "_takes_bf16", lambda *args, **kwargs: False)  # torch's log_softmax
+    narrowed = run()
+    assert widened.tokens == narrowed.tokens and widened.logprobs == narrowed.logprobs
 
 
 def test_what_aten_reduces_another_way_goes_to_torchs_op(fp32_kernel, monkeypatch):

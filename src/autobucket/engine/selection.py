@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.engine.kernels.trainer_reductions import log_softmax_at_widened
 from autobucket.engine.sampling.argmax import first_argmax
 from autobucket.engine.sampling.inverse_cdf import UnsamplableRows, sample_inverse_cdf
 from autobucket.engine.sampling.streams import stream_uniforms
@@ -129,5 +130,8 @@ class Selection:
         if self.want_logprobs and not processed:
             # The model's own logits (fp32 copies of its dtype's values, so the cast back is exact).
             temperature = 1.0 if self.sampler.greedy else self.sampler.temperature
-            logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature, kernel=True).float()
+            if self.logits_dtype == torch.bfloat16 and temperature == 1.0:  # read as they are held, no bf16 copy
+                logprobs = log_softmax_at_widened(raw, tokens).float()
+            else:
+                logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature, kernel=True).float()
         return tokens, logprobs

@@ -44,6 +44,14 @@ def log_softmax_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def log_softmax_at_widened(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [rows, vocab] whose every value is a bf16 (a bf16 model's logits widened), tokens [rows]
+    long -> bf16 [rows]: bitwise `log_softmax_at(logits.to(torch.bfloat16), tokens)`, without the copy."""
+    if logits.dtype == torch.float32 and _takes_bf16(logits, tokens, dtype=torch.float32):
+        return torch.ops.autobucket.trainer_log_softmax_at_widened(logits, tokens)
+    return log_softmax_at(logits.to(torch.bfloat16), tokens)
+
+
 def _plain_rows(logits: torch.Tensor) -> bool:
     return (
         logits.dim() == 2 and logits.shape[0] > 0 and logits.device.type == "cpu" and logits.is_contiguous()
@@ -58,9 +66,9 @@ def _takes_fp32(logits: torch.Tensor) -> bool:
     return not threads_split_its_sum and fp32_available()
 
 
-def _takes_bf16(logits: torch.Tensor, tokens: torch.Tensor) -> bool:
+def _takes_bf16(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
     return (
-        logits.dtype == torch.bfloat16 and _plain_rows(logits) and logits.shape[1] >= 16
+        logits.dtype == dtype and _plain_rows(logits) and logits.shape[1] >= 16
         and tokens.dtype == torch.long and tokens.shape == logits.shape[:1] and tokens.device.type == "cpu"
         and bf16_available()
     )  # fmt: skip

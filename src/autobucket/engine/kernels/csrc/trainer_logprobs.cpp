@@ -164,6 +164,14 @@ inline __m256 widen8(const c10::BFloat16* p, int64_t count) {
   return widen8(values);
 }
 
+// the same loads of a row already widened to fp32 (bf16 values held in fp32: the same vectors)
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const float* p, int64_t count) {
+  alignas(32) float values[8] = {};
+  std::memcpy(values, p, static_cast<size_t>(count) * sizeof(float));
+  return _mm256_load_ps(values);
+}
+
 // Vectorized<float>::set(a, b, count): lanes [0, count) from b, the rest from a
 inline __m256 blend_first(__m256 a, __m256 b, int64_t count) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -185,8 +193,10 @@ inline c10::BFloat16 bf16_as_aten_vectors(float value) {
   return c10::BFloat16(value);
 }
 
-// the max of a bf16 row as fp32, NaN if it holds one (reduce_all with vec::maximum)
-float bf16_row_max(const c10::BFloat16* x, int64_t length) {
+// the max of a bf16 row as fp32, NaN if it holds one (reduce_all with vec::maximum); `T`: the row as
+// bf16, or widened to fp32
+template <typename T>
+float bf16_row_max(const T* x, int64_t length) {
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= length; k += 8) {
@@ -207,7 +217,8 @@ float bf16_row_max(const c10::BFloat16* x, int64_t length) {
 }
 
 // map_reduce_all's sum of exp(x - max) over a bf16 row of length >= 16 (see the file's comment)
-float bf16_row_sum_of_exp(const c10::BFloat16* x, int64_t length, float max) {
+template <typename T>
+float bf16_row_sum_of_exp(const T* x, int64_t length, float max) {
   const __m256 shift = _mm256_set1_ps(max);
   const auto term = [shift](__m256 v) { return Sleef_expf8_u10(_mm256_sub_ps(v, shift)); };
   __m256 low = term(widen8(x)), high = term(widen8(x + 8));
@@ -235,26 +246,14 @@ bool trainer_log_softmax_at_available() {
 #endif
 }
 
-// bf16 logits [rows, vocab >= 16] contiguous, tokens [rows] long -> bf16 [rows]: log_softmax(logits)[row, token]
-at::Tensor trainer_log_softmax_at(const at::Tensor& logits, const at::Tensor& tokens) {
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) >= 16,
-              "trainer_log_softmax_at takes contiguous bf16 logits [rows, vocab >= 16]");
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.size(0) == logits.size(0),
-              "trainer_log_softmax_at takes one long token per row");
-  TORCH_CHECK(trainer_log_softmax_at_available(), "trainer_log_softmax_at needs an AVX2 (not AVX-512) build");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor result = at::empty({rows}, logits.options());
+// Each row's log_softmax at its token from `x` [rows, vocab] (`T`: bf16, or bf16 values widened to fp32)
+// into `out` [rows], checked.
+template <typename T>
+void log_softmax_at_rows(const T* x, int64_t rows, int64_t vocab, const int64_t* token, c10::BFloat16* out) {
 #if defined(AUTOBUCKET_BF16_LOG_SOFTMAX)
-  const at::Tensor token_values = tokens.contiguous();
-  const int64_t* token = token_values.data_ptr<int64_t>();
-  for (int64_t row = 0; row < rows; ++row)
-    TORCH_CHECK(token[row] >= 0 && token[row] < vocab, "trainer_log_softmax_at: token ", token[row], " of row ", row,
-                " is outside the vocabulary [0, ", vocab, ")");
-  const c10::BFloat16* x = logits.data_ptr<c10::BFloat16>();
-  c10::BFloat16* out = result.data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {  // rows among torch's threads
     for (int64_t row = first; row < last; ++row) {
-      const c10::BFloat16* in = x + row * vocab;
+      const T* in = x + row * vocab;
       const float max = static_cast<float>(c10::BFloat16(bf16_row_max(in, vocab)));  // stored as bf16: exact
       const float sum = static_cast<float>(c10::BFloat16(bf16_row_sum_of_exp(in, vocab, max)));  // stored as bf16
       const float log_sum =
@@ -263,7 +262,42 @@ at::Tensor trainer_log_softmax_at(const at::Tensor& logits, const at::Tensor& to
     }
   });
 #endif
+}
+
+// logits [rows, vocab >= 16] contiguous, bf16 (or, `widened`, fp32 holding bf16 values), tokens [rows] long
+// -> bf16 [rows]: log_softmax(logits as bf16)[row, token]
+at::Tensor log_softmax_at_checked(const at::Tensor& logits, const at::Tensor& tokens, bool widened) {
+  const auto dtype = widened ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(logits.scalar_type() == dtype && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) >= 16,
+              widened ? "trainer_log_softmax_at_widened takes contiguous fp32 logits [rows, vocab >= 16]"
+                      : "trainer_log_softmax_at takes contiguous bf16 logits [rows, vocab >= 16]");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.size(0) == logits.size(0),
+              "trainer_log_softmax_at takes one long token per row");
+  TORCH_CHECK(trainer_log_softmax_at_available(), "trainer_log_softmax_at needs an AVX2 (not AVX-512) build");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor result = at::empty({rows}, logits.options().dtype(at::kBFloat16));
+  const at::Tensor token_values = tokens.contiguous();
+  const int64_t* token = token_values.data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row)
+    TORCH_CHECK(token[row] >= 0 && token[row] < vocab, "trainer_log_softmax_at: token ", token[row], " of row ", row,
+                " is outside the vocabulary [0, ", vocab, ")");
+  c10::BFloat16* out = result.data_ptr<c10::BFloat16>();
+  if (widened)
+    log_softmax_at_rows(logits.data_ptr<float>(), rows, vocab, token, out);
+  else
+    log_softmax_at_rows(logits.data_ptr<c10::BFloat16>(), rows, vocab, token, out);
   return result;
+}
+
+at::Tensor trainer_log_softmax_at(const at::Tensor& logits, const at::Tensor& tokens) {
+  return log_softmax_at_checked(logits, tokens, false);
+}
+
+// A bf16 model's decode logits as the runner holds them, widened to fp32 (every value a bf16): bitwise
+// `trainer_log_softmax_at(logits.to(torch.bfloat16), tokens)` without the narrowed copy. Values that are
+// not bf16 get other results: the caller promises them.
+at::Tensor trainer_log_softmax_at_widened(const at::Tensor& logits, const at::Tensor& tokens) {
+  return log_softmax_at_checked(logits, tokens, true);
 }
 
 }  // namespace
@@ -272,10 +306,12 @@ TORCH_LIBRARY_FRAGMENT(autobucket, m) {
   m.def("trainer_logsumexp(Tensor logits) -> Tensor");
   m.def("trainer_logsumexp_available() -> bool", &trainer_logsumexp_available);
   m.def("trainer_log_softmax_at(Tensor logits, Tensor tokens) -> Tensor");
+  m.def("trainer_log_softmax_at_widened(Tensor logits, Tensor tokens) -> Tensor");
   m.def("trainer_log_softmax_at_available() -> bool", &trainer_log_softmax_at_available);
 }
 
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("trainer_logsumexp", &trainer_logsumexp);
   m.impl("trainer_log_softmax_at", &trainer_log_softmax_at);
+  m.impl("trainer_log_softmax_at_widened", &trainer_log_softmax_at_widened);
 }
