@@ -1,15 +1,19 @@
-"""A bf16 model's fixed-order linears: outputs rounded to bf16 by the kernel as it copies them out
-(`fixed_order_linear_bf16`), against fp32 outputs rounded afterwards by torch (the path before it), on the
-GRPO-like bf16 call, alternating in one process, where a CPU runs bf16 linears on that kernel.
+"""Two ways a bf16 model's GRPO-like call avoids a [rows, vocab] copy a step, each against the path before
+it, alternating in one process (CPUs that run bf16 linears on the fixed-order kernel, AVX2 ones):
+- `--change rounding` (default): linear outputs rounded to bf16 by the kernel as it copies them out
+  (`fixed_order_linear_bf16`), against fp32 outputs rounded afterwards by torch;
+- `--change scoring` (trainer-mode logprobs on): the bf16 log_softmax kernel reading the runner's widened
+  fp32 logits (`trainer_log_softmax_at_widened`), against scoring a narrowed bf16 copy of them.
 
     quiet-run -- python benchmarks/bf16_outputs.py --out results/bf16_outputs.json
+    quiet-run -- python benchmarks/bf16_outputs.py --change scoring --out results/bf16_scoring.json
     # smoke: --rounds 2 --prompts 2 --n 2 --new-tokens 4 --out /tmp/bf16o.json
 
 The call is `shared_decode.py`'s (bench-qwen2 cast to bf16, `kernels="invariant"`, `--prompts` prompts of
 ShareGPT-like lengths x `--n` samples, `--new-tokens` tokens, temperature 1, EOS off). One Rollout; the
-"torch rounding" contender's calls run `packed_matmul`'s fp32 GEMM with `.to(torch.bfloat16)` after it
-(restored after each call), the other the engine's path. ABBA over `--rounds` rounds of fresh prompts
-after a warm-up; tokens must be equal (the two give the same bits). Medians, the ratio and raw samples
+"before" contender's calls run the previous path (patched in for each of its calls and restored after),
+the "engine" contender's the engine's own. ABBA over `--rounds` rounds of fresh prompts
+after a warm-up; tokens (and logprobs) must be equal (the two give the same bits). Medians, the ratio and raw samples
 to JSON."""
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from shared_decode import round_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.file import host_cpu
-from autobucket.engine.kernels import packed_matmul
+from autobucket.engine import selection
+from autobucket.engine.kernels import packed_matmul, trainer_reductions
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_matmul import fixed_order_op
 from autobucket.models import build_tiny_model
@@ -52,8 +57,25 @@ def torch_rounding() -> Iterator[None]:
         packed_matmul._in_fp32 = engine_path
 
 
+@contextmanager
+def narrowed_scoring() -> Iterator[None]:
+    """Trainer-mode bf16 logprobs scored on a narrowed bf16 copy of the widened logits (the previous path)."""
+    engine_path = selection.log_softmax_at_widened
+    selection.log_softmax_at_widened = lambda logits, tokens: trainer_reductions.log_softmax_at(
+        logits.to(torch.bfloat16), tokens
+    )
+    try:
+        yield
+    finally:
+        selection.log_softmax_at_widened = engine_path
+
+
+BEFORE = {"rounding": torch_rounding, "scoring": narrowed_scoring}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--change", choices=sorted(BEFORE), default="rounding")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
@@ -71,9 +93,9 @@ def main() -> None:
 
     def sampling(seed: int) -> SamplingConfig:
         return SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
-                              continuous_batch_size=args.prompts * args.n)  # fmt: skip
+                              continuous_batch_size=args.prompts * args.n, logprobs=args.change == "scoring")  # fmt: skip
 
-    contenders = {"kernel rounding": nullcontext, "torch rounding": torch_rounding}
+    contenders = {"engine": nullcontext, "before": BEFORE[args.change]}
     for scope in contenders.values():  # warm-up: packs made, the library loaded
         with scope():
             rollout.generate(round_prompts(vocab, args.prompts, args.seed), sampling(args.seed))
@@ -85,17 +107,18 @@ def main() -> None:
         for name in contenders if index % 2 == 0 else reversed(list(contenders)):  # ABBA
             with contenders[name]():
                 started = time.perf_counter()
-                tokens[name] = rollout.generate(prompts, sampling(seed)).tokens
+                result = rollout.generate(prompts, sampling(seed))
+                tokens[name] = (result.tokens, result.logprobs)  # logprobs: None unless scoring
                 samples[name].append((time.perf_counter() - started) * 1e3)
-        equal = equal and tokens["kernel rounding"] == tokens["torch rounding"]
-        ratio = samples["kernel rounding"][-1] / samples["torch rounding"][-1]
-        print(f"round {index}: kernel rounding {samples['kernel rounding'][-1]:.0f} ms, torch rounding "
-              f"{samples['torch rounding'][-1]:.0f} ms, ratio {ratio:.3f}")  # fmt: skip
+        equal = equal and tokens["engine"] == tokens["before"]
+        ratio = samples["engine"][-1] / samples["before"][-1]
+        print(f"round {index}: engine {samples['engine'][-1]:.0f} ms, before {samples['before'][-1]:.0f} ms, "
+              f"ratio {ratio:.3f}")  # fmt: skip
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    ratios = [a / b for a, b in zip(samples["kernel rounding"], samples["torch rounding"], strict=True)]
-    print(f"call: kernel rounding {medians['kernel rounding']:.0f} ms, torch rounding {medians['torch rounding']:.0f} "
-          f"ms, ratio of medians {medians['kernel rounding'] / medians['torch rounding']:.3f}, median of the rounds' "
-          f"ratios {statistics.median(ratios):.3f}; tokens equal {equal}")  # fmt: skip
+    ratios = [a / b for a, b in zip(samples["engine"], samples["before"], strict=True)]
+    print(f"{args.change}: engine {medians['engine']:.0f} ms, before {medians['before']:.0f} ms, ratio of medians "
+          f"{medians['engine'] / medians['before']:.3f}, median of the rounds' ratios {statistics.median(ratios):.3f}; "
+          f"tokens equal {equal}")  # fmt: skip
     record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": medians,
               "round_ratios": ratios, "tokens_equal": equal, "samples_ms": samples}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
