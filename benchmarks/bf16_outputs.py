@@ -27,9 +27,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from shared_decode import round_prompts
+from shared_decode import call_sampling, round_prompts
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket import Rollout, RolloutConfig
 from autobucket.coefficients.file import host_cpu
 from autobucket.engine import selection
 from autobucket.engine.kernels import packed_matmul, trainer_reductions
@@ -91,14 +91,12 @@ def main() -> None:
     rollout = Rollout(model, config=RolloutConfig(route="auto", kernels="invariant"))
     vocab = model.config.vocab_size
 
-    def sampling(seed: int) -> SamplingConfig:
-        return SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
-                              continuous_batch_size=args.prompts * args.n, logprobs=args.change == "scoring")  # fmt: skip
+    logprobs = args.change == "scoring"
 
     contenders = {"engine": nullcontext, "before": BEFORE[args.change]}
     for scope in contenders.values():  # warm-up: packs made, the library loaded
         with scope():
-            rollout.generate(round_prompts(vocab, args.prompts, args.seed), sampling(args.seed))
+            rollout.generate(round_prompts(vocab, args.prompts, args.seed), call_sampling(args, args.seed, logprobs))
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     equal = True
     for index in range(args.rounds):
@@ -107,7 +105,7 @@ def main() -> None:
         for name in contenders if index % 2 == 0 else reversed(list(contenders)):  # ABBA
             with contenders[name]():
                 started = time.perf_counter()
-                result = rollout.generate(prompts, sampling(seed))
+                result = rollout.generate(prompts, call_sampling(args, seed, logprobs))
                 tokens[name] = (result.tokens, result.logprobs)  # logprobs: None unless scoring
                 samples[name].append((time.perf_counter() - started) * 1e3)
         equal = equal and tokens["engine"] == tokens["before"]

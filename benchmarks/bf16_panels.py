@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 from interleave import interleaved
-from shared_decode import round_prompts
+from shared_decode import call_sampling, round_prompts
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket import Rollout, RolloutConfig
 from autobucket.coefficients.file import host_cpu
 from autobucket.engine.kernels import packed_matmul
 from autobucket.engine.kernels.library import load_invariant_kernels
@@ -77,11 +77,7 @@ def call_results(args: argparse.Namespace) -> dict:
     model = build_tiny_model("bench-qwen2").to(torch.bfloat16)
     vocab = model.config.vocab_size
 
-    def sampling(seed: int) -> SamplingConfig:
-        return SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
-                              continuous_batch_size=args.prompts * args.n)  # fmt: skip
-
-    warmup = (round_prompts(vocab, args.prompts, args.seed), sampling(args.seed))
+    warmup = (round_prompts(vocab, args.prompts, args.seed), call_sampling(args, args.seed))
     rollouts = {"fp32": rollout_with_panels(model, torch.float32, warmup),
                 "bf16": rollout_with_panels(model, torch.bfloat16, warmup)}  # fmt: skip
     packed = {name: rollout.packed_linears.nbytes for name, rollout in rollouts.items()}
@@ -93,7 +89,7 @@ def call_results(args: argparse.Namespace) -> dict:
         tokens = {}
         for name in (rollouts if index % 2 == 0 else reversed(list(rollouts))):  # ABBA: drift hits both alike
             started = time.perf_counter()
-            tokens[name] = rollouts[name].generate(prompts, sampling(seed)).tokens
+            tokens[name] = rollouts[name].generate(prompts, call_sampling(args, seed)).tokens
             samples[name].append((time.perf_counter() - started) * 1e3)
         equal = equal and tokens["fp32"] == tokens["bf16"]
         print(f"round {index}: bf16 panels {samples['bf16'][-1]:.0f} ms, fp32 panels {samples['fp32'][-1]:.0f} ms, "

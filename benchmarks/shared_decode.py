@@ -95,14 +95,20 @@ def per_row_copies():
         routes.SHARED_MIN_SAVED_COLUMNS = saved
 
 
+def call_sampling(args, seed: int, logprobs: bool = False) -> SamplingConfig:
+    """The call's sampling: `args.new_tokens` tokens (EOS off) x `args.n` samples at temperature 1 from the
+    round's seed, every row decoded at once."""
+    return SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
+                          continuous_batch_size=CONTINUOUS_BATCH_SIZE, logprobs=logprobs)  # fmt: skip
+
+
 class AutobucketContender:
     def __init__(self, model, args, share: bool, kernels: str = "hf") -> None:
         self.rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
         self.args, self.share = args, share
 
     def call(self, prompts: list[list[int]], seed: int) -> Call:
-        sampling = SamplingConfig(max_new_tokens=self.args.new_tokens, eos_token_id=[], n=self.args.n, temperature=1.0,
-                                  seed=seed, continuous_batch_size=CONTINUOUS_BATCH_SIZE)  # fmt: skip
+        sampling = call_sampling(self.args, seed)
         with nullcontext() if self.share else per_row_copies():
             started = time.perf_counter()
             result = self.rollout.generate(prompts, sampling)

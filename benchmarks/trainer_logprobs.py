@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 from interleave import interleaved
-from shared_decode import CONTINUOUS_BATCH_SIZE, round_prompts
+from shared_decode import call_sampling, round_prompts
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket import Rollout, RolloutConfig
 from autobucket.coefficients.file import host_cpu
 from autobucket.engine.kernels import trainer_reductions
 from autobucket.models import build_tiny_model
@@ -54,7 +54,7 @@ def torch_ops_only():
     """The kernels refused: trainer-mode logprobs take torch's logsumexp / log_softmax."""
     saved = trainer_reductions._takes_fp32, trainer_reductions._takes_bf16
     trainer_reductions._takes_fp32 = lambda logits: False
-    trainer_reductions._takes_bf16 = lambda logits, tokens: False
+    trainer_reductions._takes_bf16 = lambda *args, **kwargs: False  # the widened bf16 logits' kernel too
     try:
         yield
     finally:
@@ -62,8 +62,7 @@ def torch_ops_only():
 
 
 def call(rollout: Rollout, args, prompts: list[list[int]], seed: int, logprobs: bool, torch_op: bool):
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0, seed=seed,
-                              continuous_batch_size=CONTINUOUS_BATCH_SIZE, logprobs=logprobs)  # fmt: skip
+    sampling = call_sampling(args, seed, logprobs)
     with torch_ops_only() if torch_op else nullcontext():
         started = time.perf_counter()
         result = rollout.generate(prompts, sampling)

@@ -103,6 +103,17 @@ def test_bf16_outputs_are_the_fp32_outputs_rounded_as_torch_rounds_them(rows, in
     assert not torch.equal(out.view(torch.int16), truncated)
 
 
+def test_no_inputs_give_the_bias_in_a_tensor_of_its_own():
+    _kernel()
+    x, bias, panels = torch.randn(3, 0), torch.randn(40), torch.empty(2, 0, 32)
+    for op, dtype in ((torch.ops.autobucket.fixed_order_linear, torch.float32),
+                      (torch.ops.autobucket.fixed_order_linear_bf16, torch.bfloat16)):  # fmt: skip
+        out = op(x, panels, bias, 40)
+        assert out.dtype == dtype and torch.equal(out, bias.expand(3, 40).to(dtype)) and out.is_contiguous()
+        out.zero_()  # the caller's to write: never the bias itself
+        assert bias.abs().sum() > 0
+
+
 def test_bf16_rounding_of_special_values_is_torchs():
     """Ties (to even), values that round up to inf, inf, NaN (any payload), subnormals and signed zeros,
     placed in the outputs through a bias with a zero weight: torch's `.to(torch.bfloat16)` bits, NaNs

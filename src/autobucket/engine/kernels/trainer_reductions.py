@@ -47,7 +47,7 @@ def log_softmax_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def log_softmax_at_widened(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 logits [rows, vocab] whose every value is a bf16 (a bf16 model's logits widened), tokens [rows]
     long -> bf16 [rows]: bitwise `log_softmax_at(logits.to(torch.bfloat16), tokens)`, without the copy."""
-    if logits.dtype == torch.float32 and _takes_bf16(logits, tokens, dtype=torch.float32):
+    if _takes_bf16(logits, tokens, dtype=torch.float32):
         return torch.ops.autobucket.trainer_log_softmax_at_widened(logits, tokens)
     return log_softmax_at(logits.to(torch.bfloat16), tokens)
 

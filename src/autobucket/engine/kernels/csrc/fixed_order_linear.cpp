@@ -9,9 +9,10 @@
 // widened in registers as they are read (a bf16 is its fp32's upper half: exact, the same chains, so the
 // same bits as fp32 panels of the widened weight) for half the bytes held and streamed per call (Zen 3,
 // benchmarks/bf16_panels.py: 0.72-0.96x the time from DRAM, level from cache; SmolLM2 bf16 peak memory
-// 1.46x -> 1.21x the default kernels'). A tile of R rows x 32 columns keeps 2R accumulators in registers and broadcasts each row's k-th input from the row itself (AVX-512: copying
-// the rows into [K][R] micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x
-// 128; AVX2 calls of 512+ rows do copy them, where it paid: kPackRowsFrom). Loops, outermost first:
+// 1.46x -> 1.21x the default kernels'). A tile of R rows x 32 columns keeps 2R accumulators in registers
+// and broadcasts each row's k-th input from the row itself (AVX-512: copying the rows into [K][R]
+// micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x 128; AVX2 calls of
+// 512+ rows do copy them, where it paid: kPackRowsFrom). Loops, outermost first:
 // blocks of kRowBlock rows (in L2), panels (split across threads),
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
 // many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
@@ -137,6 +138,15 @@ struct SpreadPrefetch {
 
 // A panel's weights: fp32, or bf16 as its raw bits (widened to fp32 exactly as they are read).
 using Bf16Bits = uint16_t;
+
+// `run(weights)` with the weight tensor's data as `const float*` or, bf16, as `const Bf16Bits*`
+template <typename Run>
+void with_weights(const at::Tensor& weight, Run&& run) {
+  if (weight.scalar_type() == at::kBFloat16)
+    run(reinterpret_cast<const Bf16Bits*>(weight.data_ptr<at::BFloat16>()));
+  else
+    run(weight.data_ptr<float>());
+}
 template <typename W>
 constexpr int64_t kLinesPerStep = static_cast<int64_t>(sizeof(W)) * kPanel / 64;  // lines a panel's k step spans
 
@@ -357,15 +367,11 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t out_featu
 // fp32 -> bf16 bits as torch's `.to(torch.bfloat16)` rounds them: to nearest, ties to even, and any NaN
 // as 0xFFFF (ATen's vectorized conversion; its scalar one writes 0x7FC0: a NaN either way).
 constexpr Bf16Bits kBf16Nan = 0xFFFF;
-inline Bf16Bits round_to_bf16(float x) {
-  if (std::isnan(x)) return kBf16Nan;
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<Bf16Bits>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
-}
+inline Bf16Bits round_to_bf16(float x) { return std::isnan(x) ? kBf16Nan : c10::BFloat16(x).x; }
 
 #if defined(__AVX2__)
-// the same rounding for 8 floats, as 8 32-bit lanes holding the bf16 bits
+// the same rounding for 8 floats (c10's round to nearest even, vectorized), as 8 32-bit lanes holding the
+// bf16 bits
 inline __m256i round8_to_bf16(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -498,19 +504,17 @@ at::Tensor fixed_order_call(const at::Tensor& input, const at::Tensor& panels, c
   at::Tensor out = at::empty({count, out_features}, rows.options().dtype(round_bf16 ? at::kBFloat16 : at::kFloat));
   if (count == 0 || out_features == 0) return out;
   const at::Tensor bias_values = checked_bias(bias, out_features, "fixed_order_linear");
-  if (in_features == 0)
-    return bias_values.defined() ? bias_values.expand({count, out_features}).to(out.scalar_type()) : out.zero_();
+  if (in_features == 0)  // a fresh tensor (never a view of the bias), rounded by torch where bf16
+    return bias_values.defined() ? out.copy_(bias_values.expand({count, out_features})) : out.zero_();
   const float* rows_data = rows.data_ptr<float>();
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = round_bf16 ? nullptr : out.data_ptr<float>();
   Bf16Bits* rounded_out = round_bf16 ? reinterpret_cast<Bf16Bits*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t weight_bytes = panels.numel() * panels.element_size();
-  if (panels.scalar_type() == at::kBFloat16)
-    run_fixed_order(rows_data, count, in_features, reinterpret_cast<const Bf16Bits*>(panels.data_ptr<at::BFloat16>()),
-                    weight_bytes, bias_data, out_data, out_features, stage_aliased_rows, rounded_out);
-  else
-    run_fixed_order(rows_data, count, in_features, panels.data_ptr<float>(), weight_bytes, bias_data, out_data,
-                    out_features, stage_aliased_rows, rounded_out);
+  with_weights(panels, [&](const auto* weights) {
+    run_fixed_order(rows_data, count, in_features, weights, weight_bytes, bias_data, out_data, out_features,
+                    stage_aliased_rows, rounded_out);
+  });
   return out;
 }
 
@@ -669,11 +673,9 @@ at::Tensor fixed_order_linear_unpacked(const at::Tensor& input, const at::Tensor
   const float* rows_data = rows.data_ptr<float>();
   const float* bias_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  if (dense.scalar_type() == at::kBFloat16)
-    run_unpacked(rows_data, count, in_features, reinterpret_cast<const Bf16Bits*>(dense.data_ptr<at::BFloat16>()),
-                 bias_data, out_data, out_features);
-  else
-    run_unpacked(rows_data, count, in_features, dense.data_ptr<float>(), bias_data, out_data, out_features);
+  with_weights(dense, [&](const auto* weights) {
+    run_unpacked(rows_data, count, in_features, weights, bias_data, out_data, out_features);
+  });
   return out;
 }
 #endif
