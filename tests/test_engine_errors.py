@@ -57,6 +57,7 @@ def test_no_prompts_give_an_empty_result(model, route):
         ([[5, 6], torch.tensor([[1, 2]])], "prompt 1 must be a 1-D integer tensor"),
         ([[5, 6], np.array([[1, 2]])], "prompt 1 must be a 1-D integer array, got shape (1, 2)"),
         ([np.array([1.0, 2.0])], "prompt 0 must be a 1-D integer array, got shape (2,) and dtype float64"),
+        ([torch.tensor([1.0, 2.0])], "prompt 0 must be a 1-D integer tensor, got shape (2,) and dtype torch.float32"),
         ([np.array([5, 1024])], "prompt 0 has token id 1024 outside the vocabulary"),
         ([[5], "hello"], "prompt 1 is a string but the Rollout has no tokenizer"),
         ("hello", "prompts must be a list"),

@@ -46,7 +46,10 @@ def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> lis
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point:
-            raise ValueError(f"prompt {index} must be a 1-D integer tensor, got shape {tuple(prompt.shape)}")
+            raise ValueError(
+                f"prompt {index} must be a 1-D integer tensor, got shape {tuple(prompt.shape)} and dtype "
+                f"{prompt.dtype}: pass token ids (.long() on a float tensor of ids)"
+            )
         ids = prompt.tolist()
     elif isinstance(prompt, np.ndarray):  # a `datasets` column in numpy format, for one
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
