@@ -183,6 +183,10 @@ class SamplingConfig:
       greedy, no penalty or top-k / top-p; with `RolloutConfig(kernels="invariant")` and the trainer's
       forward under `autobucket.invariant(model)` they are bitwise the trainer's. "processed": under the
       distribution actually sampled from (after the penalty and every warper), in fp32.
+    stop_strings: a string or list of strings that end a request as HF `generate(stop_strings=...)` does:
+      once a generated token completes one (the string may begin in the prompt's last tokens; the token
+      may run past its end), with that token kept and the finish reason "stop". Needs the Rollout's
+      tokenizer. None uses the model's generation config (usually none); [] disables them.
     """
 
     max_new_tokens: int = 16
@@ -200,6 +204,7 @@ class SamplingConfig:
     n: int = 1
     logprobs: bool = False
     logprobs_mode: LogprobsMode = "trainer"
+    stop_strings: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         # Each value is stored as the plain Python type its check returns (numpy and Python numbers are both
@@ -229,6 +234,7 @@ class SamplingConfig:
         require_bool("logprobs", self.logprobs)
         require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _store(self, "eos_token_id", self._checked_eos())
+        _store(self, "stop_strings", checked_stop_strings("stop_strings", self.stop_strings))
 
     def _check_warpers(self) -> None:
         for name, (inside, bounds, off) in _WARPER_RANGES.items():
@@ -257,6 +263,19 @@ class SamplingConfig:
                 "([] disables EOS), or None for the model's generation config"
             )
         return ids
+
+
+def checked_stop_strings(name: str, value: object) -> str | list[str] | None:
+    """`value` as None, one non-empty string, or a list of them (any sequence of strings becomes a list)."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    strings = list(value) if isinstance(value, (list, tuple)) else None
+    if strings is None or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(
+            f"{name}={value!r} is invalid: pass a non-empty string, a list of them ([] disables stop strings), "
+            "or None for the model's generation config"
+        )
+    return strings
 
 
 def _store(config: RolloutConfig | SamplingConfig, name: str, value: object) -> None:

@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
+    parser.add_argument("--stop", action="append", metavar="TEXT",
+                        help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
+                        "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip
     parser.add_argument("--route", choices=ROUTES, default="auto")
     parser.add_argument("--costs", type=costs_argument, default="online", metavar="FILE|online",
                         help="cost coefficients or calibration JSON for --route auto, or online (default): "
@@ -77,6 +80,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         n=args.n,
         seed=args.seed,
         logprobs=args.logprobs,
+        stop_strings=args.stop,
     )
     _check_sampling_flags(args)  # after the config's own range checks, which name a value more precisely
     job = GenerateJob(

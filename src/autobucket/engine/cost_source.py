@@ -122,7 +122,7 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> lis
     # Token ids do not change a dense model's timings; ids below 256 are ordinary tokens in any vocabulary
     # (and stay clear of the special ids that sit at the top of many).
     vocab = min(256, int(model.get_output_embeddings().weight.shape[0]))
-    sampling = SamplingConfig(max_new_tokens=6, continuous_batch_size=64, eos_token_id=[])
+    sampling = SamplingConfig(max_new_tokens=6, continuous_batch_size=64, eos_token_id=[], stop_strings=[])
     first = run("ordinary", random_prompts([32, 32], vocab, seed=1), sampling)
     forward_ms = sum(t.ms for t in first.timings if t.kind == PREFILL_FORWARD)
     unit = _probe_unit(forward_ms / 64, geometry.max_positions)

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from autobucket.config import SamplingConfig
+from autobucket.config import SamplingConfig, checked_stop_strings
 
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
 _SAMPLING_KEYS = (
     "max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p", "min_p", "typical_p",
-    "epsilon_cutoff", "eta_cutoff",
+    "epsilon_cutoff", "eta_cutoff", "stop_strings",
 )  # fmt: skip
 # HF sampling warpers autobucket's sampler does not implement: refused as overrides (a model's own value
 # is inert like every other sampling value of its generation_config).
@@ -57,7 +57,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "exponential_decay_length_penalty": _is_set,
     "guidance_scale": lambda v: v is not None and v != 1.0,
     "watermarking_config": _is_set,
-    "stop_strings": _is_set,
     "prompt_lookup_num_tokens": _is_set,
     "dola_layers": _is_set,
     "output_scores": _is_set,
@@ -77,6 +76,7 @@ class ResolvedGeneration:
     eos_token_ids: tuple[int, ...]  # empty: generate to the budget
     pad_token_id: int  # structural padding only; a generated token equal to it is kept
     repetition_penalty: float
+    stop_strings: tuple[str, ...]  # empty: none (HF's matching: `autobucket.engine.finished.StopStrings`)
     generation_config: Any  # the resolved transformers GenerationConfig (for the ordinary route)
 
 
@@ -102,7 +102,18 @@ def resolve_generation(
     config.eos_token_id = list(eos)  # [] (not None): HF would fill None from the model's config
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     config.pad_token_id = pad
-    return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, config)
+    stops = _stop_strings(sampling.stop_strings if sampling.stop_strings is not None else config.stop_strings)
+    config.stop_strings = None  # the ordinary route checks them itself, over each prompt's own ids
+    return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, stops, config)
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """The resolved stop strings as a tuple (HF accepts one string or a list; a model's own value is
+    checked like a caller's)."""
+    checked = checked_stop_strings("stop_strings", value)
+    if checked is None:
+        return ()
+    return (checked,) if isinstance(checked, str) else tuple(dict.fromkeys(checked))
 
 
 def _reject_sampling_overrides(overrides: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """The ordinary route: HF `generate` on left-padded batches of at most `continuous_batch_size` rows.
 
-Outputs are cut at each row's first EOS (inclusive): what HF writes after it is structural padding.
+Outputs are cut at each row's first EOS (inclusive), or at the token that completed a stop string: what
+HF writes after it is structural padding.
 A logits processor times the first forward of each `generate` call as prefill and each later step
 as decode, so the profile has the same breakdown as the CB routes; nothing is registered on the model."""
 
@@ -12,10 +13,10 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from autobucket.engine.batching.prefill import left_pad
-from autobucket.engine.finished import Finished, cut_at_eos
+from autobucket.engine.finished import Finished, StopStrings, cut_finished
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection, seen_in_left_padded
@@ -80,6 +81,24 @@ class _EngineSelection:
         return forced.scatter_(1, tokens[:, None], 0.0)
 
 
+class _RowStopStrings(StoppingCriteria):
+    """HF stopping criteria that end each row at its first completed stop string, matched over the row's own
+    prompt and generated ids (HF's own criteria would read the batch's left padding as part of the text),
+    remembering how many tokens each row had generated when it stopped."""
+
+    def __init__(self, stops: StopStrings, prompts: Sequence[Sequence[int]], width: int) -> None:
+        self.stops, self.prompts, self.width = stops, prompts, width
+        self.stop_lengths: list[int | None] = [None] * len(prompts)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        generated = input_ids[:, self.width :].tolist()
+        tails = [self.stops.tail(prompt, row) for prompt, row in zip(self.prompts, generated, strict=True)]
+        for row, (done, stopped) in enumerate(zip(self.stops.completed(tails), self.stop_lengths, strict=True)):
+            if done and stopped is None:
+                self.stop_lengths[row] = len(generated[row])
+        return torch.tensor([length is not None for length in self.stop_lengths], device=input_ids.device)
+
+
 @without_autograd
 def run_ordinary(
     model: torch.nn.Module,
@@ -90,18 +109,22 @@ def run_ordinary(
     continuous_batch_size: int,
     profile: Profile,
     timer: PhaseTimer,
+    stops: StopStrings | None = None,
 ) -> dict[tuple[int, int], Finished]:
     """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)."""
     items = [(p, s) for p in range(len(prompts)) for s in range(samples_per_prompt)]
     finished: dict[tuple[int, int], Finished] = {}
     for start in range(0, len(items), continuous_batch_size):
         batch = items[start : start + continuous_batch_size]
-        finished.update(zip(batch, _generate_batch(model, prompts, batch, generation, selection, profile, timer), strict=True))
+        results = _generate_batch(model, prompts, batch, generation, selection, profile, timer, stops)
+        finished.update(zip(batch, results, strict=True))
         profile.max_active_rows = max(profile.max_active_rows, len(batch))
     return finished
 
 
-def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selection: Selection, profile, timer):
+def _generate_batch(
+    model, prompts, items, generation: ResolvedGeneration, selection: Selection, profile, timer, stops: StopStrings | None
+):
     device = next(model.parameters()).device
     batch = [prompts[p] for p, _ in items]
     input_ids, attention_mask = left_pad(batch, generation.pad_token_id, device)
@@ -115,18 +138,21 @@ def _generate_batch(model, prompts, items, generation: ResolvedGeneration, selec
     # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
     exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
     clock = _StepClock(profile, timer, len(batch), width)
+    row_stops = _RowStopStrings(stops, batch, width) if stops is not None else None
     output = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
         generation_config=config,
         logits_processor=LogitsProcessorList([clock, selector] if selector else [clock]),
+        stopping_criteria=StoppingCriteriaList([row_stops] if row_stops else []),
         **exact,
     )
     eos = frozenset(generation.eos_token_ids)
     step_logprobs = torch.stack(selector.logprobs, dim=1).tolist() if selector and selector.logprobs else None
+    stop_lengths = row_stops.stop_lengths if row_stops is not None else [None] * len(batch)
     results = []
     for row, generated in enumerate(output[:, width:].tolist()):
-        tokens, reason = cut_at_eos(generated, eos, generation.max_new_tokens)
+        tokens, reason = cut_finished(generated, eos, generation.max_new_tokens, stop_lengths[row])
         logprobs = step_logprobs[row][: len(tokens)] if step_logprobs is not None else None
         results.append(Finished(tokens, reason, logprobs))
     return results

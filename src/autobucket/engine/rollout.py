@@ -20,7 +20,7 @@ import torch
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.cost_source import CostSource, RunRoute
-from autobucket.engine.finished import Finished
+from autobucket.engine.finished import Finished, StopStrings
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
@@ -72,6 +72,7 @@ class Rollout:
         self.packed_linears = _packed_linears_for(self.model, self.config)
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
+        self._stops: StopStrings | None = None  # the last call's stop strings, matched with the tokenizer
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
         warn_if_slow_bf16_gemm(parameter.dtype, self.config.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
 
@@ -99,6 +100,7 @@ class Rollout:
         started = time.perf_counter()
         sampling = sampling_or_default(sampling)
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
+        stops = self._stop_strings(generation.stop_strings)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.max_new_tokens, self.max_positions)
         if not token_prompts:
@@ -107,7 +109,7 @@ class Rollout:
         # Only the planning routes need coefficients: the others never trigger the online probe.
         costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
         prefix_cache, cleared = self._prefix_cache()
-        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache)
+        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
@@ -121,6 +123,7 @@ class Rollout:
         costs: CostCoefficients | None,
         started: float,
         prefix_cache: PrefixCache | None = None,
+        stops: StopStrings | None = None,
     ) -> RolloutResult:
         """One route on validated prompts: the engine-level runner both `generate` and the cost probe use
         (the probe without the prefix cache: its prompts are not the user's)."""
@@ -134,7 +137,7 @@ class Rollout:
         call = RouteCall(
             self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
-            prefix_cache=prefix_cache,
+            prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
         call = with_compile_decision(call)
         # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
@@ -164,6 +167,20 @@ class Rollout:
             profile.packs_made += packs.packs_made - made
             profile.pack_ms += packs.pack_ms - pack_ms
             profile.packed_weight_bytes = packs.nbytes
+
+    def _stop_strings(self, strings: tuple[str, ...]) -> StopStrings | None:
+        """The matcher for this call's stop strings (kept while the strings stay the same: building one
+        reads the tokenizer's whole vocabulary)."""
+        if not strings:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(
+                f"stop_strings={list(strings)!r} need the model's tokenizer to match text: create the Rollout "
+                "with it, Rollout(model, tokenizer, config), or pass stop_strings=[] to generate without them"
+            )
+        if self._stops is None or self._stops.strings != strings:
+            self._stops = StopStrings(self.tokenizer, strings)
+        return self._stops
 
     def _prefix_cache(self) -> tuple[PrefixCache | None, bool]:
         """The prefix cache at the weights' current version, and whether entries of other weights were cleared."""

@@ -9,6 +9,7 @@ import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batching.prefix_cache import PrefixCache
+from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import Selection
@@ -36,3 +37,4 @@ class RouteCall:
     max_positions: int | None
     compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
     prefix_cache: PrefixCache | None = None  # the Rollout's prefix cache, at this call's weights version
+    stops: StopStrings | None = None  # the call's stop strings, matched with the Rollout's tokenizer

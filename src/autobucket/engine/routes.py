@@ -68,7 +68,7 @@ ContinuationPolicy = Callable[[RouteCall, Sequence[int], Sequence[int]], list[li
 def ordinary_route(call: RouteCall) -> FinishedItems:
     return run_ordinary(
         call.model, call.prompts, call.generation, call.selection, call.sampling.n,
-        call.sampling.continuous_batch_size, call.profile, call.timer,
+        call.sampling.continuous_batch_size, call.profile, call.timer, call.stops,
     )  # fmt: skip
 
 
@@ -194,6 +194,7 @@ def run_continuous(
     batcher = ContinuousBatcher(
         runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
         call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
+        call.stops,
     )  # fmt: skip
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
     finished = batcher.run(call.prompts, call.sampling.n, admission_policy)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.finished import cut_at_eos
+from autobucket.engine.finished import cut_finished
 from autobucket.engine.generation_setup import eos_token_ids as as_eos_ids
 from autobucket.profile import PeakMemory, reset_peak_memory
 
@@ -45,7 +45,7 @@ def hf_generate_batch(
         inputs=[list(p) for p in prompts], generation_config=config, continuous_batching_config=sizing
     )
     ordered = sorted(outputs.values(), key=lambda out: int(str(out.request_id).rsplit("_", 1)[-1]))
-    return [cut_at_eos(list(out.generated_tokens), frozenset(eos), max_new_tokens)[0] for out in ordered]
+    return [cut_finished(list(out.generated_tokens), frozenset(eos), max_new_tokens)[0] for out in ordered]
 
 
 def hf_batch_contender(model: torch.nn.Module, max_new_tokens: int) -> Any:

@@ -198,6 +198,11 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     model, tokenizer = load_model(job.model, dtype=job.dtype, device=job.device, threads=job.threads,
                                   attn_implementation=job.attn_implementation, trust_remote_code=job.trust_remote_code)
     load_s = time.perf_counter() - started
+    if job.sampling.stop_strings and tokenizer is None:
+        raise ValueError(
+            f"--stop {job.sampling.stop_strings!r} needs a tokenizer to match text, and {job.model!r} has none: "
+            "use a model folder or HF id saved with its tokenizer, or drop --stop"
+        )
     rollout = Rollout(model, tokenizer, job.rollout)
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
     chunk = job.chunk_prompts or CHUNK_BATCHES * job.sampling.continuous_batch_size

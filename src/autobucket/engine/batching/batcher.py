@@ -10,8 +10,8 @@ shared logits, and the K/V is copied into one cache row per sample. When an admi
 middle of a prompt's samples, that prompt's prefill is kept (`self.retained`) for the next
 admission, so a prompt is never prefilled twice.
 
-The only host sync per decode step is reading the new tokens back (`tolist`); EOS and budget checks
-happen on those host integers."""
+The only host sync per decode step is reading the new tokens back (`tolist`); EOS, stop-string and
+budget checks happen on those host integers."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
 from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
-from autobucket.engine.finished import Finished
+from autobucket.engine.finished import Finished, StopStrings
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
 from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
@@ -71,8 +71,10 @@ class ContinuousBatcher:
         profile: Profile,
         timer: PhaseTimer,
         prefix: PrefixReuse | None = None,
+        stops: StopStrings | None = None,
     ) -> None:
         self.runner, self.selection, self.profile, self.timer = runner, selection, profile, timer
+        self.stops = stops
         # None: every prompt prefilled whole, nothing remembered
         self.prefix = PrefixAdmission(prefix, runner, profile, timer) if prefix is not None else None
         self.prompts: Sequence[Sequence[int]] = ()
@@ -154,14 +156,17 @@ class ContinuousBatcher:
             )
         tokens_host = tokens.tolist()
         logprobs_host = logprobs.tolist() if logprobs is not None else [None] * len(items)
+        rows = [
+            _Row(p, s, [token], None if logprob is None else [logprob])
+            for (p, s), token, logprob in zip(items, tokens_host, logprobs_host, strict=True)
+        ]
         keep = []
-        for b, ((p, s), token, logprob) in enumerate(zip(items, tokens_host, logprobs_host, strict=True)):
-            row = _Row(p, s, [token], None if logprob is None else [logprob])
-            if not self._finish_if_done(row):
+        for b, (row, stopped) in enumerate(zip(rows, self._completes_stop_string(rows), strict=True)):
+            if not self._finish_if_done(row, stopped):
                 keep.append((b, row))
             elif self.prefix is not None:  # its K/V is the prompt's own
-                length = len(prompts[p])
-                self.prefix.remember(prompts[p], lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
+                prompt, length = prompts[row.prompt], len(prompts[row.prompt])
+                self.prefix.remember(prompt, lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
         if keep:
             with self.timer.phase("cache_ms"):
                 self._insert(prompts, output, source_rows, tokens, seen, keep)
@@ -194,7 +199,10 @@ class ContinuousBatcher:
             logprobs_host = logprobs.tolist() if logprobs is not None else None
         self.profile.decode_forwards += 1
         self.runner.advance(tokens)
-        keep = [r for r, token in enumerate(tokens_host) if not self._append(r, token, logprobs_host)]
+        for r, token in enumerate(tokens_host):
+            self._append(r, token, logprobs_host)
+        stopped = self._completes_stop_string(self.rows)
+        keep = [r for r, row in enumerate(self.rows) if not self._finish_if_done(row, stopped[r])]
         if len(keep) < len(self.rows):
             with self.timer.phase("cache_ms"):
                 self._remember_finished(keep)
@@ -221,16 +229,23 @@ class ContinuousBatcher:
         rows = self.rows
         return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
 
-    def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> bool:
+    def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> None:
         row = self.rows[r]
         row.tokens.append(token)
         if logprobs_host is not None:
             row.logprobs.append(logprobs_host[r])
-        return self._finish_if_done(row)
 
-    def _finish_if_done(self, row: _Row) -> bool:
+    def _completes_stop_string(self, rows: Sequence[_Row]) -> list[bool]:
+        """Per row, whether its newest token completes a stop string (one batched match per step)."""
+        if self.stops is None:
+            return [False] * len(rows)
+        return self.stops.completed([self.stops.tail(self.prompts[row.prompt], row.tokens) for row in rows])
+
+    def _finish_if_done(self, row: _Row, stopped: bool) -> bool:
         if row.tokens[-1] in self.eos:
             reason = "eos"
+        elif stopped:
+            reason = "stop"
         elif len(row.tokens) >= self.max_new_tokens:
             reason = "length"
         else:

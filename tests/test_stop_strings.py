@@ -1,0 +1,273 @@
+"""Stop strings (`SamplingConfig(stop_strings=...)`) against HF `generate(stop_strings=..., tokenizer=...)`.
+
+The oracle is single-request HF `generate` with the same strings and tokenizer (transformers' own
+`StopStringCriteria`). The tokenizer is a real byte-level BPE, trained here on a seeded synthetic corpus to
+the tiny models' vocabulary size, so every id the models generate is a token with text. Each test picks
+its stop strings from what the model generates without them, so they do fire (asserted: a test whose
+strings never fire could not fail), one of them straddling the prompt's end and the first generated token
+(a matcher that reads only generated ids misses it: asserted too)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.finished import cut_finished
+
+pytestmark = pytest.mark.engine
+
+MAX_NEW = 24
+ROUTE_CASES = ("ordinary", "equal_width", "aligned", "auto")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer with exactly VOCAB ids (no network, the same merges every run)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnop<>/_"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(4000)]
+    corpus = [" ".join(words[start : start + 40]) for start in range(0, len(words), 40)]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert len(tokenizer) == VOCAB, "the corpus must yield a full vocabulary: change it"
+    return tokenizer
+
+
+def free_generation(model, prompts) -> list[list[int]]:
+    """Greedy tokens without EOS or stop strings (what the stop strings are picked from)."""
+    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(
+        prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[])
+    )
+    return result.tokens
+
+
+CLEAN = set("abcdefghijklmnop<>/_ ")  # the corpus' characters (a lone byte token decodes to U+FFFD)
+
+
+def clean_piece(text: str, start: int, length: int) -> str:
+    """The first run of `length` corpus characters in `text` at or after `start` (else before it)."""
+    for begin in [*range(start, len(text)), *range(start)]:
+        piece = text[begin : begin + length]
+        if len(piece) == length and set(piece) <= CLEAN:
+            return piece
+    raise AssertionError(f"no clean {length}-character piece in {text!r}: change the workload")
+
+
+def pick_stop_strings(tokenizer, prompts, generated) -> tuple[list[str], int, str]:
+    """Three strings from the free generation: two from the middle of prompts 1 and 3's text, and one that
+    straddles a prompt's last two characters and its first generated token's first (that prompt's index
+    and the string returned too)."""
+    texts = [tokenizer.decode(tokens) for tokens in generated]
+    middle = [clean_piece(texts[1], len(texts[1]) // 2, 4), clean_piece(texts[3], len(texts[3]) // 3, 3)]
+    for index, (prompt, tokens) in enumerate(zip(prompts, generated, strict=True)):
+        straddling = tokenizer.decode(prompt)[-2:] + tokenizer.decode(tokens[:1])[:1]
+        if set(straddling) <= CLEAN and index not in (1, 3):
+            return [*middle, straddling], index, straddling
+    raise AssertionError("no prompt's first token starts with a corpus character: change the workload")
+
+
+def oracle(model, tokenizer, prompt, stop_strings, max_new_tokens=MAX_NEW) -> tuple[list[int], str]:
+    """Single-request HF greedy generate with the stop strings: new tokens and why it ended."""
+    from transformers import StopStringCriteria
+
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0,
+            stop_strings=stop_strings, tokenizer=tokenizer,
+        )  # fmt: skip
+    stopped = bool(StopStringCriteria(tokenizer, stop_strings)(output, None)[0])
+    return output[0, len(prompt) :].tolist(), "stop" if stopped else "length"
+
+
+_CASES: dict[str, tuple] = {}
+
+
+def stop_case(model_name, tiny_models, tokenizer):
+    """(model, prompts, stop strings, (straddling prompt, string), oracle tokens, oracle reasons), once per model.
+
+    Prompt ids are merged tokens (past the 3 specials and 256 bytes), so their text is the corpus'."""
+    if model_name not in _CASES:
+        model = tiny_models(model_name)
+        rng = random.Random(11)
+        prompts = [[rng.randrange(259, VOCAB) for _ in range(length)] for length in (5, 17, 2, 30, 9, 23)]
+        strings, index, straddling = pick_stop_strings(tokenizer, prompts, free_generation(model, prompts))
+        pairs = [oracle(model, tokenizer, prompt, strings) for prompt in prompts]
+        case = (model, prompts, strings, (index, straddling), [t for t, _ in pairs], [r for _, r in pairs])
+        _CASES[model_name] = case
+    return _CASES[model_name]
+
+
+@pytest.mark.parametrize("route", ROUTE_CASES)
+@pytest.mark.parametrize("model_name", ARCHS)
+def test_stop_strings_end_each_request_where_hf_generate_does(tiny_models, tokenizer, model_name, route):
+    model, prompts, strings, straddling, expected, reasons = stop_case(model_name, tiny_models, tokenizer)
+    assert reasons.count("stop") >= 2 and "length" in reasons, f"the strings must fire for some prompts: {reasons}"
+    # the straddling string ends its prompt at once; read over generated text alone it is not there
+    index, string = straddling
+    assert reasons[index] == "stop" and string not in tokenizer.decode(expected[index]), (strings, expected[index])
+    rollout = Rollout(model, tokenizer, RolloutConfig(route=route))
+    result = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=strings))
+    assert result.tokens == expected
+    assert result.finish_reasons == reasons
+
+
+def test_a_stop_string_and_eos_each_end_requests(tiny_models, tokenizer):
+    """EOS and stop strings together: whichever comes first ends the request, on every route alike."""
+    model, prompts, strings, _, stop_tokens, stop_reasons = stop_case("tiny-qwen2", tiny_models, tokenizer)
+    # an EOS that the longest-running unstopped request emits before its budget
+    unstopped = [tokens for tokens, reason in zip(stop_tokens, stop_reasons, strict=True) if reason == "length"][0]
+    eos = unstopped[MAX_NEW // 2]
+    expected = [cut_finished(tokens, frozenset([eos]), MAX_NEW, len(tokens) if reason == "stop" else None)
+                for tokens, reason in zip(stop_tokens, stop_reasons, strict=True)]  # fmt: skip
+    assert "eos" in [reason for _, reason in expected] and "stop" in [reason for _, reason in expected]
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, stop_strings=strings)
+    for route in ROUTE_CASES:
+        result = Rollout(model, tokenizer, RolloutConfig(route=route)).generate(prompts, sampling)
+        assert (result.tokens, result.finish_reasons) == ([t for t, _ in expected], [r for _, r in expected]), route
+
+
+def first_completion(tokenizer, strings, prompt, generated) -> int | None:
+    """How many generated tokens it takes to complete a stop string: HF's criteria on each whole sequence."""
+    from transformers import StopStringCriteria
+
+    criteria = StopStringCriteria(tokenizer, strings)
+    for length in range(1, len(generated) + 1):
+        if criteria(torch.tensor([[*prompt, *generated[:length]]]), None)[0]:
+            return length
+    return None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        RolloutConfig(route="auto"),
+        RolloutConfig(route="bucketed", prefill_max_tokens=16),  # chunked prefill
+        RolloutConfig(route="auto", kernels="invariant", prefix_cache_mb=16),
+        RolloutConfig(route="ordinary"),
+    ],
+    ids=["auto", "chunked", "invariant-prefix-cache", "ordinary"],
+)
+def test_sampled_requests_stop_at_their_first_completed_string(tiny_models, tokenizer, config):
+    """n samples, refill (fewer rows than samples), sampled streams: each sample is its unstopped
+    stream cut where HF's criteria first fire on the whole sequence."""
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts([7, 19, 3, 26], seed=5)
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], temperature=1.0, n=3, seed=7,
+                              continuous_batch_size=5, logprobs=True)  # fmt: skip
+    free = Rollout(model, config=dataclasses.replace(config, prefix_cache_mb=0.0)).generate(prompts, sampling)
+    flat = [(p, sample) for p, samples in enumerate(free.tokens) for sample in samples]
+    strings = [clean_piece(tokenizer.decode(flat[4][1]), 30, 3), clean_piece(tokenizer.decode(flat[9][1]), 40, 2)]
+    expected = []
+    for p, sample in flat:
+        length = first_completion(tokenizer, strings, prompts[p], sample)
+        expected.append((sample[:length], "stop") if length is not None else (sample, "length"))
+    assert sum(reason == "stop" for _, reason in expected) >= 2, "the strings must fire for some samples"
+    rollout = Rollout(model, tokenizer, config)
+    for _ in range(2):  # the second call reads the prefix cache where it is on
+        result = rollout.generate(prompts, dataclasses.replace(sampling, stop_strings=strings))
+        pairs = zip(result.tokens, result.finish_reasons, strict=True)
+        got = [(t, r) for ts, rs in pairs for t, r in zip(ts, rs, strict=True)]
+        assert got == expected
+        free_logprobs = [lp for lps in free.logprobs for lp in lps]
+        kept = [value for lps, (t, _) in zip(free_logprobs, expected, strict=True) for value in lps[: len(t)]]
+        got_logprobs = [value for lps in result.logprobs for sample in lps for value in sample]
+        if config.kernels == "invariant":  # the same bits whatever else is in the batch
+            assert got_logprobs == kept
+        else:  # the default kernels' GEMMs may round differently in another batch
+            assert torch.allclose(torch.tensor(got_logprobs), torch.tensor(kept), atol=1e-4)
+
+
+def test_the_models_own_stop_strings_apply_and_empty_list_turns_them_off(tiny_models, tokenizer):
+    model, prompts, strings, _, expected, reasons = stop_case("tiny-llama", tiny_models, tokenizer)
+    model = copy.deepcopy(model)  # the shared model stays as built
+    model.generation_config.stop_strings = strings
+    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned"))
+    own = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[]))
+    assert (own.tokens, own.finish_reasons) == (expected, reasons)
+    off = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=[]))
+    assert off.finish_reasons == ["length"] * len(prompts)
+
+
+def test_cut_finished_orders_eos_before_stop_before_length():
+    assert cut_finished([5, 6, 7, 8], frozenset([6]), 10, stop_length=2) == ([5, 6], "eos")
+    assert cut_finished([5, 6, 7, 8], frozenset([7]), 10, stop_length=2) == ([5, 6], "stop")
+    assert cut_finished([5, 6, 7, 8], frozenset(), 3, stop_length=4) == ([5, 6, 7], "length")
+    assert cut_finished([5, 6, 7, 8], frozenset(), 3, stop_length=3) == ([5, 6, 7], "stop")
+    assert cut_finished([5, 6, 7, 8], frozenset(), 4) == ([5, 6, 7, 8], "length")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "stop_strings='' is invalid: pass a non-empty string"),
+        ([""], r"stop_strings=\[''\] is invalid"),
+        ([3], r"stop_strings=\[3\] is invalid"),
+        (7, "stop_strings=7 is invalid"),
+    ],
+)
+def test_bad_stop_strings_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(stop_strings=value)
+
+
+def test_stop_strings_need_a_tokenizer_and_are_not_an_override(tiny_models, tokenizer):
+    model = tiny_models("tiny-llama")
+    prompts = random_prompts([4, 6], seed=1)
+    without_tokenizer = Rollout(model, config=RolloutConfig(route="aligned"))
+    with pytest.raises(ValueError, match=r"stop_strings=\['ab'\] need the model's tokenizer .*Rollout\(model, tokenizer"):
+        without_tokenizer.generate(prompts, SamplingConfig(stop_strings=["ab"]))
+    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned"))
+    with pytest.raises(ValueError, match=r"pass sampling=SamplingConfig\(stop_strings=\['ab'\]\) instead"):
+        rollout.generate(prompts, SamplingConfig(), stop_strings=["ab"])
+    # both still generate afterwards, as before the refused calls
+    assert without_tokenizer.generate(prompts).tokens == rollout.generate(prompts).tokens
+    assert SamplingConfig(stop_strings=("a", "b")).stop_strings == ["a", "b"]
+
+
+def test_cli_stop_flags_end_completions_as_the_api_does(tiny_models, tokenizer, tmp_path, capsys):
+    import json
+
+    from autobucket.cli import main
+    from autobucket.models import build_tiny_model, load_model
+
+    _, prompts, strings, _, _, reasons = stop_case("tiny-llama", tiny_models, tokenizer)
+    folder = tmp_path / "model"
+    build_tiny_model("tiny-llama").save_pretrained(folder)  # a fresh copy: saving changes a model's config
+    tokenizer.save_pretrained(folder)
+    capsys.readouterr()  # what saving logged (DeepSpeed's accelerator line, when installed) is not the command's
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    flags = [flag for string in strings for flag in ("--stop", string)]
+    argv = ["generate", "--model", str(folder), "--prompts", str(path), "--max-new-tokens", str(MAX_NEW),
+            "--route", "aligned", "--quiet"]  # fmt: skip
+    assert main([*argv, *flags]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, loaded_tokenizer = load_model(str(folder))
+    expected = Rollout(model, loaded_tokenizer, RolloutConfig(route="aligned")).generate(
+        prompts, SamplingConfig(max_new_tokens=MAX_NEW, stop_strings=strings)
+    )
+    assert [(row["tokens"], row["finish_reason"]) for row in rows] == list(
+        zip(expected.tokens, expected.finish_reasons, strict=True)
+    )
+    assert "stop" in expected.finish_reasons
+    # a model without a tokenizer cannot match text: named before any generation
+    assert main(["generate", "--model", "tiny-llama", "--prompts", str(path), "--stop", "ab", "--quiet"]) == 2
+    assert "--stop ['ab'] needs a tokenizer to match text, and 'tiny-llama' has none" in capsys.readouterr().err
