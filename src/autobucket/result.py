@@ -16,7 +16,7 @@ class RolloutResult:
     `finish_reasons` and `logprobs` is a list of k samples (`tokens[prompt][sample]` is a token list)."""
 
     tokens: list  # generated ids per prompt (or per prompt per sample), through the first EOS inclusive
-    finish_reasons: list  # "eos" | "length", same nesting as tokens
+    finish_reasons: list  # "eos" | "stop" (a stop string) | "length", same nesting as tokens
     route: str  # the route that ran ("ordinary", "equal_width", "aligned"; auto: "ordinary" | "bucketed")
     profile: Profile = field(default_factory=Profile)
     logprobs: list | None = None  # log-probability of each generated token (SamplingConfig(logprobs=True))
