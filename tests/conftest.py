@@ -7,6 +7,7 @@ the many route tests that share a workload pay for `generate` once.
 
 from __future__ import annotations
 
+import functools
 import random
 import weakref
 from collections.abc import Sequence
@@ -187,6 +188,30 @@ def random_prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
     """Prompts of the given lengths with token ids drawn from [3, vocab) (0-2 are pad/bos/eos ids)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for length in lengths]
+
+
+@functools.cache
+def byte_bpe_tokenizer():
+    """A byte-level BPE tokenizer with exactly VOCAB ids, trained on a seeded synthetic corpus of the letters
+    a-p and `<>/_` (no network, the same merges every run): every id a tiny model generates has text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnop<>/_"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(4000)]
+    corpus = [" ".join(words[start : start + 40]) for start in range(0, len(words), 40)]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert len(tokenizer) == VOCAB, "the corpus must yield a full vocabulary: change it"
+    return tokenizer
 
 
 def _eos_tuple(model, eos_token_id) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from conftest import VOCAB, firing_eos_candidates  # noqa: E402
+from conftest import VOCAB, byte_bpe_tokenizer, firing_eos_candidates  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -101,9 +101,10 @@ def recording(trainer_cls):
 
 
 def run_grpo(
-    trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, dtype=torch.float32, **trainer_kwargs
+    trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, dtype=torch.float32,
+    tokenizer=None, **trainer_kwargs,
 ) -> Run:
-    model, tokenizer = build_tiny_model("tiny-qwen2").to(dtype), word_tokenizer(eos_id)
+    model, tokenizer = build_tiny_model("tiny-qwen2").to(dtype), tokenizer or word_tokenizer(eos_id)
     completions: list = []
 
     def toy_reward(completion_ids, **kwargs):  # also records what TRL scored
@@ -269,6 +270,39 @@ def test_generation_kwargs_warpers_map_to_sampling_config(tmp_path, eos_id):
     inert = GenerationConfig(do_sample=True, max_new_tokens=4, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=1.0)
     sampling = sampling_from_generation_config(inert, [eos_id])
     assert (sampling.min_p, sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_generation_kwargs_stop_strings_end_completions_as_the_rollout_does(tmp_path):
+    """generation_kwargs={"stop_strings": [...]} (which the stock trainer's transformers path cannot run: it
+    passes generate no tokenizer) end completions where `Rollout.generate` with the same strings does, matched
+    with the trainer's tokenizer; the strings fire (else the comparison could not fail)."""
+    from autobucket import Rollout, SamplingConfig
+
+    tokenizer = byte_bpe_tokenizer()
+    rng = random.Random(3)
+    texts = [tokenizer.decode([rng.randrange(259, VOCAB) for _ in range(n)]) for n in (12, 5, 30, 8)]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    free = Rollout(build_tiny_model("tiny-qwen2"), tokenizer).generate(
+        prompts, SamplingConfig(max_new_tokens=MAX_COMPLETION, eos_token_id=[tokenizer.eos_token_id])
+    )
+    strings = [piece for tokens in free.tokens[:3] if (piece := clean_text(tokenizer.decode(tokens[3:]))[:2])]
+    expected = Rollout(build_tiny_model("tiny-qwen2"), tokenizer).generate(
+        prompts,
+        SamplingConfig(max_new_tokens=MAX_COMPLETION, eos_token_id=[tokenizer.eos_token_id], stop_strings=strings),
+    )
+    assert expected.finish_reasons.count("stop") >= 2, (strings, expected.finish_reasons)
+    run = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, tokenizer.eos_token_id, texts=texts, tokenizer=tokenizer,
+        config_overrides={"generation_kwargs": {"do_sample": False, "stop_strings": strings}, "max_steps": 1},
+    )  # fmt: skip
+    assert run.completions[0] == [tokens for tokens in expected.tokens for _ in range(NUM_GENERATIONS)]
+
+
+def clean_text(text: str) -> str:
+    """`text` from its first run of corpus letters on (a lone byte token decodes to U+FFFD)."""
+    start = next((i for i, ch in enumerate(text) if ch in "abcdefghijklmnop"), len(text))
+    end = next((i for i in range(start, len(text)) if text[i] not in "abcdefghijklmnop"), len(text))
+    return text[start:end]
 
 
 # ------------------------------------------------------------------ bad input

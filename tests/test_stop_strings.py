@@ -1,8 +1,8 @@
 """Stop strings (`SamplingConfig(stop_strings=...)`) against HF `generate(stop_strings=..., tokenizer=...)`.
 
 The oracle is single-request HF `generate` with the same strings and tokenizer (transformers' own
-`StopStringCriteria`). The tokenizer is a real byte-level BPE, trained here on a seeded synthetic corpus to
-the tiny models' vocabulary size, so every id the models generate is a token with text. Each test picks
+`StopStringCriteria`). The tokenizer is a real byte-level BPE (`conftest.byte_bpe_tokenizer`), so every id
+the models generate is a token with text. Each test picks
 its stop strings from what the model generates without them, so they do fire (asserted: a test whose
 strings never fire could not fail), one of them straddling the prompt's end and the first generated token
 (a matcher that reads only generated ids misses it: asserted too)."""
@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, random_prompts
+from conftest import ARCHS, VOCAB, byte_bpe_tokenizer, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.finished import cut_finished
@@ -28,25 +28,7 @@ ROUTE_CASES = ("ordinary", "equal_width", "aligned", "auto")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE tokenizer with exactly VOCAB ids (no network, the same merges every run)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    letters = "abcdefghijklmnop<>/_"
-    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(4000)]
-    corpus = [" ".join(words[start : start + 40]) for start in range(0, len(words), 40)]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    core.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    assert len(tokenizer) == VOCAB, "the corpus must yield a full vocabulary: change it"
-    return tokenizer
+    return byte_bpe_tokenizer()
 
 
 def free_generation(model, prompts) -> list[list[int]]:

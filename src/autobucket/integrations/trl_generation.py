@@ -78,6 +78,8 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         max_new_tokens=max_new_tokens,
         repetition_penalty=1.0 if penalty is None else float(penalty),
         eos_token_id=[int(token) for token in eos_token_ids],
+        # generation_kwargs={"stop_strings": [...]}: matched with the trainer's tokenizer (`_rollout_for`)
+        stop_strings=getattr(generation_config, "stop_strings", None) or [],
         **_warping(generation_config),
     )
 
@@ -198,7 +200,9 @@ def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
     read live, so a training step needs no rebuild; a costs file is loaded once)."""
     cached = getattr(trainer, "_autobucket_rollout", None)
     if cached is None or cached[0] is not model or cached[1] is not config:
-        cached = (model, config, Rollout(model, None, config))
+        # the tokenizer only matches stop strings: prompts reach the Rollout as ids
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        cached = (model, config, Rollout(model, tokenizer, config))
         trainer._autobucket_rollout = cached
     return cached[2]
 
