@@ -253,3 +253,24 @@ def test_cli_stop_flags_end_completions_as_the_api_does(tiny_models, tokenizer, 
     # a model without a tokenizer cannot match text: named before any generation
     assert main(["generate", "--model", "tiny-llama", "--prompts", str(path), "--stop", "ab", "--quiet"]) == 2
     assert "--stop ['ab'] needs a tokenizer to match text, and 'tiny-llama' has none" in capsys.readouterr().err
+
+
+def test_only_rows_whose_last_token_can_end_a_string_are_matched_and_nothing_is_missed(tokenizer):
+    """The matcher skips sequences whose last token holds no string's last character; over random tails and
+    tails built to end each string (text tokenized whole, so tokens overhang it), it answers exactly what
+    matching every sequence answers, and the skip is real (most ids cannot end these strings)."""
+    from autobucket.engine.finished import StopStrings
+
+    stops = StopStrings(tokenizer, ["ab", "</c", "p_o>"])
+    assert stops.enders is not None and 0 < len(stops.enders) < VOCAB // 2
+    rng = random.Random(2)
+    sequences = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3000)]
+    for string in stops.strings:
+        for prefix in ("", "k", "gh ", "/"):
+            for suffix in ("", "d", "> e"):
+                sequences.append(tokenizer(prefix + string + suffix)["input_ids"])
+    unfiltered = copy.copy(stops)
+    unfiltered.enders = None
+    expected = unfiltered.completed(sequences)
+    assert sum(expected) >= 10, "the built tails must end strings, else the comparison is empty"
+    assert stops.completed(sequences) == expected

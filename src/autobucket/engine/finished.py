@@ -34,21 +34,42 @@ class StopStrings:
         self.strings = tuple(strings)
         self.criteria = StopStringCriteria(tokenizer, list(self.strings))
         self.window = self.criteria.maximum_token_len  # a token holds at least one character
+        self.enders = _tokens_that_can_end_a_string(self.criteria)
 
     def completed(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
         """Per sequence (prompt ids then generated ids, or any tail of them at least `window` long):
-        whether its last token completes one of the strings."""
-        if not sequences:
-            return []
+        whether its last token completes one of the strings. Only sequences whose last token can end a
+        string are matched (one batched call); on most steps that is none or few of the rows."""
+        done = [False] * len(sequences)
+        candidates = [i for i, s in enumerate(sequences) if self.enders is None or s[-1] in self.enders]
+        if not candidates:
+            return done
         window = self.window
-        rows = [[_MATCHES_NOTHING] * (window - len(tail)) + list(tail) for tail in (s[-window:] for s in sequences)]
-        return self.criteria(torch.tensor(rows, dtype=torch.long), None).tolist()
+        tails = (sequences[i][-window:] for i in candidates)
+        rows = [[_MATCHES_NOTHING] * (window - len(tail)) + list(tail) for tail in tails]
+        for i, matched in zip(candidates, self.criteria(torch.tensor(rows, dtype=torch.long), None).tolist(), strict=True):
+            done[i] = matched
+        return done
 
     def tail(self, prompt: Sequence[int], generated: Sequence[int]) -> list[int]:
         """The last `window` ids of prompt + generated: all that `completed` reads of a request."""
         if len(generated) >= self.window:
             return list(generated[-self.window :])
         return [*prompt[-(self.window - len(generated)) :], *generated]
+
+
+def _tokens_that_can_end_a_string(criteria: Any) -> frozenset[int] | None:
+    """The ids whose text can hold a stop string's last character (HF's table of each token's "end
+    overlaps"): a sequence whose last token is not one of them completes no string. None (match every
+    sequence) where this transformers lays the table out otherwise than 4.57-5.x do."""
+    table = getattr(criteria, "embedding_vec", None)
+    positions, strings = getattr(criteria, "max_valid_positions", None), getattr(criteria, "num_stop_strings", None)
+    if not isinstance(table, torch.Tensor) or not isinstance(positions, int) or not isinstance(strings, int):
+        return None
+    # columns: each string's valid positions, then each string's end-overlap lengths, then the token's length;
+    # the last row is the entry for ids past the table, which matches nothing
+    end_lengths = table[:-1, positions * strings : -1]
+    return frozenset(torch.nonzero((end_lengths > 0).any(dim=1)).flatten().tolist())
 
 
 def cut_finished(
