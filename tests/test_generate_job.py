@@ -215,6 +215,7 @@ def test_cli_sampling_flags_reach_the_rows(tiny_models, tmp_path, capsys, single
     ("--top-k", "5", "--top-k 5 only apply when sampling, and --temperature is 0"),
     ("--top-p", "0.9", "--top-p 0.9 only apply when sampling"),
     ("--n", "4", "--n 4 only apply when sampling"),
+    ("--stop", "", "--stop [''] is invalid: give each --stop some text"),
 ])  # fmt: skip
 def test_bad_sampling_flags_are_named(tmp_path, capsys, flag, value, message):
     path = tmp_path / "prompts.jsonl"

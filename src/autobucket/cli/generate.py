@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
-    parser.add_argument("--stop", action="append", metavar="TEXT",
+    parser.add_argument("--stop", dest="stop_strings", action="append", metavar="TEXT",
                         help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
                         "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip
     parser.add_argument("--route", choices=ROUTES, default="auto")
@@ -61,7 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
-    phrases = {"runs kernels='hf'": "runs --kernels hf", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs"}
+    phrases = {"runs kernels='hf'": "runs --kernels hf", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs",
+               "pass a non-empty string, a list of them ([] disables stop strings), or None for the model's generation "
+               "config": "give each --stop some text"}  # fmt: skip
     finish_parser(parser, _run_generate, phrases=phrases)
 
 
@@ -80,7 +82,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         n=args.n,
         seed=args.seed,
         logprobs=args.logprobs,
-        stop_strings=args.stop,
+        stop_strings=args.stop_strings,
     )
     _check_sampling_flags(args)  # after the config's own range checks, which name a value more precisely
     job = GenerateJob(
