@@ -54,8 +54,9 @@ logps = autobucket.trainer_logprobs(logits[:, prompt_width - 1 : -1], ids[:, pro
 # Multi-turn: the prefix cache.
 rollout = Rollout(model, tokenizer, RolloutConfig(prefix_cache_mb=1024))
 conversations = [[1, 9690, 198, 2683], [1, 9690, 198, 4093]]
-first = rollout.generate(conversations, SamplingConfig(max_new_tokens=64))
+turn = SamplingConfig(max_new_tokens=64, stop_strings=["</tool_call>"])
+first = rollout.generate(conversations, turn)
 tool_ids = [[28, 1421], [28, 310, 77]]
 conversations = [c + t + x for c, t, x in zip(conversations, first.tokens, tool_ids, strict=True)]
-second = rollout.generate(conversations, SamplingConfig(max_new_tokens=64))
+second = rollout.generate(conversations, turn)
 cached: int = second.profile.cached_prompt_tokens
