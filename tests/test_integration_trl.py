@@ -9,6 +9,7 @@ trainer seed must change the sampled completions (negative control for the sampl
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -319,6 +320,29 @@ def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
             args=grpo_config(tmp_path, greedy=False, min_p=1.5),
             train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
         )
+
+
+@pytest.mark.parametrize(
+    "option", [{"no_repeat_ngram_size": 2}, {"min_new_tokens": 3}, {"suppress_tokens": [5]}, {"bad_words_ids": [[7]]}]
+)
+def test_generation_kwargs_autobucket_cannot_apply_are_refused_not_ignored(tmp_path, eos_id, option):
+    """The stock trainer's `generate` applies these; generating without them would silently give other
+    completions (each ran, ignored, before), so both ways in refuse them by name."""
+    (name, value), = option.items()
+    config = grpo_config(tmp_path, greedy=True, generation_kwargs={"do_sample": False, **option})
+    message = rf"generation option {name}={re.escape(repr(value))} \(GRPOConfig.generation_kwargs\) is not supported"
+    with pytest.raises(ValueError, match=message):
+        AutobucketGRPOTrainer(
+            model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0], args=config,
+            train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+        )  # fmt: skip
+    stock = GRPOTrainer(
+        model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0] * len(kw["completion_ids"]), args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+        rollout_func=make_rollout_func(RolloutConfig(route="aligned")),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        stock.train()
 
 
 def test_vllm_mode_is_rejected(tmp_path, eos_id):

@@ -136,14 +136,23 @@ def _reject_sampling_overrides(overrides: dict[str, Any]) -> None:
             )
 
 
-def _reject_unsupported(config: Any) -> None:
+def unsupported_options(config: Any) -> list[tuple[str, Any]]:
+    """(option, value) for every option of a transformers GenerationConfig that is active and that no route
+    can honour (a trainer adapter checks its trainer's config with this too)."""
+    found = []
     for option, is_active in _UNSUPPORTED.items():
         value = getattr(config, option, None)
         if is_active(value):
-            raise ValueError(
-                f"generation option {option}={value!r} (from the model's generation_config or your overrides) "
-                f"is not supported by autobucket; unset it (e.g. {option}=None) to generate"
-            )
+            found.append((option, value))
+    return found
+
+
+def _reject_unsupported(config: Any) -> None:
+    for option, value in unsupported_options(config)[:1]:
+        raise ValueError(
+            f"generation option {option}={value!r} (from the model's generation_config or your overrides) "
+            f"is not supported by autobucket; unset it (e.g. {option}=None) to generate"
+        )
 
 
 def eos_token_ids(value: Any) -> tuple[int, ...]:
