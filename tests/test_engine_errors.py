@@ -141,6 +141,7 @@ UNSUPPORTED = [
     ("min_new_tokens", 2),
     ("output_scores", True),
     ("return_dict_in_generate", True),
+    ("token_healing", True),  # HF rewrites the prompt's last tokens: generating without it would differ
 ]
 
 
@@ -172,6 +173,8 @@ def test_unsupported_option_in_the_models_generation_config_is_rejected(model, m
         ({"temperature": 0.5}, "'temperature' must be set in SamplingConfig"),
         ({"eos_token_id": 3}, "'eos_token_id' must be set in SamplingConfig"),
         ({"repetition_penalty": 1.2}, "'repetition_penalty' must be set in SamplingConfig"),
+        # HF lets max_new_tokens win over max_length: as an override it would do nothing
+        ({"max_length": 5}, r"max_length=5 is not an override here: the budget is SamplingConfig\(max_new_tokens"),
     ],
 )
 def test_bad_generate_overrides_are_rejected(model, overrides, message):

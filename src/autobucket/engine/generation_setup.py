@@ -58,6 +58,7 @@ _UNSUPPORTED: dict[str, Any] = {
     "guidance_scale": lambda v: v is not None and v != 1.0,
     "watermarking_config": _is_set,
     "prompt_lookup_num_tokens": _is_set,
+    "token_healing": _is_set,  # rewrites the prompt's last tokens before generating
     "dola_layers": _is_set,
     "output_scores": _is_set,
     "output_logits": _is_set,
@@ -121,6 +122,11 @@ def _reject_sampling_overrides(overrides: dict[str, Any]) -> None:
         raise ValueError(
             "do_sample=True is not an override here: sample with SamplingConfig(temperature>0, top_k, top_p, "
             "min_p, typical_p, epsilon_cutoff, eta_cutoff, seed)"
+        )
+    if "max_length" in overrides:  # HF lets max_new_tokens, always set here, win: it would be ignored
+        raise ValueError(
+            f"generate option max_length={overrides['max_length']!r} is not an override here: the budget is "
+            "SamplingConfig(max_new_tokens=...), the new tokens per request"
         )
     for key in _SAMPLING_KEYS:
         if key in overrides:
