@@ -16,6 +16,7 @@ from conftest import assert_matches_oracle, oracle_batch, random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.store import (
     RANK_ENV,
+    entry_path,
     load_entry,
     persist_entry,
     save_entry,
@@ -178,3 +179,23 @@ def test_host_cpu_names_the_kind_not_only_the_model_name():
         assert described.startswith(f"{field['model name']} family {field['cpu family']} model {field['model']}")
         assert ("avx512f" in described) == ("avx512f" in field["flags"].split())
     assert described == host_cpu()
+
+
+def test_a_stale_entry_is_read_and_reported_once_by_a_fixed_route_not_every_call(model, cache, monkeypatch):
+    """An entry an older autobucket learned (same key, another source fingerprint) is ignored; a fixed route
+    never probes or rewrites it, and used to re-read it and warn on every call (twice a call)."""
+    import autobucket.engine.cost_source as cost_source
+
+    older = {**store_metadata(model), "source_fingerprint": "an older autobucket"}
+    stale = save_entry(older, CostCoefficients(), [], "online")
+    assert stale == entry_path(store_metadata(model))  # the same key: this entry is what a new call finds
+    reads = []
+    monkeypatch.setattr(cost_source, "load_entry", lambda metadata: reads.append(metadata) or load_entry(metadata))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate_exactly(model, RolloutConfig(route="aligned"), calls=3)
+    assert len(reads) == 1
+    assert [str(w.message) for w in caught if "ignoring the learned cost entry" in str(w.message)] == [
+        f"ignoring the learned cost entry {str(stale)!r}: stale or for another setup (source_fingerprint "
+        f"'an older autobucket' != {store_metadata(model)['source_fingerprint']!r})"
+    ]

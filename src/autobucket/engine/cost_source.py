@@ -64,6 +64,7 @@ class CostSource:
         else:
             self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
         self.metadata = store_metadata(model, config.kernels) if self.online else {}
+        self._entry_read = False  # whether the stored entry (if persisting) was looked up
         self._refit_ms = 0.0  # what the last refit took (0: the next call refits)
         self._since_refit_ms = 0.0  # measured ms of the calls since then
 
@@ -76,7 +77,10 @@ class CostSource:
         return None if self.learner is None else self.learner.costs
 
     def _start(self, run: RunRoute | None) -> None:
-        entry = load_entry(self.metadata) if self.persist else None
+        # The stored entry is read once: a fixed route's calls never probe, so they would otherwise read
+        # (and, for a stale entry, warn about) the same file on every call.
+        entry = load_entry(self.metadata) if self.persist and not self._entry_read else None
+        self._entry_read = True
         if entry is not None:
             costs, observations, _ = entry
             self.learner, self.source = OnlineCosts(costs, self.geometry, observations), "stored"
