@@ -345,6 +345,18 @@ def test_generation_kwargs_autobucket_cannot_apply_are_refused_not_ignored(tmp_p
         stock.train()
 
 
+def test_an_eos_override_in_generation_kwargs_is_refused(tmp_path, eos_id):
+    """The stock trainer stops at generation_kwargs' eos_token_id but masks completions by its own EOS ids
+    (the model's and the tokenizer's), so a completion that stops there runs on as padding; autobucket
+    generated past it instead (silently other completions): now refused, naming where the EOS belongs."""
+    config = grpo_config(tmp_path, greedy=True, generation_kwargs={"do_sample": False, "eos_token_id": 900})
+    with pytest.raises(ValueError, match=r"eos_token_id=900 .* differs from the trainer's eos_token_ids"):
+        AutobucketGRPOTrainer(
+            model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0], args=config,
+            train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+        )  # fmt: skip
+
+
 def test_vllm_mode_is_rejected(tmp_path, eos_id):
     with pytest.raises(ValueError, match="use_vllm=True is not supported"):
         AutobucketGRPOTrainer(

@@ -78,6 +78,7 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
             f"generation option {option}={value!r} (GRPOConfig.generation_kwargs) is not supported by autobucket: "
             "remove it from generation_kwargs, or use the stock GRPOTrainer"
         )
+    _check_eos_agrees(generation_config, eos_token_ids)
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         raise ValueError("max_completion_length=None is not supported by autobucket: set a completion budget")
@@ -90,6 +91,21 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         stop_strings=getattr(generation_config, "stop_strings", None) or [],
         **_warping(generation_config),
     )
+
+
+def _check_eos_agrees(generation_config: Any, eos_token_ids: Sequence[int]) -> None:
+    """TRL stops generation at its GenerationConfig's EOS ids but masks completions with `eos_token_ids`;
+    they are the same list unless generation_kwargs overrides eos_token_id, and then the stock trainer's
+    completions run on past their end as padding, which autobucket cannot reproduce: refused."""
+    stop_ids = generation_config.eos_token_id
+    if stop_ids is None:  # a config without EOS ids (not TRL's own): the trainer's apply
+        return
+    if sorted([stop_ids] if isinstance(stop_ids, int) else stop_ids) != sorted(eos_token_ids):
+        raise ValueError(
+            f"generation option eos_token_id={generation_config.eos_token_id!r} (GRPOConfig.generation_kwargs) "
+            f"differs from the trainer's eos_token_ids {list(eos_token_ids)}, which TRL masks completions with: "
+            "remove it from generation_kwargs and set the model's generation_config.eos_token_id instead"
+        )
 
 
 def _warping(generation_config: Any) -> dict[str, Any]:
