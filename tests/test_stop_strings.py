@@ -274,3 +274,21 @@ def test_only_rows_whose_last_token_can_end_a_string_are_matched_and_nothing_is_
     expected = unfiltered.completed(sequences)
     assert sum(expected) >= 10, "the built tails must end strings, else the comparison is empty"
     assert stops.completed(sequences) == expected
+
+
+def test_a_tokenizer_stop_strings_cannot_use_is_named_and_the_rollout_goes_on(tiny_models):
+    """A word-level tokenizer (its vocabulary has no byte or piece text HF can read) fails inside transformers
+    with "substring not found": the error names the strings, the tokenizer and the fix instead."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<pad>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+    rollout = Rollout(tiny_models("tiny-llama"), words, RolloutConfig(route="aligned"))
+    prompts = random_prompts([4, 6], seed=1)
+    message = r"stop_strings=\['w12'\] cannot be matched with this \w+ \(transformers' StopStringCriteria: .+\): use"
+    with pytest.raises(ValueError, match=message):
+        rollout.generate(prompts, SamplingConfig(stop_strings=["w12"]))
+    plain = Rollout(tiny_models("tiny-llama"), config=RolloutConfig(route="aligned")).generate(prompts)
+    assert rollout.generate(prompts).tokens == plain.tokens

@@ -32,7 +32,14 @@ class StopStrings:
         from transformers import StopStringCriteria
 
         self.strings = tuple(strings)
-        self.criteria = StopStringCriteria(tokenizer, list(self.strings))
+        try:
+            self.criteria = StopStringCriteria(tokenizer, list(self.strings))
+        except ValueError as exc:  # transformers' own words are terse ("substring not found")
+            raise ValueError(
+                f"stop_strings={list(self.strings)!r} cannot be matched with this {type(tokenizer).__name__} "
+                f"(transformers' StopStringCriteria: {exc}): use the model's own text tokenizer, or end requests "
+                "with token ids (eos_token_id)"
+            ) from exc
         self.window = self.criteria.maximum_token_len  # a token holds at least one character
         self.enders = _tokens_that_can_end_a_string(self.criteria)
 
