@@ -18,6 +18,7 @@ import torch
 from conftest import ARCHS, VOCAB, byte_bpe_tokenizer, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.batching.prefix_cache import BLOCK_TOKENS
 from autobucket.engine.finished import cut_finished
 
 pytestmark = pytest.mark.engine
@@ -292,3 +293,29 @@ def test_a_tokenizer_stop_strings_cannot_use_is_named_and_the_rollout_goes_on(ti
         rollout.generate(prompts, SamplingConfig(stop_strings=["w12"]))
     plain = Rollout(tiny_models("tiny-llama"), config=RolloutConfig(route="aligned")).generate(prompts)
     assert rollout.generate(prompts).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_tool_turns_that_end_at_a_stop_string_continue_from_the_prefix_cache(tiny_models, tokenizer, kernels):
+    """The agent pattern: each turn ends at a stop string (a tool call's end), the caller appends its tool's
+    reply, the next turn continues. Each turn equals single-request HF generate with the strings over the
+    whole conversation, and the next turn prefills only what the cache lacks: every id of the previous
+    conversation but the stopping token (never fed back), where that is at least a block."""
+    model, first, strings, _, _, _ = stop_case("tiny-qwen3", tiny_models, tokenizer)
+    # aligned: every hit is continued (auto may prefill a short cached prefix whole when that is cheaper)
+    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned", kernels=kernels, prefix_cache_mb=16))
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=strings)
+    rng, conversations, previous, stopped = random.Random(4), [list(p) for p in first], None, 0
+    for turn in range(3):
+        result = rollout.generate(conversations, sampling)
+        expected = [oracle(model, tokenizer, conversation, strings) for conversation in conversations]
+        assert list(zip(result.tokens, result.finish_reasons, strict=True)) == expected, f"turn {turn}"
+        stopped += result.finish_reasons.count("stop")
+        if previous is not None:  # a hit under one block (16 ids) is not used: prefilled whole
+            had_kv = [len(c) + len(t) - 1 for c, t in previous]
+            assert result.profile.cached_prompt_tokens == sum(n for n in had_kv if n >= BLOCK_TOKENS)
+            assert result.profile.cached_prompt_tokens > 0
+        tools = [[rng.randrange(259, VOCAB) for _ in range(rng.randint(1, 9))] for _ in conversations]
+        previous = list(zip(conversations, result.tokens, strict=True))
+        conversations = [c + t + x for c, t, x in zip(conversations, result.tokens, tools, strict=True)]
+    assert stopped >= 3, "the strings must end some turns, else this is the plain multi-turn test"
