@@ -112,8 +112,14 @@ def test_prompt_longer_than_one_prefill_forward_is_chunked_not_rejected(model):
 def test_generate_padded_rejects_a_mask_that_is_not_left_padded(model, route):
     rollout = Rollout(model, config=RolloutConfig(route=route))
     input_ids = torch.tensor([[0, 5, 6], [7, 8, 0]])
-    with pytest.raises(ValueError, match="row 1 of attention_mask is not left-padded"):
+    with pytest.raises(ValueError, match=r"row 1 of attention_mask is right-padded \(ones, then zeros\): pad on the left"):
         rollout.generate_padded(input_ids, torch.tensor([[0, 1, 1], [1, 1, 0]]), sampling())
+    with pytest.raises(ValueError, match=r"row 0 of attention_mask is not left-padded \(zeros, then ones\): \[1, 0, 1\]"):
+        rollout.generate_padded(input_ids, torch.tensor([[1, 0, 1], [1, 1, 1]]), sampling())
+    with pytest.raises(ValueError, match=r"row 0 of attention_mask is not left-padded \(zeros, then ones\): \[0, 2, 1\]"):
+        rollout.generate_padded(input_ids, torch.tensor([[0, 2, 1], [1, 1, 1]]), sampling())
+    with pytest.raises(ValueError, match="row 1 of attention_mask has no ones: every row needs at least one prompt token"):
+        rollout.generate_padded(input_ids, torch.tensor([[0, 1, 1], [0, 0, 0]]), sampling())
     with pytest.raises(ValueError, match="same 2-D"):
         rollout.generate_padded(input_ids, torch.ones(2, 2, dtype=torch.long), sampling())
     with pytest.raises(ValueError, match=r"input_ids must hold integer token ids, got dtype torch\.float32"):

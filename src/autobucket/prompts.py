@@ -107,9 +107,20 @@ def unpad_left_padded(
     for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist(), strict=True)):
         real = [token for token, keep in zip(ids, mask, strict=True) if keep]
         if mask != [0] * (len(mask) - len(real)) + [1] * len(real):
-            raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones)")
+            raise ValueError(f"row {row} of attention_mask {_mask_problem(mask)}")
+        if not real:
+            raise ValueError(f"row {row} of attention_mask has no ones: every row needs at least one prompt token")
         prompts.append(real)
     return prompts
+
+
+def _mask_problem(mask: list) -> str:
+    """What is wrong with a mask row that is not zeros then ones, in words that point at the fix."""
+    ones = sum(1 for value in mask if value)
+    if set(mask) <= {0, 1} and mask == [1] * ones + [0] * (len(mask) - ones):
+        return "is right-padded (ones, then zeros): pad on the left (tokenizer.padding_side = 'left'), as RL trainers do"
+    shown = ", ".join(str(value) for value in mask[:12]) + (", ..." if len(mask) > 12 else "")
+    return f"is not left-padded (zeros, then ones): [{shown}]"
 
 
 def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int = 0, low: int = 3) -> list[list[int]]:
