@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from interleave import abba_rounds
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
@@ -93,32 +92,29 @@ def main() -> None:
 
     logprobs = args.change == "scoring"
 
-    contenders = {"engine": nullcontext, "before": BEFORE[args.change]}
-    for scope in contenders.values():  # warm-up: packs made, the library loaded
+    scopes = {"engine": nullcontext, "before": BEFORE[args.change]}
+    for scope in scopes.values():  # warm-up: packs made, the library loaded
         with scope():
             rollout.generate(round_prompts(vocab, args.prompts, args.seed), call_sampling(args, args.seed, logprobs))
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    equal = True
-    for index in range(args.rounds):
-        seed = args.seed + 1 + index
-        prompts, tokens = round_prompts(vocab, args.prompts, seed), {}
-        for name in contenders if index % 2 == 0 else reversed(list(contenders)):  # ABBA
-            with contenders[name]():
-                started = time.perf_counter()
+
+    def call(scope):
+        def run(prompts, seed):
+            with scope():
                 result = rollout.generate(prompts, call_sampling(args, seed, logprobs))
-                tokens[name] = (result.tokens, result.logprobs)  # logprobs: None unless scoring
-                samples[name].append((time.perf_counter() - started) * 1e3)
-        equal = equal and tokens["engine"] == tokens["before"]
-        ratio = samples["engine"][-1] / samples["before"][-1]
-        print(f"round {index}: engine {samples['engine'][-1]:.0f} ms, before {samples['before'][-1]:.0f} ms, "
-              f"ratio {ratio:.3f}")  # fmt: skip
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    ratios = [a / b for a, b in zip(samples["engine"], samples["before"], strict=True)]
+            return result.tokens, result.logprobs  # logprobs: None unless scoring
+
+        return run
+
+    seeds = range(args.seed + 1, args.seed + 1 + args.rounds)
+    rounds = abba_rounds({name: call(scope) for name, scope in scopes.items()},
+                         lambda seed: round_prompts(vocab, args.prompts, seed), seeds)  # fmt: skip
+    medians = rounds["medians_ms"]
     print(f"{args.change}: engine {medians['engine']:.0f} ms, before {medians['before']:.0f} ms, ratio of medians "
-          f"{medians['engine'] / medians['before']:.3f}, median of the rounds' ratios {statistics.median(ratios):.3f}; "
-          f"tokens equal {equal}")  # fmt: skip
+          f"{medians['engine'] / medians['before']:.3f}, median of the rounds' ratios {rounds['median_round_ratio']:.3f}; "
+          f"tokens equal {rounds['outputs_equal']}")  # fmt: skip
     record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": medians,
-              "round_ratios": ratios, "tokens_equal": equal, "samples_ms": samples}  # fmt: skip
+              "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"],
+              "samples_ms": rounds["samples_ms"]}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from interleave import interleaved
+from interleave import abba_rounds, interleaved
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
@@ -81,25 +80,19 @@ def call_results(args: argparse.Namespace) -> dict:
     rollouts = {"fp32": rollout_with_panels(model, torch.float32, warmup),
                 "bf16": rollout_with_panels(model, torch.bfloat16, warmup)}  # fmt: skip
     packed = {name: rollout.packed_linears.nbytes for name, rollout in rollouts.items()}
-    samples: dict[str, list[float]] = {name: [] for name in rollouts}
-    equal = True
-    for index in range(args.rounds):
-        seed = args.seed + 1 + index
-        prompts = round_prompts(vocab, args.prompts, seed)
-        tokens = {}
-        for name in (rollouts if index % 2 == 0 else reversed(list(rollouts))):  # ABBA: drift hits both alike
-            started = time.perf_counter()
-            tokens[name] = rollouts[name].generate(prompts, call_sampling(args, seed)).tokens
-            samples[name].append((time.perf_counter() - started) * 1e3)
-        equal = equal and tokens["fp32"] == tokens["bf16"]
-        print(f"round {index}: bf16 panels {samples['bf16'][-1]:.0f} ms, fp32 panels {samples['fp32'][-1]:.0f} ms, "
-              f"ratio {samples['bf16'][-1] / samples['fp32'][-1]:.3f}")  # fmt: skip
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+
+    def call(name: str):
+        return lambda prompts, seed: rollouts[name].generate(prompts, call_sampling(args, seed)).tokens
+
+    seeds = range(args.seed + 1, args.seed + 1 + args.rounds)
+    rounds = abba_rounds({"bf16": call("bf16"), "fp32": call("fp32")},
+                         lambda seed: round_prompts(vocab, args.prompts, seed), seeds)  # fmt: skip
+    medians, equal = rounds["medians_ms"], rounds["outputs_equal"]
     ratio = medians["bf16"] / medians["fp32"]
     print(f"call: bf16 panels {medians['bf16']:.0f} ms, fp32 panels {medians['fp32']:.0f} ms, ratio {ratio:.3f}; "
           f"tokens equal {equal}; packed MiB bf16 {packed['bf16'] / 2**20:.1f}, fp32 {packed['fp32'] / 2**20:.1f}")  # fmt: skip
     return {"medians_ms": medians, "ratio_bf16_to_fp32": ratio, "tokens_equal": equal, "packed_bytes": packed,
-            "samples_ms": samples}  # fmt: skip
+            "samples_ms": rounds["samples_ms"]}  # fmt: skip
 
 
 def main() -> None:

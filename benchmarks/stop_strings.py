@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from interleave import abba_rounds
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
@@ -51,31 +50,29 @@ def main() -> None:
         plain = call_sampling(args, seed)
         return dataclasses.replace(plain, stop_strings=STOP_STRINGS if name == "stops" else [])
 
-    contenders = ("plain", "stops")
-    for name in contenders:  # warm-up: packs made, the kernel library and the matcher built
+    for name in ("stops", "plain"):  # warm-up: packs made, the kernel library and the matcher built
         rollout.generate(round_prompts(vocab, args.prompts, args.seed), sampling(name, args.seed))
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    equal, fired = True, 0
-    for index in range(args.rounds):
-        seed = args.seed + 1 + index
-        prompts, tokens = round_prompts(vocab, args.prompts, seed), {}
-        for name in contenders if index % 2 == 0 else reversed(contenders):  # ABBA
-            started = time.perf_counter()
+    fired = []  # rows a stop string ended (none expected: the strings are chosen not to fire)
+
+    def call(name: str):
+        def run(prompts, seed):
             result = rollout.generate(prompts, sampling(name, seed))
-            samples[name].append((time.perf_counter() - started) * 1e3)
-            tokens[name] = result.tokens
-            fired += sum(reason == "stop" for reasons in result.finish_reasons for reason in reasons)
-        equal = equal and tokens["plain"] == tokens["stops"]
-        print(f"round {index}: plain {samples['plain'][-1]:.0f} ms, stops {samples['stops'][-1]:.0f} ms, "
-              f"ratio {samples['stops'][-1] / samples['plain'][-1]:.3f}")  # fmt: skip
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    ratios = [a / b for a, b in zip(samples["stops"], samples["plain"], strict=True)]
+            fired.extend(reason for reasons in result.finish_reasons for reason in reasons if reason == "stop")
+            return result.tokens
+
+        return run
+
+    seeds = range(args.seed + 1, args.seed + 1 + args.rounds)
+    rounds = abba_rounds({name: call(name) for name in ("stops", "plain")},
+                         lambda seed: round_prompts(vocab, args.prompts, seed), seeds)  # fmt: skip
+    medians = rounds["medians_ms"]
     print(f"stop strings ({args.kernels} kernels): plain {medians['plain']:.0f} ms, stops {medians['stops']:.0f} ms, "
           f"ratio of medians {medians['stops'] / medians['plain']:.3f}, median of the rounds' ratios "
-          f"{statistics.median(ratios):.3f}; tokens equal {equal}; rows ended by a stop string {fired}")  # fmt: skip
+          f"{rounds['median_round_ratio']:.3f}; tokens equal {rounds['outputs_equal']}; rows ended by a stop string "
+          f"{len(fired)}")  # fmt: skip
     record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "stop_strings": STOP_STRINGS,
-              "medians_ms": medians, "round_ratios": ratios, "tokens_equal": equal, "rows_stopped": fired,
-              "samples_ms": samples}  # fmt: skip
+              "medians_ms": medians, "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"],
+              "rows_stopped": len(fired), "samples_ms": rounds["samples_ms"]}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
 
