@@ -214,6 +214,38 @@ def byte_bpe_tokenizer():
     return tokenizer
 
 
+BPE_CORPUS_CHARACTERS = set("abcdefghijklmnop<>/_ ")  # what byte_bpe_tokenizer's text is made of
+
+
+def corpus_piece(text: str, start: int, length: int) -> str:
+    """The first run of `length` corpus characters in `text` at or after `start` (else before it): a stop
+    string that can fire (a lone byte token decodes to U+FFFD, which no string matches)."""
+    for begin in [*range(start, len(text)), *range(start)]:
+        piece = text[begin : begin + length]
+        if len(piece) == length and set(piece) <= BPE_CORPUS_CHARACTERS:
+            return piece
+    raise AssertionError(f"no clean {length}-character piece in {text!r}: change the workload")
+
+
+def stop_string_oracle(model, tokenizer, prompt, strings, max_new_tokens: int, eos_off: bool = False):
+    """Single-request HF greedy generate with stop strings (`eos_off`: no EOS; else the model's own):
+    the new tokens and why it ended ("eos", "stop" by HF's own criteria, or "length")."""
+    import torch
+    from transformers import StopStringCriteria
+
+    input_ids = torch.tensor([list(prompt)])
+    no_eos = {"eos_token_id": None, "pad_token_id": 0} if eos_off else {}
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, num_beams=1, stop_strings=strings, tokenizer=tokenizer, **no_eos,
+        )  # fmt: skip
+    tokens = output[0, len(prompt) :].tolist()
+    if not eos_off and tokens[-1] in _eos_tuple(model, None):
+        return tokens, "eos"
+    return tokens, "stop" if bool(StopStringCriteria(tokenizer, strings)(output, None)[0]) else "length"
+
+
 def _eos_tuple(model, eos_token_id) -> tuple[int, ...]:
     value = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     if value is None:

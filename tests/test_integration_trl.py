@@ -18,7 +18,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from conftest import VOCAB, byte_bpe_tokenizer, firing_eos_candidates  # noqa: E402
+from conftest import VOCAB, byte_bpe_tokenizer, corpus_piece, firing_eos_candidates  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -286,7 +286,7 @@ def test_generation_kwargs_stop_strings_end_completions_as_the_rollout_does(tmp_
     free = Rollout(build_tiny_model("tiny-qwen2"), tokenizer).generate(
         prompts, SamplingConfig(max_new_tokens=MAX_COMPLETION, eos_token_id=[tokenizer.eos_token_id])
     )
-    strings = [piece for tokens in free.tokens[:3] if (piece := clean_text(tokenizer.decode(tokens[3:]))[:2])]
+    strings = [corpus_piece(tokenizer.decode(tokens), 3, 2) for tokens in free.tokens[:3]]
     expected = Rollout(build_tiny_model("tiny-qwen2"), tokenizer).generate(
         prompts,
         SamplingConfig(max_new_tokens=MAX_COMPLETION, eos_token_id=[tokenizer.eos_token_id], stop_strings=strings),
@@ -297,13 +297,6 @@ def test_generation_kwargs_stop_strings_end_completions_as_the_rollout_does(tmp_
         config_overrides={"generation_kwargs": {"do_sample": False, "stop_strings": strings}, "max_steps": 1},
     )  # fmt: skip
     assert run.completions[0] == [tokens for tokens in expected.tokens for _ in range(NUM_GENERATIONS)]
-
-
-def clean_text(text: str) -> str:
-    """`text` from its first run of corpus letters on (a lone byte token decodes to U+FFFD)."""
-    start = next((i for i, ch in enumerate(text) if ch in "abcdefghijklmnop"), len(text))
-    end = next((i for i in range(start, len(text)) if text[i] not in "abcdefghijklmnop"), len(text))
-    return text[start:end]
 
 
 # ------------------------------------------------------------------ bad input

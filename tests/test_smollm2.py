@@ -13,7 +13,7 @@ import json
 import statistics
 
 import pytest
-from conftest import assert_matches_oracle, oracle_batch
+from conftest import assert_matches_oracle, oracle_batch, stop_string_oracle
 
 from autobucket import CostCoefficients, ModelGeometry, Rollout, RolloutConfig, SamplingConfig, models
 from autobucket.cli import main
@@ -175,21 +175,6 @@ def test_an_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     assert list((tmp_path / "smollm2-135m-instruct").iterdir()) == []
 
 
-def stop_string_oracle(model, tokenizer, prompt, strings) -> tuple[list[int], str]:
-    """Single-request HF greedy generate with stop strings (the model's EOS too): tokens and finish reason."""
-    import torch
-    from transformers import StopStringCriteria
-
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=BUDGET,
-                                do_sample=False, num_beams=1, stop_strings=strings, tokenizer=tokenizer)  # fmt: skip
-    tokens = output[0, len(prompt) :].tolist()
-    if tokens[-1] == tokenizer.eos_token_id:
-        return tokens, "eos"
-    return tokens, "stop" if bool(StopStringCriteria(tokenizer, strings)(output, None)[0]) else "length"
-
-
 @pytest.mark.parametrize("case", ["ordinary", "aligned", "auto_bucketed"])
 def test_stop_strings_on_real_weights_end_answers_where_generate_does(smollm2, chat_prompts, case):
     """SmolLM2's own byte-level BPE tokenizer (tokens with leading-space markers, merges across words):
@@ -198,7 +183,7 @@ def test_stop_strings_on_real_weights_end_answers_where_generate_does(smollm2, c
     plain_tokens, plain_reasons = oracle_batch(model, chat_prompts, BUDGET)
     texts = [tokenizer.decode(t) for t, r in zip(plain_tokens, plain_reasons, strict=True) if r == "length"]
     strings = [text[len(text) // 2 : len(text) // 2 + 3] for text in texts]
-    pairs = [stop_string_oracle(model, tokenizer, prompt, strings) for prompt in chat_prompts]
+    pairs = [stop_string_oracle(model, tokenizer, prompt, strings, BUDGET) for prompt in chat_prompts]
     expected_tokens, expected_reasons = [t for t, _ in pairs], [r for _, r in pairs]
     assert "stop" in expected_reasons and "eos" in expected_reasons, (strings, expected_reasons)
     route, costs, ran, rows = ROUTE_CASES[case]

@@ -15,7 +15,15 @@ import random
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, byte_bpe_tokenizer, random_prompts
+from conftest import (
+    ARCHS,
+    BPE_CORPUS_CHARACTERS,
+    VOCAB,
+    byte_bpe_tokenizer,
+    corpus_piece,
+    random_prompts,
+    stop_string_oracle,
+)
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.batching.prefix_cache import BLOCK_TOKENS
@@ -40,44 +48,22 @@ def free_generation(model, prompts) -> list[list[int]]:
     return result.tokens
 
 
-CLEAN = set("abcdefghijklmnop<>/_ ")  # the corpus' characters (a lone byte token decodes to U+FFFD)
-
-
-def clean_piece(text: str, start: int, length: int) -> str:
-    """The first run of `length` corpus characters in `text` at or after `start` (else before it)."""
-    for begin in [*range(start, len(text)), *range(start)]:
-        piece = text[begin : begin + length]
-        if len(piece) == length and set(piece) <= CLEAN:
-            return piece
-    raise AssertionError(f"no clean {length}-character piece in {text!r}: change the workload")
-
-
 def pick_stop_strings(tokenizer, prompts, generated) -> tuple[list[str], int, str]:
     """Three strings from the free generation: two from the middle of prompts 1 and 3's text, and one that
     straddles a prompt's last two characters and its first generated token's first (that prompt's index
     and the string returned too)."""
     texts = [tokenizer.decode(tokens) for tokens in generated]
-    middle = [clean_piece(texts[1], len(texts[1]) // 2, 4), clean_piece(texts[3], len(texts[3]) // 3, 3)]
+    middle = [corpus_piece(texts[1], len(texts[1]) // 2, 4), corpus_piece(texts[3], len(texts[3]) // 3, 3)]
     for index, (prompt, tokens) in enumerate(zip(prompts, generated, strict=True)):
         straddling = tokenizer.decode(prompt)[-2:] + tokenizer.decode(tokens[:1])[:1]
-        if set(straddling) <= CLEAN and index not in (1, 3):
+        if set(straddling) <= BPE_CORPUS_CHARACTERS and index not in (1, 3):
             return [*middle, straddling], index, straddling
     raise AssertionError("no prompt's first token starts with a corpus character: change the workload")
 
 
-def oracle(model, tokenizer, prompt, stop_strings, max_new_tokens=MAX_NEW) -> tuple[list[int], str]:
-    """Single-request HF greedy generate with the stop strings: new tokens and why it ended."""
-    from transformers import StopStringCriteria
-
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0,
-            stop_strings=stop_strings, tokenizer=tokenizer,
-        )  # fmt: skip
-    stopped = bool(StopStringCriteria(tokenizer, stop_strings)(output, None)[0])
-    return output[0, len(prompt) :].tolist(), "stop" if stopped else "length"
+def oracle(model, tokenizer, prompt, stop_strings) -> tuple[list[int], str]:
+    """Single-request HF greedy generate with the stop strings, EOS off: new tokens and why it ended."""
+    return stop_string_oracle(model, tokenizer, prompt, stop_strings, MAX_NEW, eos_off=True)
 
 
 _CASES: dict[str, tuple] = {}
@@ -157,7 +143,7 @@ def test_sampled_requests_stop_at_their_first_completed_string(tiny_models, toke
                               continuous_batch_size=5, logprobs=True)  # fmt: skip
     free = Rollout(model, config=dataclasses.replace(config, prefix_cache_mb=0.0)).generate(prompts, sampling)
     flat = [(p, sample) for p, samples in enumerate(free.tokens) for sample in samples]
-    strings = [clean_piece(tokenizer.decode(flat[4][1]), 30, 3), clean_piece(tokenizer.decode(flat[9][1]), 40, 2)]
+    strings = [corpus_piece(tokenizer.decode(flat[4][1]), 30, 3), corpus_piece(tokenizer.decode(flat[9][1]), 40, 2)]
     expected = []
     for p, sample in flat:
         length = first_completion(tokenizer, strings, prompts[p], sample)
