@@ -258,9 +258,10 @@ def test_only_rows_whose_last_token_can_end_a_string_are_matched_and_nothing_is_
                 sequences.append(tokenizer(prefix + string + suffix)["input_ids"])
     unfiltered = copy.copy(stops)
     unfiltered.enders = None
-    expected = unfiltered.completed(sequences)
+    requests = [((), sequence) for sequence in sequences]  # no prompt: each sequence is all generated
+    expected = unfiltered.completed(requests)
     assert sum(expected) >= 10, "the built tails must end strings, else the comparison is empty"
-    assert stops.completed(sequences) == expected
+    assert stops.completed(requests) == expected
 
 
 def test_a_tokenizer_stop_strings_cannot_use_is_named_and_the_rollout_goes_on(tiny_models):

@@ -43,23 +43,22 @@ class StopStrings:
         self.window = self.criteria.maximum_token_len  # a token holds at least one character
         self.enders = _tokens_that_can_end_a_string(self.criteria)
 
-    def completed(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
-        """Per sequence (prompt ids then generated ids, or any tail of them at least `window` long):
-        whether its last token completes one of the strings. Only sequences whose last token can end a
-        string are matched (one batched call); on most steps that is none or few of the rows."""
-        done = [False] * len(sequences)
-        candidates = [i for i, s in enumerate(sequences) if self.enders is None or s[-1] in self.enders]
+    def completed(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[bool]:
+        """Per request, (its prompt ids, its generated ids): whether its newest token completes one of the
+        strings. Only requests whose newest token can end a string are read and matched (one batched call);
+        on most steps that is none or few of the rows."""
+        done = [False] * len(requests)
+        candidates = [i for i, (_, generated) in enumerate(requests) if self.enders is None or generated[-1] in self.enders]
         if not candidates:
             return done
-        window = self.window
-        tails = (sequences[i][-window:] for i in candidates)
-        rows = [[_MATCHES_NOTHING] * (window - len(tail)) + list(tail) for tail in tails]
+        tails = (self._tail(*requests[i]) for i in candidates)
+        rows = [[_MATCHES_NOTHING] * (self.window - len(tail)) + tail for tail in tails]
         for i, matched in zip(candidates, self.criteria(torch.tensor(rows, dtype=torch.long), None).tolist(), strict=True):
             done[i] = matched
         return done
 
-    def tail(self, prompt: Sequence[int], generated: Sequence[int]) -> list[int]:
-        """The last `window` ids of prompt + generated: all that `completed` reads of a request."""
+    def _tail(self, prompt: Sequence[int], generated: Sequence[int]) -> list[int]:
+        """The last `window` ids (or fewer, all there are) of prompt + generated: all a match reads."""
         if len(generated) >= self.window:
             return list(generated[-self.window :])
         return [*prompt[-(self.window - len(generated)) :], *generated]

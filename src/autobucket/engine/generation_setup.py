@@ -142,19 +142,20 @@ def _reject_sampling_overrides(overrides: dict[str, Any]) -> None:
             )
 
 
-def unsupported_options(config: Any) -> list[tuple[str, Any]]:
-    """(option, value) for every option of a transformers GenerationConfig that is active and that no route
-    can honour (a trainer adapter checks its trainer's config with this too)."""
-    found = []
+def first_unsupported_option(config: Any) -> tuple[str, Any] | None:
+    """(option, value) of the first option of a transformers GenerationConfig that is active and that no
+    route can honour, or None (a trainer adapter checks its trainer's config with this too)."""
     for option, is_active in _UNSUPPORTED.items():
         value = getattr(config, option, None)
         if is_active(value):
-            found.append((option, value))
-    return found
+            return option, value
+    return None
 
 
 def _reject_unsupported(config: Any) -> None:
-    for option, value in unsupported_options(config)[:1]:
+    found = first_unsupported_option(config)
+    if found is not None:
+        option, value = found
         raise ValueError(
             f"generation option {option}={value!r} (from the model's generation_config or your overrides) "
             f"is not supported by autobucket; unset it (e.g. {option}=None) to generate"

@@ -94,8 +94,8 @@ class _RowStopStrings(StoppingCriteria):
         steps = input_ids.shape[1] - self.width  # tokens generated so far
         # [rows, <= window]: the newest generated ids, all that a match reads besides the prompt's end
         recent = input_ids[:, self.width + max(0, steps - self.stops.window) :].tolist()
-        tails = [self.stops.tail(prompt, ids) for prompt, ids in zip(self.prompts, recent, strict=True)]
-        for row, (done, stopped) in enumerate(zip(self.stops.completed(tails), self.stop_lengths, strict=True)):
+        requests = list(zip(self.prompts, recent, strict=True))
+        for row, (done, stopped) in enumerate(zip(self.stops.completed(requests), self.stop_lengths, strict=True)):
             if done and stopped is None:
                 self.stop_lengths[row] = steps
         return torch.tensor([length is not None for length in self.stop_lengths], device=input_ids.device)

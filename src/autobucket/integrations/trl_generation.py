@@ -19,7 +19,7 @@ import torch
 from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.generation_setup import unsupported_options
+from autobucket.engine.generation_setup import first_unsupported_option
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
@@ -73,7 +73,9 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
     )  # fmt: skip
     # Options transformers would apply and autobucket cannot (no_repeat_ngram_size, min_new_tokens,
     # suppress_tokens, ...): refused, never generated without.
-    for option, value in unsupported_options(generation_config)[:1]:
+    found = first_unsupported_option(generation_config)
+    if found is not None:
+        option, value = found
         raise ValueError(
             f"generation option {option}={value!r} (GRPOConfig.generation_kwargs) is not supported by autobucket: "
             "remove it from generation_kwargs, or use the stock GRPOTrainer"

@@ -239,7 +239,7 @@ class ContinuousBatcher:
         """Per row, whether its newest token completes a stop string (one batched match per step)."""
         if self.stops is None:
             return [False] * len(rows)
-        return self.stops.completed([self.stops.tail(self.prompts[row.prompt], row.tokens) for row in rows])
+        return self.stops.completed([(self.prompts[row.prompt], row.tokens) for row in rows])
 
     def _finish_if_done(self, row: _Row, stopped: bool) -> bool:
         if row.tokens[-1] in self.eos:
