@@ -134,6 +134,17 @@ def test_sampling_does_not_depend_on_the_sharding(rr) -> None:
     assert shifted.tokens[:-1] != result.tokens[1:]
 
 
+def test_per_prompt_budgets_follow_their_prompts_into_the_shards(rr) -> None:
+    """Each prompt keeps its own max_new_tokens in whichever shard it lands (a shard given the call's list,
+    or its first entries, would fail on length or on the workers' list-length check)."""
+    budgets = [1 + (7 * i) % 11 for i in range(len(PROMPTS))]
+    sampling = SamplingConfig(max_new_tokens=budgets, continuous_batch_size=4, temperature=1.0, seed=3, eos_token_id=[])
+    want = single_process(sampling)
+    result = rr.generate(PROMPTS, sampling)
+    assert result.tokens == want.tokens
+    assert [len(t) for t in result.tokens] == budgets
+
+
 def test_a_worker_error_propagates_with_its_type_and_the_next_call_works(rr, expected) -> None:
     marked = [list(p) for p in PROMPTS]
     marked[0][0] = RAISE_TOKEN  # first prompt of its shard: that worker fails at its first prefill

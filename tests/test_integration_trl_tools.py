@@ -366,6 +366,6 @@ def test_tool_turn_near_the_context_end_generates_what_fits(tmp_path, eos_id, mo
     trainer.autobucket_turns = [[]]  # as after this batch's first turn
     completions, _ = trainer._generate_single_turn([near_end, short], None, {}, 1)
     assert len(completions[0]) <= 6 and 0 < len(completions[1]) <= MAX_COMPLETION
-    assert sorted(generate_calls) == [6, MAX_COMPLETION]  # one call per budget
+    assert generate_calls == [[6, MAX_COMPLETION]]  # one call, each conversation with its own budget
     with pytest.raises(ValueError, match=rf"conversation 0 has {limit} tokens, the model's whole context"):
         trainer._generate_single_turn([near_end + [11] * 6], None, {}, 1)

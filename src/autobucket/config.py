@@ -160,7 +160,9 @@ class SamplingConfig:
     repetition_penalty) are not used, and passing any of them as a `generate` override is a ValueError.
     The TRL and DeepSpeed adapters translate their trainer's generation settings into these fields.
 
-    max_new_tokens: generation budget per request (the first token comes from prefill).
+    max_new_tokens: generation budget per request (the first token comes from prefill): one int for every
+      prompt, or one int per prompt (agent turns with different context budgets left, say); a prompt's
+      budget covers each of its n samples, and a request's tokens do not depend on the others' budgets.
     continuous_batch_size: most rows decoded at once; more rows wait in a queue and refill.
     repetition_penalty: HF's penalty over the prompt and generated tokens (1.0: off). This value is
       used as given; the model's generation_config value is not consulted.
@@ -189,7 +191,7 @@ class SamplingConfig:
       tokenizer. None uses the model's generation config (usually none); [] disables them.
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | list[int] = 16
     continuous_batch_size: int = 32
     repetition_penalty: float = 1.0
     eos_token_id: int | list[int] | None = None
@@ -209,8 +211,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         # Each value is stored as the plain Python type its check returns (numpy and Python numbers are both
         # accepted), so everything downstream sees ints, floats and lists of ints.
-        budget = require_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least one new token")
-        _store(self, "max_new_tokens", budget)
+        _store(self, "max_new_tokens", self._checked_budget())
         rows = require_int("continuous_batch_size", self.continuous_batch_size, 1, "use at least one row")
         _store(self, "continuous_batch_size", rows)
         penalty = require_finite("repetition_penalty", self.repetition_penalty, "1.0 disables it")
@@ -244,6 +245,34 @@ class SamplingConfig:
                     f"{name}={getattr(self, name)!r} is invalid: it must be in {bounds} ({off} disables it)"
                 )
             _store(self, name, value)
+
+    @property
+    def most_new_tokens(self) -> int:
+        """The largest per-request budget: what bounds a call's decode steps and cache columns."""
+        budget = self.max_new_tokens
+        # an empty list is valid only for a call without prompts, which generates nothing
+        return max(budget, default=1) if isinstance(budget, list) else budget
+
+    def request_budgets(self, prompt_count: int) -> tuple[int, ...]:
+        """Every prompt's new-token budget for a call of `prompt_count` prompts."""
+        budget = self.max_new_tokens
+        if not isinstance(budget, list):
+            return (budget,) * prompt_count
+        if len(budget) != prompt_count:
+            raise ValueError(
+                f"max_new_tokens has {len(budget)} values for {prompt_count} prompts: pass one per prompt or one "
+                "int for all"
+            )
+        return tuple(budget)
+
+    def _checked_budget(self) -> int | list[int]:
+        budget = plain_int_or_list(self.max_new_tokens)
+        if budget is None or min(budget if isinstance(budget, list) else [budget], default=1) < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens!r} is invalid: pass an int >= 1 or a list of them, one per "
+                "prompt; ask for at least one new token"
+            )
+        return budget
 
     def _checked_seed(self) -> int | list[int]:
         seed = plain_int_or_list(self.seed)

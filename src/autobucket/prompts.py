@@ -79,14 +79,15 @@ def _token_id(index: int, token: Any, vocab_size: int) -> int:
     return token_id
 
 
-def check_context(prompts: list[list[int]], max_new_tokens: int, max_positions: int | None) -> None:
+def check_context(prompts: list[list[int]], budgets: Sequence[int], max_positions: int | None) -> None:
+    """Each prompt plus its own budget (`SamplingConfig.request_budgets`) fits the model's positions."""
     if max_positions is None:
         return
-    for index, prompt in enumerate(prompts):
-        if len(prompt) + max_new_tokens > max_positions:
+    for index, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        if len(prompt) + budget > max_positions:
             raise ValueError(
-                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                f"{len(prompt) + max_new_tokens} positions but the model has {max_positions}: shorten it or lower "
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={budget} it needs "
+                f"{len(prompt) + budget} positions but the model has {max_positions}: shorten it or lower "
                 "max_new_tokens"
             )
 

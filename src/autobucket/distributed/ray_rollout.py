@@ -117,13 +117,14 @@ class RayRollout:
             info = self._info = replace(info, costs=self._learned)
             self._learned = None
         token_prompts = self._normalize(prompts, info)
-        check_context(token_prompts, sampling.max_new_tokens, info.max_positions)
-        request_seeds = _request_seeds(sampling, len(token_prompts))
+        budgets = sampling.request_budgets(len(token_prompts))
+        check_context(token_prompts, budgets, info.max_positions)
         unit_costs = [
-            prompt_cost_ms(len(p), sampling.max_new_tokens, info.geometry, info.costs, sampling.n) for p in token_prompts
+            prompt_cost_ms(len(p), budget, info.geometry, info.costs, sampling.n)
+            for p, budget in zip(token_prompts, budgets, strict=True)
         ]
         plan = plan_shards(unit_costs, self.num_workers, self.sharding)
-        results = self._run_shards(plan, token_prompts, sampling, request_seeds, overrides)
+        results = self._run_shards(plan, token_prompts, sampling, overrides)
         self._learned = _learned_costs(results.values())
         return merge_shard_results(
             plan, results, len(token_prompts), sampling.logprobs, self.config.route, self.sharding, started
@@ -203,13 +204,17 @@ class RayRollout:
         return normalize_prompts(prompts, None, info.vocab_size)
 
     def _run_shards(
-        self, plan: ShardPlan, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int], overrides: dict
+        self, plan: ShardPlan, prompts: list[list[int]], sampling: SamplingConfig, overrides: dict
     ) -> dict[int, RolloutResult]:
-        """Run every non-empty shard at once; on the first failure cancel the rest, heal, re-raise."""
+        """Run every non-empty shard at once; on the first failure cancel the rest, heal, re-raise. Each
+        shard's prompts keep the stream keys and budgets of the caller's single call (`subset_sampling`),
+        so sampled tokens do not depend on the sharding."""
+        from autobucket.engine.sampling.streams import subset_sampling
+
         owner = {}
         for worker, shard in enumerate(plan.shards):
             if shard:
-                shard_sampling = replace(sampling, seed=[seeds[i] for i in shard])
+                shard_sampling = subset_sampling(sampling, shard, len(prompts))
                 ref = self._actors[worker].generate.remote([prompts[i] for i in shard], shard_sampling, overrides)
                 owner[ref] = worker
         results: dict[int, RolloutResult] = {}
@@ -253,14 +258,6 @@ def _learned_costs(results: Any) -> CostCoefficients | None:
     if not learned:
         return None
     return CostCoefficients(**{name: statistics.median(c[name] for c in learned) for name in learned[0]})
-
-
-def _request_seeds(sampling: SamplingConfig, count: int) -> list[int]:
-    """Each prompt's random-stream key as the caller's single process would derive it from its *input*
-    index; workers get them as per-prompt seeds, so sampled tokens do not depend on the sharding."""
-    from autobucket.engine.sampling.streams import request_seeds
-
-    return list(request_seeds(sampling.seed, count))
 
 
 def _check_factory(factory: Any) -> None:

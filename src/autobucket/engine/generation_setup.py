@@ -73,7 +73,6 @@ _UNSUPPORTED: dict[str, Any] = {
 class ResolvedGeneration:
     """The values every route uses for one call."""
 
-    max_new_tokens: int
     eos_token_ids: tuple[int, ...]  # empty: generate to the budget
     pad_token_id: int  # structural padding only; a generated token equal to it is kept
     repetition_penalty: float
@@ -93,7 +92,7 @@ def resolve_generation(
             f"unknown generate option(s) {sorted(unknown)}: they are not GenerationConfig fields; remove them"
         )
     config.do_sample = False  # autobucket selects tokens itself (autobucket.engine.selection); HF never samples
-    config.max_new_tokens = sampling.max_new_tokens
+    config.max_new_tokens = sampling.most_new_tokens  # the ordinary route sets each batch's own largest
     config.repetition_penalty = sampling.repetition_penalty
     _reject_unsupported(config)
     eos = eos_token_ids(sampling.eos_token_id if sampling.eos_token_id is not None else config.eos_token_id)
@@ -105,7 +104,7 @@ def resolve_generation(
     config.pad_token_id = pad
     stops = _stop_strings(sampling.stop_strings if sampling.stop_strings is not None else config.stop_strings)
     config.stop_strings = None  # the ordinary route checks them itself, over each prompt's own ids
-    return ResolvedGeneration(sampling.max_new_tokens, eos, pad, sampling.repetition_penalty, stops, config)
+    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, config)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

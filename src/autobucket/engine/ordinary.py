@@ -101,10 +101,23 @@ class _RowStopStrings(StoppingCriteria):
         return torch.tensor([length is not None for length in self.stop_lengths], device=input_ids.device)
 
 
+class _RowBudgets(StoppingCriteria):
+    """HF stopping criteria that end each row at its own new-token budget (HF's `max_new_tokens` is one for
+    the batch: the batch's largest), so a batch stops once every row is done."""
+
+    def __init__(self, budgets: Sequence[int], width: int) -> None:
+        self.budgets, self.width = list(budgets), width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        steps = input_ids.shape[1] - self.width  # tokens generated so far
+        return torch.tensor([steps >= budget for budget in self.budgets], device=input_ids.device)
+
+
 @without_autograd
 def run_ordinary(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
     generation: ResolvedGeneration,
     selection: Selection,
     samples_per_prompt: int,
@@ -113,19 +126,20 @@ def run_ordinary(
     timer: PhaseTimer,
     stops: StopStrings | None = None,
 ) -> dict[tuple[int, int], Finished]:
-    """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)."""
+    """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)
+    and generates up to its prompt's budget (`budgets`, per prompt)."""
     items = [(p, s) for p in range(len(prompts)) for s in range(samples_per_prompt)]
     finished: dict[tuple[int, int], Finished] = {}
     for start in range(0, len(items), continuous_batch_size):
         batch = items[start : start + continuous_batch_size]
-        results = _generate_batch(model, prompts, batch, generation, selection, profile, timer, stops)
+        results = _generate_batch(model, prompts, budgets, batch, generation, selection, profile, timer, stops)
         finished.update(zip(batch, results, strict=True))
         profile.max_active_rows = max(profile.max_active_rows, len(batch))
     return finished
 
 
 def _generate_batch(
-    model, prompts, items, generation: ResolvedGeneration, selection: Selection, profile, timer, stops: StopStrings | None
+    model, prompts, budgets, items, generation: ResolvedGeneration, selection: Selection, profile, timer, stops: StopStrings | None
 ):
     device = next(model.parameters()).device
     batch = [prompts[p] for p, _ in items]
@@ -133,6 +147,8 @@ def _generate_batch(
     width = input_ids.shape[1]
     config = copy.deepcopy(generation.generation_config)
     config.repetition_penalty = 1.0  # applied by _EngineSelection, over real tokens only
+    row_budgets = [budgets[p] for p, _ in items]
+    config.max_new_tokens = max(row_budgets)
     needs_selector = not selection.sampler.greedy or selection.want_logprobs or generation.repetition_penalty != 1.0
     selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
     profile.prefill_tokens += len(batch) * width
@@ -141,12 +157,15 @@ def _generate_batch(
     exact = {"use_model_defaults": False} if "use_model_defaults" in inspect.signature(model.generate).parameters else {}
     clock = _StepClock(profile, timer, len(batch), width)
     row_stops = _RowStopStrings(stops, batch, width) if stops is not None else None
+    criteria = [row_stops] if row_stops is not None else []
+    if min(row_budgets) < config.max_new_tokens:
+        criteria.append(_RowBudgets(row_budgets, width))
     output = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
         generation_config=config,
         logits_processor=LogitsProcessorList([clock, selector] if selector else [clock]),
-        stopping_criteria=StoppingCriteriaList([row_stops] if row_stops else []),
+        stopping_criteria=StoppingCriteriaList(criteria),
         **exact,
     )
     eos = frozenset(generation.eos_token_ids)
@@ -154,7 +173,7 @@ def _generate_batch(
     stop_lengths = row_stops.stop_lengths if row_stops is not None else [None] * len(batch)
     results = []
     for row, generated in enumerate(output[:, width:].tolist()):
-        tokens, reason = cut_finished(generated, eos, generation.max_new_tokens, stop_lengths[row])
+        tokens, reason = cut_finished(generated, eos, row_budgets[row], stop_lengths[row])
         logprobs = step_logprobs[row][: len(tokens)] if step_logprobs is not None else None
         results.append(Finished(tokens, reason, logprobs))
     return results

@@ -102,14 +102,17 @@ class Rollout:
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         stops = self._stop_strings(generation.stop_strings)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
-        check_context(token_prompts, sampling.max_new_tokens, self.max_positions)
+        budgets = sampling.request_budgets(len(token_prompts))
+        check_context(token_prompts, budgets, self.max_positions)
         if not token_prompts:
             profile = Profile(route=self.config.route)
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
         # Only the planning routes need coefficients: the others never trigger the online probe.
         costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
         prefix_cache, cleared = self._prefix_cache()
-        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
+        result = self._run_route(
+            self.config, token_prompts, budgets, sampling, generation, costs, started, prefix_cache, stops
+        )
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
@@ -118,6 +121,7 @@ class Rollout:
         self,
         config: RolloutConfig,
         prompts: list[list[int]],
+        budgets: tuple[int, ...],
         sampling: SamplingConfig,
         generation: ResolvedGeneration,
         costs: CostCoefficients | None,
@@ -135,7 +139,7 @@ class Rollout:
             sampling.logprobs_mode, next(self.model.parameters()).dtype,
         )  # fmt: skip
         call = RouteCall(
-            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
+            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts, budgets,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
             prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
@@ -200,8 +204,9 @@ class Rollout:
                 self.config, route=route, costs=CostCoefficients(), compile=False, cache_capacity=None
             )  # the probe sizes its own calls
             generation = resolve_generation(self.model, sampling, {}, self.vocab_size)
-            check_context(prompts, sampling.max_new_tokens, self.max_positions)
-            return self._run_route(config, prompts, sampling, generation, None, time.perf_counter()).profile
+            budgets = sampling.request_budgets(len(prompts))
+            check_context(prompts, budgets, self.max_positions)
+            return self._run_route(config, prompts, budgets, sampling, generation, None, time.perf_counter()).profile
 
         return run
 

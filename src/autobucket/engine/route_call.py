@@ -28,6 +28,7 @@ class RouteCall:
     costs: CostCoefficients
     config: RolloutConfig
     prompts: list[list[int]]
+    budgets: tuple[int, ...]  # per prompt: its new-token budget (`prompts.request_budgets`)
     generation: ResolvedGeneration
     sampling: SamplingConfig
     selection: Selection
@@ -38,3 +39,8 @@ class RouteCall:
     compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
     prefix_cache: PrefixCache | None = None  # the Rollout's prefix cache, at this call's weights version
     stops: StopStrings | None = None  # the call's stop strings, matched with the Rollout's tokenizer
+
+    @property
+    def most_new_tokens(self) -> int:
+        """The largest budget: it bounds the call's decode steps and every row's cache columns."""
+        return max(self.budgets)

@@ -67,7 +67,7 @@ ContinuationPolicy = Callable[[RouteCall, Sequence[int], Sequence[int]], list[li
 # ------------------------------------------------------------------ the routes
 def ordinary_route(call: RouteCall) -> FinishedItems:
     return run_ordinary(
-        call.model, call.prompts, call.generation, call.selection, call.sampling.n,
+        call.model, call.prompts, call.budgets, call.generation, call.selection, call.sampling.n,
         call.sampling.continuous_batch_size, call.profile, call.timer, call.stops,
     )  # fmt: skip
 
@@ -97,7 +97,7 @@ def auto_route(call: RouteCall) -> FinishedItems:
         return run_continuous(call, PlannedGroups(call, first_plan=None), share_prefixes=True)
     decision = choose_route(
         [len(p) for p in call.prompts],
-        call.sampling.max_new_tokens,
+        call.most_new_tokens,  # the decode steps run until the largest budget, on either route
         call.sampling.continuous_batch_size,
         call.geometry,
         call.costs,
@@ -192,7 +192,7 @@ def run_continuous(
     )  # fmt: skip
     call.profile.decode_forward = "direct" if runner.direct is not None else "model"
     batcher = ContinuousBatcher(
-        runner, call.selection, call.generation.eos_token_ids, call.generation.max_new_tokens,
+        runner, call.selection, call.generation.eos_token_ids, call.budgets,
         call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
         call.stops,
     )  # fmt: skip
@@ -255,11 +255,11 @@ def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision
     if call.config.kernels == "invariant" and call.config.compile is not False:
         # The engine's own kernels run eagerly: a graph of the model's own linears would not be invariant.
         decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
-                                    call.sampling.max_new_tokens, shape.cache_capacity)  # fmt: skip
+                                    call.most_new_tokens, shape.cache_capacity)  # fmt: skip
         return dataclasses.replace(decision, reason="kernels='invariant' decodes eagerly (compile not used)")
     return compile_decision(
         call.model, call.config.compile, shape.continuous_batch_size, items, longest,
-        call.sampling.max_new_tokens, shape.cache_capacity, round_capacity=call.config.cache_capacity is None,
+        call.most_new_tokens, shape.cache_capacity, round_capacity=call.config.cache_capacity is None,
     )  # fmt: skip
 
 
@@ -277,7 +277,9 @@ def cache_shape(call: RouteCall) -> CacheShape:
     items = len(call.prompts) * call.sampling.n
     rows = min(call.sampling.continuous_batch_size, items)
     longest = max(len(p) for p in call.prompts)
-    budget = call.sampling.max_new_tokens
+    # The largest budget, not each prompt's own: a wide admission moves the shared front for every row, so a
+    # short prompt with a long budget can be stretched by a long prompt with a short one.
+    budget = call.most_new_tokens
     columns = call.config.cache_capacity
     if columns is None:
         # Enough for any schedule (see StaticKVCache: front - first live column <= longest + budget - 1
@@ -287,9 +289,10 @@ def cache_shape(call: RouteCall) -> CacheShape:
         # A row holds its prompt plus budget - 1 fed-back tokens; trimming keeps every schedule within
         # longest + budget - 1 columns (see StaticKVCache), so this is the exact minimum.
         index = max(range(len(call.prompts)), key=lambda i: len(call.prompts[i]))
+        per_prompt = isinstance(call.sampling.max_new_tokens, list)
+        budget_text = f"the largest max_new_tokens is {budget}" if per_prompt else f"max_new_tokens={budget}"
         raise ValueError(
-            f"cache_capacity={columns} is too small: prompt {index} has {longest} tokens and max_new_tokens="
-            f"{budget}, which needs {longest + budget - 1} columns; raise cache_capacity to at least "
+            f"cache_capacity={columns} is too small: prompt {index} has {longest} tokens and {budget_text}, which needs {longest + budget - 1} columns; raise cache_capacity to at least "
             f"{longest + budget - 1} (or leave it None to size it per call)"
         )
     return CacheShape(continuous_batch_size=rows, cache_capacity=columns)
@@ -297,7 +300,7 @@ def cache_shape(call: RouteCall) -> CacheShape:
 
 def _check_sliding_window(call: RouteCall) -> None:
     window = sliding_window_limit(call.model.config)
-    needed = max(len(p) for p in call.prompts) + call.sampling.max_new_tokens
+    needed = max(len(p) + budget for p, budget in zip(call.prompts, call.budgets, strict=True))
     if window is not None and needed > window:
         raise ValueError(
             f"the model uses a sliding attention window of {window} tokens and this call needs {needed}: the "

@@ -236,14 +236,14 @@ def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
 def _generate_runs(
     rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], budgets: list[int], base: SamplingConfig
 ) -> tuple[list[tuple[list[int], list[float] | None]], list[Any]]:
-    """One `generate` per distinct (run length, token budget) (normally one: every run is num_generations
-    long, with the whole budget); returns (tokens, logprobs) per completion in the input's row order, and
-    the results (route, profile) of the calls that ran."""
+    """One `generate` per distinct run length (normally one: every run is num_generations long), each run
+    with its own token budget; returns (tokens, logprobs) per completion in the input's row order, and the
+    results (route, profile) of the calls that ran."""
     per_run: dict[int, list[tuple[list[int], list[float] | None]]] = {}
     results = []
-    for n, budget in sorted({(count, budget) for (_, count), budget in zip(runs, budgets, strict=True)}):
-        members = [r for r, (_, count) in enumerate(runs) if count == n and budgets[r] == budget]
-        sampling = replace(base, n=n, max_new_tokens=budget, seed=[seeds[r] for r in members])
+    for n in sorted({count for _, count in runs}):
+        members = [r for r, (_, count) in enumerate(runs) if count == n]
+        sampling = replace(base, n=n, max_new_tokens=[budgets[r] for r in members], seed=[seeds[r] for r in members])
         result = rollout.generate([runs[r][0] for r in members], sampling)
         results.append(result)
         for position, r in enumerate(members):

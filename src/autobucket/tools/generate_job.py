@@ -9,7 +9,6 @@ keys one call over the whole file would give them, so sampled tokens are the sam
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -218,17 +217,16 @@ def generate_in_chunks(
     rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None
 ) -> list[Any]:
     """One `rollout.generate` per `chunk` prompts (input order); `on_progress` after each. Each chunk
-    gets its prompts' stream keys from the whole file's (`request_seeds`), so a sampled prompt draws what
-    one call over every prompt would draw for it, whatever the chunk size."""
-    from autobucket.engine.sampling.streams import request_seeds
+    gets its prompts' stream keys and budgets from the whole file's (`subset_sampling`), so a sampled prompt
+    draws what one call over every prompt would draw for it, whatever the chunk size."""
+    from autobucket.engine.sampling.streams import subset_sampling
 
-    seeds = request_seeds(sampling.seed, len(prompts))
     results = []
     if on_progress is not None:
         on_progress(0, len(prompts))
     for start in range(0, len(prompts), chunk):
-        chunk_sampling = dataclasses.replace(sampling, seed=list(seeds[start : start + chunk]))
-        results.append(rollout.generate(prompts[start : start + chunk], chunk_sampling))
+        indices = range(start, min(start + chunk, len(prompts)))
+        results.append(rollout.generate(prompts[start : start + chunk], subset_sampling(sampling, indices, len(prompts))))
         if on_progress is not None:
             on_progress(min(start + chunk, len(prompts)), len(prompts))
     return results

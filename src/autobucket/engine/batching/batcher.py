@@ -67,7 +67,7 @@ class ContinuousBatcher:
         runner: ModelRunner,
         selection: Selection,
         eos_token_ids: Sequence[int],
-        max_new_tokens: int,
+        budgets: Sequence[int],
         profile: Profile,
         timer: PhaseTimer,
         prefix: PrefixReuse | None = None,
@@ -78,7 +78,7 @@ class ContinuousBatcher:
         # None: every prompt prefilled whole, nothing remembered
         self.prefix = PrefixAdmission(prefix, runner, profile, timer) if prefix is not None else None
         self.prompts: Sequence[Sequence[int]] = ()
-        self.eos, self.max_new_tokens = frozenset(eos_token_ids), max_new_tokens
+        self.eos, self.budgets = frozenset(eos_token_ids), budgets  # budgets: per prompt index
         self.rows: list[_Row] = []
         self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
         self.finished: dict[tuple[int, int], Finished] = {}
@@ -246,7 +246,7 @@ class ContinuousBatcher:
             reason = "eos"
         elif stopped:
             reason = "stop"
-        elif len(row.tokens) >= self.max_new_tokens:
+        elif len(row.tokens) >= self.budgets[row.prompt]:
             reason = "length"
         else:
             return False

@@ -10,9 +10,14 @@ boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from autobucket.config import SamplingConfig
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -60,3 +65,14 @@ def request_seeds(seed: int | Sequence[int], prompt_count: int) -> tuple[int, ..
         return tuple(seed)
     return tuple(request_seed(seed, index) for index in range(prompt_count))
 
+
+
+def subset_sampling(sampling: SamplingConfig, indices: Sequence[int], prompt_count: int) -> SamplingConfig:
+    """`sampling` for the prompts at `indices` of a call of `prompt_count` prompts (a shard or a chunk): each
+    keeps the stream key and the budget it has in the whole call, so its tokens do not depend on the split."""
+    seeds = request_seeds(sampling.seed, prompt_count)
+    budget = sampling.max_new_tokens
+    if isinstance(budget, list):
+        budgets = sampling.request_budgets(prompt_count)
+        budget = [budgets[i] for i in indices]
+    return dataclasses.replace(sampling, seed=[seeds[i] for i in indices], max_new_tokens=budget)
