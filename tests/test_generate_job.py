@@ -66,6 +66,9 @@ def test_jsonl_takes_prompt_or_prompt_ids_and_an_optional_id(tmp_path):
         ('{"prompt_ids": [1, -2]}', '"prompt_ids" must be a non-empty list'),
         ('{"prompt_ids": [1, true]}', '"prompt_ids" must be a non-empty list'),
         ('{"prompt_ids": "1 2"}', '"prompt_ids" must be a non-empty list'),
+        ('{"prompt_ids": [1], "max_new_tokens": 0}', '"max_new_tokens" must be an int >= 1'),
+        ('{"prompt": "a", "max_new_tokens": "8"}', '"max_new_tokens" must be an int >= 1'),
+        ('{"prompt": "a", "max_new_tokens": true}', '"max_new_tokens" must be an int >= 1'),
     ],
 )
 def test_a_bad_jsonl_line_names_its_file_and_line(tmp_path, bad_line, message):
@@ -127,6 +130,23 @@ def test_chunked_job_matches_the_oracle_in_input_order(tiny_models, tmp_path):
     assert summary["prompts"] == 5 and summary["routes_run"] == {"aligned": 3}
     assert summary["output_tokens"] == sum(len(t) for t in expected_tokens)
     assert summary["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_a_lines_own_budget_replaces_the_jobs_for_that_prompt(tiny_models, tmp_path):
+    """"max_new_tokens" on a JSONL line is that prompt's budget; the others keep --max-new-tokens."""
+    prompts = random_prompts([9, 2, 17, 5, 12], seed=3)
+    own = {1: 3, 3: 11}
+    path, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, [{"prompt_ids": p, **({"max_new_tokens": own[i]} if i in own else {})} for i, p in enumerate(prompts)])
+    sampling = SamplingConfig(max_new_tokens=6, continuous_batch_size=2, eos_token_id=[])
+    job = GenerateJob(prompts=str(path), out=str(out), model=MODEL, rollout=RolloutConfig(route="aligned"),
+                      sampling=sampling, chunk_prompts=2)  # fmt: skip
+    run_generate_job(job)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    budgets = [own.get(i, 6) for i in range(5)]
+    expected = [oracle_batch(tiny_models(MODEL), [p], b, eos_token_id=[])[0][0] for p, b in zip(prompts, budgets, strict=True)]
+    assert [row["tokens"] for row in rows] == expected
+    assert [len(row["tokens"]) for row in rows] == [6, 3, 6, 11, 6]
 
 
 SAMPLED = {"max_new_tokens": 5, "continuous_batch_size": 2, "temperature": 1.0, "top_p": 0.9, "n": 2, "seed": 11,

@@ -30,12 +30,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_model_arguments(parser, default="smollm2")
     parser.add_argument("--prompts", required=True, metavar="FILE",
-                        help='JSONL with "prompt" or "prompt_ids" (optional "id") per line, a text file with '
+                        help='JSONL with "prompt" or "prompt_ids" (optional "id", and "max_new_tokens" for that '
+                        'prompt\'s own budget) per line, a text file with '
                         "one prompt per line, or - for stdin")  # fmt: skip
     parser.add_argument("--format", dest="input_format", choices=("auto", "jsonl", "txt"), default="auto",
                         help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
+                        help='new tokens per prompt (default 64); a JSONL line\'s "max_new_tokens" wins for it')  # fmt: skip
     parser.add_argument("--stop", dest="stop_strings", action="append", metavar="TEXT",
                         help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
                         "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip

@@ -9,6 +9,7 @@ keys one call over the whole file would give them, so sampled tokens are the sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -43,6 +44,7 @@ class PromptRecord:
     line: int  # 1-based line number in the input
     text: str | None = None
     ids: list[int] | None = None
+    max_new_tokens: int | None = None  # the line's own budget (None: the job's)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def _input_format(name: str, lines: Sequence[str], input_format: str) -> str:
 
 
 def parse_prompt_lines(lines: Iterable[str], input_format: str, name: str = "<prompts>") -> list[PromptRecord]:
-    """JSONL: one object per line with "prompt" (text) or "prompt_ids" (token ids), optional "id".
+    """JSONL: one object per line with "prompt" (text) or "prompt_ids" (token ids), optional "id" and
+    "max_new_tokens" (that prompt's budget, in place of the job's).
     txt: one text prompt per line. Blank lines are skipped in both."""
     records: list[PromptRecord] = []
     for number, line in enumerate(lines, start=1):
@@ -129,15 +132,18 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
     if ("prompt" in item) == ("prompt_ids" in item):
         raise ValueError(f'{where}: give exactly one of "prompt" (text) or "prompt_ids" (token ids)')
     record_id = item.get("id", position)
+    budget = item.get("max_new_tokens")
+    if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
+        raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1 (this prompt\'s budget), got {budget!r}')
     if "prompt" in item:
         text = item["prompt"]
         if not isinstance(text, str) or not text:
             raise ValueError(f'{where}: "prompt" must be a non-empty string, got {text!r}')
-        return PromptRecord(id=record_id, line=number, text=text)
+        return PromptRecord(id=record_id, line=number, text=text, max_new_tokens=budget)
     ids = item["prompt_ids"]
     if not isinstance(ids, list) or not ids or not all(_is_token_id(token) for token in ids):
         raise ValueError(f'{where}: "prompt_ids" must be a non-empty list of token ids (ints >= 0), got {ids!r}')
-    return PromptRecord(id=record_id, line=number, ids=ids)
+    return PromptRecord(id=record_id, line=number, ids=ids, max_new_tokens=budget)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -206,7 +212,7 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
     chunk = job.chunk_prompts or CHUNK_BATCHES * job.sampling.continuous_batch_size
     started = time.perf_counter()
-    results = generate_in_chunks(rollout, prompts, job.sampling, chunk, on_progress)
+    results = generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress)
     generate_s = time.perf_counter() - started
     samples = prompt_samples(results, job.sampling.n)
     write_jsonl(output_rows(records, samples, tokenizer), job.out)
@@ -230,6 +236,15 @@ def generate_in_chunks(
         if on_progress is not None:
             on_progress(min(start + chunk, len(prompts)), len(prompts))
     return results
+
+
+def record_sampling(sampling: SamplingConfig, records: Sequence[PromptRecord]) -> SamplingConfig:
+    """The job's sampling with each line's own "max_new_tokens" in place of the job's budget for it."""
+    if all(record.max_new_tokens is None for record in records):
+        return sampling
+    job_budgets = sampling.request_budgets(len(records))
+    budgets = [r.max_new_tokens or job for r, job in zip(records, job_budgets, strict=True)]
+    return dataclasses.replace(sampling, max_new_tokens=budgets)
 
 
 def summarize(
