@@ -58,5 +58,6 @@ turn = SamplingConfig(max_new_tokens=64, stop_strings=["</tool_call>"])
 first = rollout.generate(conversations, turn)
 tool_ids = [[28, 1421], [28, 310, 77]]
 conversations = [c + t + x for c, t, x in zip(conversations, first.tokens, tool_ids, strict=True)]
-second = rollout.generate(conversations, turn)
+left = [256 - len(t) for t in first.tokens]
+second = rollout.generate(conversations, SamplingConfig(max_new_tokens=left, stop_strings=["</tool_call>"]))
 cached: int = second.profile.cached_prompt_tokens
