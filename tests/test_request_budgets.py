@@ -67,6 +67,20 @@ def test_the_ordinary_route_stops_each_batch_at_its_own_largest_budget(tiny_mode
     assert profile.decode_forwards == (max(BUDGETS[:3]) - 1) + (max(BUDGETS[3:]) - 1)
 
 
+@pytest.mark.parametrize("route", ["equal_width", "aligned", "auto"])
+def test_the_largest_budget_is_admitted_first_so_no_request_decodes_alone_at_the_end(tiny_models, route):
+    """Six short requests and one long one, last in the input, on three rows: admitted in input order, the
+    long one would start after the short ones and decode alone (2 + 2 + 19 steps and more); admitted first,
+    the short ones refill the other two rows meanwhile and the call takes the long one's 19 decode steps."""
+    model = tiny_models("tiny-llama")
+    prompts = random_prompts((4, 9, 3, 12, 6, 5, 8), seed=2)
+    budgets = [3, 3, 3, 3, 3, 3, 20]
+    sampling = SamplingConfig(max_new_tokens=budgets, eos_token_id=[], continuous_batch_size=3)
+    result = Rollout(model, config=RolloutConfig(route=route)).generate(prompts, sampling)
+    assert result.tokens == oracle(model, prompts, budgets, eos_token_id=[])[0]
+    assert result.profile.decode_forwards == max(budgets) - 1
+
+
 @pytest.mark.parametrize("route", ["aligned", "auto"])
 def test_sampled_requests_do_not_depend_on_the_other_budgets(tiny_models, route):
     """Invariant kernels: each sampled request (n = 2, refill, per-prompt seeds) gets bitwise the tokens and

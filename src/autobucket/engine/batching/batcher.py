@@ -89,7 +89,12 @@ class ContinuousBatcher:
     ) -> dict[tuple[int, int], Finished]:
         """Finished results keyed by (prompt index, sample index)."""
         self.prompts = prompts
-        queue = deque((p, s) for p in range(len(prompts)) for s in range(samples_per_prompt))
+        # Largest budget first (stable: equal budgets keep the input order): with more requests than rows, a
+        # long request admitted last would decode alone at the end. Refills then fill the rows the short
+        # ones free (list scheduling, longest first; 64 budgets of 16-128 on 32 rows: 153 steps on average
+        # instead of 213). Results are keyed by request, so the order changes no output.
+        order = sorted(range(len(prompts)), key=lambda prompt: -self.budgets[prompt])
+        queue = deque((p, s) for p in order for s in range(samples_per_prompt))
         rows_limit = self.runner.cache_shape.continuous_batch_size
         while queue or self.rows:
             free_rows = rows_limit - len(self.rows)
