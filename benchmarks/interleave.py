@@ -30,29 +30,34 @@ def interleaved(
 def abba_rounds(
     calls: dict[str, Callable[[Any, int], object]], round_input: Callable[[int], Any], seeds: Sequence[int]
 ) -> dict[str, Any]:
-    """Two contenders, one round per seed, in ABBA order (the first named runs first in even rounds, second
-    in odd ones), so drift between rounds hits both alike. `round_input(seed)` (untimed) makes the round's
-    input; each call takes it and the seed and returns what both must agree on. Prints every round.
+    """Two or more contenders, one round per seed, the order rotated each round (for two: ABBA, the first
+    named runs first in even rounds, second in odd ones), so drift between rounds hits all alike.
+    `round_input(seed)` (untimed) makes the round's input; each call takes it and the seed and returns what
+    all must agree on. Prints every round.
 
     Returns samples_ms (name -> ms), medians_ms, round_ratios (first / second, per round),
-    median_round_ratio and outputs_equal (every round's outputs equal)."""
-    first, second = calls
+    median_round_ratio, ratios_to_first (name -> per-round first / name, every other contender) and
+    outputs_equal (every round's outputs equal)."""
+    names = list(calls)
+    first, second = names[:2]
     samples: dict[str, list[float]] = {name: [] for name in calls}
     equal = True
     for index, seed in enumerate(seeds):
         data, outputs = round_input(seed), {}
-        for name in (first, second) if index % 2 == 0 else (second, first):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
             outputs[name] = calls[name](data, seed)
             samples[name].append((time.perf_counter() - started) * 1e3)
-        equal = equal and outputs[first] == outputs[second]
-        print(f"round {index}: {first} {samples[first][-1]:.0f} ms, {second} {samples[second][-1]:.0f} ms, "
-              f"ratio {samples[first][-1] / samples[second][-1]:.3f}")  # fmt: skip
-    ratios = [a / b for a, b in zip(samples[first], samples[second], strict=True)]
+        equal = equal and all(outputs[name] == outputs[first] for name in names)
+        times = ", ".join(f"{name} {samples[name][-1]:.0f} ms" for name in names)
+        print(f"round {index}: {times}, ratio {samples[first][-1] / samples[second][-1]:.3f}")
+    ratios = {name: [a / b for a, b in zip(samples[first], samples[name], strict=True)] for name in names[1:]}
     return {
         "samples_ms": samples,
         "medians_ms": {name: statistics.median(values) for name, values in samples.items()},
-        "round_ratios": ratios,
-        "median_round_ratio": statistics.median(ratios),
+        "round_ratios": ratios[second],
+        "median_round_ratio": statistics.median(ratios[second]),
+        "ratios_to_first": ratios,
         "outputs_equal": equal,
     }
