@@ -12,6 +12,8 @@ Contenders:
 - "per_request": one call, `SamplingConfig(max_new_tokens=budgets)`: a row retires at its budget;
 - "largest_cut": one call with the largest budget for all, each completion cut to its own afterwards (every
   row decodes until the longest is done);
+- "input_order": per_request with the requests admitted in input order (the engine admits the largest
+  budget first; this measures what that ordering saves when rows refill);
 - "per_budget": one call per distinct budget (what autobucket's TRL adapter did before: with budgets drawn
   from a range nearly every conversation is its own call).
 With the invariant kernels a request's tokens do not depend on its batch, so all three return the same
@@ -23,6 +25,7 @@ import argparse
 import json
 import random
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ from shared_decode import round_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.file import host_cpu
+from autobucket.engine.batching import batcher
 from autobucket.models import build_tiny_model
 
 
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--most", type=int, default=128)
     parser.add_argument("--continuous-batch-size", type=int, default=None, help="rows decoded at once "
                         "(default: every prompt's; fewer makes the rest queue and refill retired rows)")  # fmt: skip
+    parser.add_argument("--skip-per-budget", action="store_true", help="leave out the slowest contender")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/request_budgets.json")
     args = parser.parse_args()
@@ -65,6 +70,10 @@ def main() -> None:
         prompts, budgets = data
         return rollout.generate(prompts, sampling(budgets, stream_keys(seed, len(prompts)))).tokens
 
+    def input_order(data, seed):
+        with admitted_in_input_order():
+            return per_request(data, seed)
+
     def largest_cut(data, seed):
         prompts, budgets = data
         tokens = rollout.generate(prompts, sampling(max(budgets), stream_keys(seed, len(prompts)))).tokens
@@ -80,7 +89,9 @@ def main() -> None:
                 tokens[i] = t
         return tokens
 
-    calls = {"per_request": per_request, "largest_cut": largest_cut, "per_budget": per_budget}
+    calls = {"per_request": per_request, "input_order": input_order, "largest_cut": largest_cut}
+    if not args.skip_per_budget:
+        calls["per_budget"] = per_budget
     warm = turn(args.seed)
     for call in calls.values():  # warm-up: packs made, the kernel library built
         call(warm, args.seed)
@@ -99,6 +110,17 @@ def main() -> None:
               "samples_ms": rounds["samples_ms"]}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+@contextmanager
+def admitted_in_input_order():
+    """The batcher's queue in input order for the calls inside (it admits the largest budget first)."""
+    saved = batcher.admission_order
+    batcher.admission_order = lambda budgets: list(range(len(budgets)))
+    try:
+        yield
+    finally:
+        batcher.admission_order = saved
 
 
 def stream_keys(seed: int, count: int) -> list[int]:

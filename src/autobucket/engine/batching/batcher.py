@@ -59,6 +59,15 @@ class _Source:
     seen: torch.Tensor | None  # [vocab] bool prompt tokens (with a repetition penalty)
 
 
+def admission_order(budgets: Sequence[int]) -> list[int]:
+    """Prompt indices in the order they queue: largest budget first (stable: equal budgets keep the input
+    order). With more requests than rows, a long request admitted last would decode alone at the end;
+    longest first, refills fill the rows the short ones free (list scheduling: 64 budgets of 16-128 on 32
+    rows take 153 decode steps on average instead of 213). Results are keyed by request, so the order
+    changes no output."""
+    return sorted(range(len(budgets)), key=lambda prompt: -budgets[prompt])
+
+
 class ContinuousBatcher:
     """Runs one `generate` call's CB schedule. Create one per call."""
 
@@ -89,12 +98,7 @@ class ContinuousBatcher:
     ) -> dict[tuple[int, int], Finished]:
         """Finished results keyed by (prompt index, sample index)."""
         self.prompts = prompts
-        # Largest budget first (stable: equal budgets keep the input order): with more requests than rows, a
-        # long request admitted last would decode alone at the end. Refills then fill the rows the short
-        # ones free (list scheduling, longest first; 64 budgets of 16-128 on 32 rows: 153 steps on average
-        # instead of 213). Results are keyed by request, so the order changes no output.
-        order = sorted(range(len(prompts)), key=lambda prompt: -self.budgets[prompt])
-        queue = deque((p, s) for p in order for s in range(samples_per_prompt))
+        queue = deque((p, s) for p in admission_order(self.budgets) for s in range(samples_per_prompt))
         rows_limit = self.runner.cache_shape.continuous_batch_size
         while queue or self.rows:
             free_rows = rows_limit - len(self.rows)
