@@ -189,6 +189,26 @@ def test_compact_moves_kept_rows_in_the_given_order_and_clears_the_rest():
     assert store.moved_bytes - moved_before == 2 * LAYERS * 2 * HEADS * store.front * DIM * element
 
 
+def test_retiring_rows_moves_only_the_rows_that_fill_the_holes():
+    """Rows 1 and 3 of 6 retire: rows 4 and 5 fill their places and nothing else moves (two rows' bytes;
+    keeping the input order would shift rows 2, 4 and 5). Every survivor's K/V and mask are its own."""
+    store = make_store(rows=6)
+    store.admit(*group_kv(6, 4, seed=0), lengths=[4, 2, 3, 1, 4, 2])
+    decode_step(store, seed=1)
+    keys, values, attend = snapshot(store)
+    order = static_cache.fill_holes_order([0, 2, 4, 5])
+    assert order == [0, 4, 2, 5]
+    assert static_cache.fill_holes_order([0, 1, 2]) == [0, 1, 2]  # the last rows retired: nothing moves
+    store.compact(order)
+    for position, row in enumerate(order):
+        for layer in range(LAYERS):
+            assert torch.equal(store.keys[layer][position], keys[layer][row])
+            assert torch.equal(store.values[layer][position], values[layer][row])
+        assert torch.equal(store.attend[position], attend[row])
+    element = store.keys[0].element_size()
+    assert store.moved_bytes == 2 * LAYERS * 2 * HEADS * store.front * DIM * element
+
+
 def test_compact_with_identity_keep_moves_nothing_and_clears_the_tail():
     store = make_store(rows=3)
     store.admit(*group_kv(3, 4, seed=0), lengths=[4, 2, 3])

@@ -26,6 +26,7 @@ from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
 from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
+from autobucket.engine.batching.static_cache import fill_holes_order
 from autobucket.engine.finished import Finished, StopStrings
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
@@ -211,8 +212,9 @@ class ContinuousBatcher:
         for r, token in enumerate(tokens_host):
             self._append(r, token, logprobs_host)
         stopped = self._completes_stop_string(self.rows)
-        keep = [r for r, row in enumerate(self.rows) if not self._finish_if_done(row, stopped[r])]
-        if len(keep) < len(self.rows):
+        survivors = [r for r, row in enumerate(self.rows) if not self._finish_if_done(row, stopped[r])]
+        if len(survivors) < len(self.rows):
+            keep = fill_holes_order(survivors)
             with self.timer.phase("cache_ms"):
                 self._remember_finished(keep)
                 self.runner.retire(keep)

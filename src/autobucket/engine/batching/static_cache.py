@@ -41,6 +41,16 @@ except ImportError as error:  # pragma: no cover - guarded by the package's depe
     raise ImportError("autobucket needs transformers >= 4.57 (layered KV caches)") from error
 
 
+def fill_holes_order(survivors: Sequence[int]) -> list[int]:
+    """A `StaticKVCache.compact` order for the surviving rows (ascending) that moves the fewest: survivors
+    among the first len(survivors) rows stay where they are; the holes there take the survivors beyond.
+    (Keeping the input order shifts every row after a hole: with rows retiring a few at a time, as
+    per-request budgets and EOS make them, that moved GBs of K/V in a call.)"""
+    kept, staying = len(survivors), set(survivors)
+    beyond = iter(row for row in survivors if row >= kept)
+    return [row if row in staying else next(beyond) for row in range(kept)]
+
+
 class CacheCapacityError(ValueError):
     """The static cache cannot hold the next column even after trimming."""
 
@@ -278,12 +288,17 @@ class StaticKVCache:
     def compact(self, keep: Sequence[int]) -> None:
         """Keep only rows `keep` (in that order) as rows 0..len(keep)-1 and clear the rest."""
         kept, before = len(keep), self.active_rows
-        if list(keep) != list(range(kept)):
-            index = torch.tensor(list(keep), dtype=torch.long, device=self.attend.device)
+        # Only the rows whose position changes are copied (the gather reads a copy first, so a source
+        # may also be a destination): in `fill_holes_order`, at most one row per retired row.
+        moved = [row for row in range(kept) if keep[row] != row]
+        if moved:
+            device = self.attend.device
+            to = torch.tensor(moved, dtype=torch.long, device=device)
+            source = torch.tensor([keep[row] for row in moved], dtype=torch.long, device=device)
             for tensor in (*self.keys, *self.values):
-                tensor[:kept, :, : self.front] = tensor[index, :, : self.front]
-            self.attend[:kept] = self.attend[index]
-            self.moved_bytes += self._column_bytes(kept, self.front)
+                tensor[to, :, : self.front] = tensor[source, :, : self.front]
+            self.attend[to] = self.attend[source]
+            self.moved_bytes += self._column_bytes(len(moved), self.front)
         if self.zero_filled:
             for tensor in (*self.keys, *self.values):
                 tensor[kept:before, :, : self.front] = 0
