@@ -10,6 +10,8 @@ leaves after earlier turns), temperature 1, per-prompt seeds, EOS off, every row
 `--continuous-batch-size` rows, the rest queued).
 Contenders:
 - "per_request": one call, `SamplingConfig(max_new_tokens=budgets)`: a row retires at its budget;
+- "shifting_rows": per_request with retired rows compacted in input order (every row after a retired one
+  shifted, as before `static_cache.fill_holes_order`; only with --shifting-rows);
 - "largest_cut": one call with the largest budget for all, each completion cut to its own afterwards (every
   row decodes until the longest is done);
 - "input_order": per_request with the requests admitted in input order (the engine admits the largest
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--most", type=int, default=128)
     parser.add_argument("--continuous-batch-size", type=int, default=None, help="rows decoded at once "
                         "(default: every prompt's; fewer makes the rest queue and refill retired rows)")  # fmt: skip
+    parser.add_argument("--shifting-rows", action="store_true", help="add the shifting_rows contender")
     parser.add_argument("--skip-per-budget", action="store_true", help="leave out the slowest contender")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/request_budgets.json")
@@ -74,6 +77,10 @@ def main() -> None:
         with admitted_in_input_order():
             return per_request(data, seed)
 
+    def shifting_rows(data, seed):
+        with rows_shifted_on_retirement():
+            return per_request(data, seed)
+
     def largest_cut(data, seed):
         prompts, budgets = data
         tokens = rollout.generate(prompts, sampling(max(budgets), stream_keys(seed, len(prompts)))).tokens
@@ -90,6 +97,8 @@ def main() -> None:
         return tokens
 
     calls = {"per_request": per_request, "input_order": input_order, "largest_cut": largest_cut}
+    if args.shifting_rows:
+        calls["shifting_rows"] = shifting_rows
     if not args.skip_per_budget:
         calls["per_budget"] = per_budget
     warm = turn(args.seed)
@@ -121,6 +130,17 @@ def admitted_in_input_order():
         yield
     finally:
         batcher.admission_order = saved
+
+
+@contextmanager
+def rows_shifted_on_retirement():
+    """Retired rows compacted in input order for the calls inside (the engine fills the holes from the end)."""
+    saved = batcher.fill_holes_order
+    batcher.fill_holes_order = list
+    try:
+        yield
+    finally:
+        batcher.fill_holes_order = saved
 
 
 def stream_keys(seed: int, count: int) -> list[int]:
