@@ -59,12 +59,14 @@ def test_eos_ends_a_request_before_its_budget(tiny_models):
 
 def test_the_ordinary_route_stops_each_batch_at_its_own_largest_budget(tiny_models):
     """HF `generate` runs one max_new_tokens per batch: each batch's largest budget, and a per-row stopping
-    criterion ends the batch once every row has its budget (11 + 19 decode steps here, not 2 x 19)."""
+    criterion ends the batch once every row has its budget. Rows are batched largest budget first: budgets
+    20, 12, 7 then 5, 3, 1 take 19 + 4 decode steps (in input order 11 + 19; one budget for all 2 x 19)."""
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts(LENGTHS, seed=3)
     sampling = SamplingConfig(max_new_tokens=BUDGETS, eos_token_id=[], continuous_batch_size=3)
     profile = Rollout(model, config=RolloutConfig(route="ordinary")).generate(prompts, sampling).profile
-    assert profile.decode_forwards == (max(BUDGETS[:3]) - 1) + (max(BUDGETS[3:]) - 1)
+    ordered = sorted(BUDGETS, reverse=True)
+    assert profile.decode_forwards == (ordered[0] - 1) + (ordered[3] - 1) == 23
 
 
 @pytest.mark.parametrize("route", ["equal_width", "aligned", "auto"])

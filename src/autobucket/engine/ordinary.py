@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from autobucket.engine.batching.batcher import admission_order
 from autobucket.engine.batching.prefill import left_pad
 from autobucket.engine.finished import Finished, StopStrings, cut_finished
 from autobucket.engine.generation_setup import ResolvedGeneration
@@ -127,8 +128,9 @@ def run_ordinary(
     stops: StopStrings | None = None,
 ) -> dict[tuple[int, int], Finished]:
     """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)
-    and generates up to its prompt's budget (`budgets`, per prompt)."""
-    items = [(p, s) for p in range(len(prompts)) for s in range(samples_per_prompt)]
+    and generates up to its prompt's budget (`budgets`, per prompt). Rows are batched largest budget first,
+    as the CB routes queue them, so a batch's rows need similar numbers of steps."""
+    items = [(p, s) for p in admission_order(budgets) for s in range(samples_per_prompt)]
     finished: dict[tuple[int, int], Finished] = {}
     for start in range(0, len(items), continuous_batch_size):
         batch = items[start : start + continuous_batch_size]
