@@ -299,6 +299,18 @@ def test_generation_kwargs_stop_strings_end_completions_as_the_rollout_does(tmp_
     assert run.completions[0] == [tokens for tokens in expected.tokens for _ in range(NUM_GENERATIONS)]
 
 
+def test_generation_kwargs_min_new_tokens_match_the_stock_trainer(stock_greedy, tmp_path, eos_id):
+    """generation_kwargs={"min_new_tokens": k}: the stock trainer's `generate` applies it, and so does
+    autobucket (it was refused before); k is past the first step's earliest EOS, so completions change."""
+    ended = [len(ids) for ids in stock_greedy.completions[0] if ids[-1] == eos_id]
+    minimum = min(ended) + 1
+    overrides = {"generation_kwargs": {"do_sample": False, "min_new_tokens": minimum}, "max_steps": 1}
+    stock = run_grpo(GRPOTrainer, tmp_path / "stock", eos_id, config_overrides=overrides)
+    ours = run_grpo(AutobucketGRPOTrainer, tmp_path / "ours", eos_id, config_overrides=overrides)
+    assert ours.completions == stock.completions != stock_greedy.completions[:1]
+    assert min(len(ids) for ids in ours.completions[0]) >= minimum
+
+
 # ------------------------------------------------------------------ bad input
 def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
     with pytest.raises(ValueError, match=r"top_h=0\.5, which autobucket cannot apply"):
@@ -316,7 +328,7 @@ def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
 
 
 @pytest.mark.parametrize(
-    "option", [{"no_repeat_ngram_size": 2}, {"min_new_tokens": 3}, {"suppress_tokens": [5]}, {"bad_words_ids": [[7]]}]
+    "option", [{"no_repeat_ngram_size": 2}, {"min_length": 30}, {"suppress_tokens": [5]}, {"bad_words_ids": [[7]]}]
 )
 def test_generation_kwargs_autobucket_cannot_apply_are_refused_not_ignored(tmp_path, eos_id, option):
     """The stock trainer's `generate` applies these; generating without them would silently give other

@@ -185,6 +185,9 @@ class SamplingConfig:
       greedy, no penalty or top-k / top-p; with `RolloutConfig(kernels="invariant")` and the trainer's
       forward under `autobucket.invariant(model)` they are bitwise the trainer's. "processed": under the
       distribution actually sampled from (after the penalty and every warper), in fp32.
+    min_new_tokens: EOS cannot be chosen before a request has this many new tokens (HF's
+      `MinNewTokensLengthLogitsProcessor`: its EOS logits are -inf until then; stop strings and the budget
+      still end it). None uses the model's generation config (usually none); 0 turns it off.
     stop_strings: a string or list of strings that end a request as HF `generate(stop_strings=...)` does:
       once a generated token completes one (the string may begin in the prompt's last tokens; the token
       may run past its end), with that token kept and the finish reason "stop". Needs the Rollout's
@@ -207,6 +210,7 @@ class SamplingConfig:
     logprobs: bool = False
     logprobs_mode: LogprobsMode = "trainer"
     stop_strings: str | list[str] | None = None
+    min_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Each value is stored as the plain Python type its check returns (numpy and Python numbers are both
@@ -236,6 +240,8 @@ class SamplingConfig:
         require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _store(self, "eos_token_id", self._checked_eos())
         _store(self, "stop_strings", checked_stop_strings("stop_strings", self.stop_strings))
+        fix = "None takes the model's generation config, 0 turns it off"
+        _store(self, "min_new_tokens", optional_int("min_new_tokens", self.min_new_tokens, 0, fix))
 
     def _check_warpers(self) -> None:
         for name, (inside, bounds, off) in _WARPER_RANGES.items():

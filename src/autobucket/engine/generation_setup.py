@@ -23,7 +23,7 @@ from autobucket.config import SamplingConfig, checked_stop_strings
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
 _SAMPLING_KEYS = (
     "max_new_tokens", "repetition_penalty", "eos_token_id", "temperature", "top_k", "top_p", "min_p", "typical_p",
-    "epsilon_cutoff", "eta_cutoff", "stop_strings",
+    "epsilon_cutoff", "eta_cutoff", "stop_strings", "min_new_tokens",
 )  # fmt: skip
 # HF sampling warpers autobucket's sampler does not implement: refused as overrides (a model's own value
 # is inert like every other sampling value of its generation_config).
@@ -48,7 +48,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "force_words_ids": _is_set,
     "constraints": _is_set,
     "min_length": _is_set,
-    "min_new_tokens": _is_set,
     "forced_bos_token_id": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,
     "suppress_tokens": _is_set,
@@ -77,6 +76,7 @@ class ResolvedGeneration:
     pad_token_id: int  # structural padding only; a generated token equal to it is kept
     repetition_penalty: float
     stop_strings: tuple[str, ...]  # empty: none (HF's matching: `autobucket.engine.finished.StopStrings`)
+    min_new_tokens: int  # EOS suppressed before this many new tokens (0: off; applied by `Selection`)
     generation_config: Any  # the resolved transformers GenerationConfig (for the ordinary route)
 
 
@@ -94,6 +94,11 @@ def resolve_generation(
     config.do_sample = False  # autobucket selects tokens itself (autobucket.engine.selection); HF never samples
     config.max_new_tokens = sampling.most_new_tokens  # the ordinary route sets each batch's own largest
     config.repetition_penalty = sampling.repetition_penalty
+    # SamplingConfig's value, else the model's (as HF generate would apply it); the engine's Selection
+    # applies it on every route, so HF's own processor is off (it would mask the raw logits trainer-mode
+    # logprobs are read from).
+    min_new_tokens = sampling.min_new_tokens if sampling.min_new_tokens is not None else (config.min_new_tokens or 0)
+    config.min_new_tokens = None
     _reject_unsupported(config)
     eos = eos_token_ids(sampling.eos_token_id if sampling.eos_token_id is not None else config.eos_token_id)
     for token in eos:
@@ -104,7 +109,7 @@ def resolve_generation(
     config.pad_token_id = pad
     stops = _stop_strings(sampling.stop_strings if sampling.stop_strings is not None else config.stop_strings)
     config.stop_strings = None  # the ordinary route checks them itself, over each prompt's own ids
-    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, config)
+    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, min_new_tokens, config)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

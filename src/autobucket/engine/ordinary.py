@@ -151,7 +151,9 @@ def _generate_batch(
     config.repetition_penalty = 1.0  # applied by _EngineSelection, over real tokens only
     row_budgets = [budgets[p] for p, _ in items]
     config.max_new_tokens = max(row_budgets)
-    needs_selector = not selection.sampler.greedy or selection.want_logprobs or generation.repetition_penalty != 1.0
+    needs_selector = (
+        selection.needs_steps or selection.want_logprobs or generation.repetition_penalty != 1.0
+    )  # else HF's own greedy step picks the engine's token
     selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
     profile.prefill_tokens += len(batch) * width
     # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,

@@ -108,6 +108,17 @@ class Selection:
     want_logprobs: bool
     logprobs_mode: str = "trainer"  # SamplingConfig.logprobs_mode
     logits_dtype: torch.dtype = torch.float32  # the model's dtype: trainer logprobs are computed in it
+    eos_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0  # EOS suppressed for rows with fewer new tokens (HF's MinNewTokensLength)
+
+    @property
+    def suppresses_early_eos(self) -> bool:
+        return self.min_new_tokens > 0 and bool(self.eos_token_ids)
+
+    @property
+    def needs_steps(self) -> bool:
+        """Whether `choose` reads each row's step: sampling's stream keys, or the EOS suppression."""
+        return not self.sampler.greedy or self.suppresses_early_eos
 
     @property
     def uses_penalty(self) -> bool:
@@ -125,6 +136,8 @@ class Selection:
         raw = logits
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
+        if self.suppresses_early_eos:
+            logits = self._without_early_eos(logits, steps)
         processed = self.want_logprobs and self.logprobs_mode == "processed"
         tokens, logprobs = select_tokens(logits, self.sampler, prompts, samples, steps, processed)
         if self.want_logprobs and not processed:
@@ -135,3 +148,16 @@ class Selection:
             else:
                 logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature, kernel=True).float()
         return tokens, logprobs
+
+    def _without_early_eos(self, logits: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
+        """logits [rows, vocab] with -inf at the EOS ids of rows that have fewer than `min_new_tokens` new
+        tokens (`steps`: each row's count), as HF's MinNewTokensLengthLogitsProcessor; a copy, since the
+        caller's tensor is the raw logits trainer-mode logprobs are read from."""
+        early = [row for row, step in enumerate(steps) if step < self.min_new_tokens]
+        if not early:
+            return logits
+        rows = torch.tensor(early, dtype=torch.long, device=logits.device)
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=logits.device)
+        masked = logits.clone()
+        masked[rows[:, None], eos[None, :]] = float("-inf")
+        return masked

@@ -71,7 +71,7 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         generation_config, "generation option",
         "unset it ({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer",
     )  # fmt: skip
-    # Options transformers would apply and autobucket cannot (no_repeat_ngram_size, min_new_tokens,
+    # Options transformers would apply and autobucket cannot (no_repeat_ngram_size, min_length,
     # suppress_tokens, ...): refused, never generated without.
     found = first_unsupported_option(generation_config)
     if found is not None:
@@ -91,6 +91,7 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         eos_token_id=[int(token) for token in eos_token_ids],
         # generation_kwargs={"stop_strings": [...]}: matched with the trainer's tokenizer (`_rollout_for`)
         stop_strings=getattr(generation_config, "stop_strings", None) or [],
+        min_new_tokens=getattr(generation_config, "min_new_tokens", None) or 0,  # generation_kwargs too
         **_warping(generation_config),
     )
 

@@ -234,8 +234,9 @@ class ContinuousBatcher:
                 self.prefix.remember(sequence, lambda start, r=r: self.runner.row_key_values(r, start))
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
-        """(prompt, sample, step) per row: the sampler's stream keys; greedy selection needs none."""
-        if self.selection.sampler.greedy:
+        """(prompt, sample, step) per row: the sampler's stream keys and the EOS suppression's counts;
+        greedy selection without it needs none."""
+        if not self.selection.needs_steps:
             return [], [], []
         rows = self.rows
         return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
