@@ -120,3 +120,26 @@ def test_none_takes_the_models_value_zero_turns_it_off_and_bad_values_are_refuse
             SamplingConfig(min_new_tokens=value)
     with pytest.raises(ValueError, match="min_new_tokens"):
         rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW), min_new_tokens=3)  # SamplingConfig's
+
+
+def test_the_cli_flag_applies_it_as_the_api_does(tiny_models, tmp_path, capsys):
+    import json
+
+    from autobucket.cli import main
+    from autobucket.models import build_tiny_model, load_model
+
+    prompts, eos, minimum = early_eos_case(tiny_models("tiny-llama"))
+    folder = tmp_path / "model"
+    saved = build_tiny_model("tiny-llama")  # a fresh copy: the CLI takes EOS from the saved generation config
+    saved.generation_config.eos_token_id = eos
+    saved.save_pretrained(folder)
+    capsys.readouterr()  # what saving logged is not the command's
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    argv = ["generate", "--model", str(folder), "--prompts", str(path), "--max-new-tokens", str(MAX_NEW),
+            "--route", "aligned", "--quiet", "--min-new-tokens", str(minimum)]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, _ = load_model(str(folder))
+    expected = [hf_generate(model, p, eos, minimum) for p in prompts]
+    assert [row["tokens"] for row in rows] == expected != [hf_generate(model, p, eos, 0) for p in prompts]
