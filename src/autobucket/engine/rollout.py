@@ -102,17 +102,14 @@ class Rollout:
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         stops = self._stop_strings(generation.stop_strings)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
-        budgets = sampling.request_budgets(len(token_prompts))
-        check_context(token_prompts, budgets, self.max_positions)
+        check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
         if not token_prompts:
             profile = Profile(route=self.config.route)
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
         # Only the planning routes need coefficients: the others never trigger the online probe.
         costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
         prefix_cache, cleared = self._prefix_cache()
-        result = self._run_route(
-            self.config, token_prompts, budgets, sampling, generation, costs, started, prefix_cache, stops
-        )
+        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
@@ -121,7 +118,6 @@ class Rollout:
         self,
         config: RolloutConfig,
         prompts: list[list[int]],
-        budgets: tuple[int, ...],
         sampling: SamplingConfig,
         generation: ResolvedGeneration,
         costs: CostCoefficients | None,
@@ -140,7 +136,7 @@ class Rollout:
             eos_token_ids=generation.eos_token_ids, min_new_tokens=generation.min_new_tokens,
         )  # fmt: skip
         call = RouteCall(
-            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts, budgets,
+            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
             generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
             prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
@@ -205,9 +201,8 @@ class Rollout:
                 self.config, route=route, costs=CostCoefficients(), compile=False, cache_capacity=None
             )  # the probe sizes its own calls
             generation = resolve_generation(self.model, sampling, {}, self.vocab_size)
-            budgets = sampling.request_budgets(len(prompts))
-            check_context(prompts, budgets, self.max_positions)
-            return self._run_route(config, prompts, budgets, sampling, generation, None, time.perf_counter()).profile
+            check_context(prompts, sampling.request_budgets(len(prompts)), self.max_positions)
+            return self._run_route(config, prompts, sampling, generation, None, time.perf_counter()).profile
 
         return run
 

@@ -28,7 +28,6 @@ class RouteCall:
     costs: CostCoefficients
     config: RolloutConfig
     prompts: list[list[int]]
-    budgets: tuple[int, ...]  # per prompt: its new-token budget (`prompts.request_budgets`)
     generation: ResolvedGeneration
     sampling: SamplingConfig
     selection: Selection
@@ -41,6 +40,11 @@ class RouteCall:
     stops: StopStrings | None = None  # the call's stop strings, matched with the Rollout's tokenizer
 
     @property
+    def budgets(self) -> tuple[int, ...]:
+        """Per prompt: its new-token budget (checked against the prompts by `Rollout.generate`)."""
+        return self.sampling.request_budgets(len(self.prompts))
+
+    @property
     def most_new_tokens(self) -> int:
         """The largest budget: it bounds the call's decode steps and every row's cache columns."""
-        return max(self.budgets)
+        return self.sampling.most_new_tokens
