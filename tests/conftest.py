@@ -259,17 +259,19 @@ def oracle_generate(
     max_new_tokens: int,
     repetition_penalty: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
+    min_new_tokens: int | None = None,
 ) -> tuple[list[int], str]:
     """Single-request greedy `model.generate`: new tokens through the first EOS inclusive, and why it stopped.
 
     eos_token_id None means the model's own generation_config EOS, as for the engine; [] means none.
+    min_new_tokens None leaves the model's generation_config value, as the engine does.
     Other fields of the model's generation_config apply as they would in `model.generate`.
     """
     import torch
 
     eos = _eos_tuple(model, eos_token_id)
     cache = _ORACLE_CACHE.setdefault(model, {})
-    key = (tuple(prompt_ids), max_new_tokens, float(repetition_penalty), eos)
+    key = (tuple(prompt_ids), max_new_tokens, float(repetition_penalty), eos, min_new_tokens)
     if key not in cache:
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         with torch.inference_mode():
@@ -282,6 +284,7 @@ def oracle_generate(
                 repetition_penalty=repetition_penalty,
                 eos_token_id=list(eos) if eos else None,
                 pad_token_id=eos[0] if eos else 0,
+                **({} if min_new_tokens is None else {"min_new_tokens": min_new_tokens}),
             )
         new_tokens = output[0, input_ids.shape[1] :].tolist()
         cache[key] = _cut_at_eos(new_tokens, eos)

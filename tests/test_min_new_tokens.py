@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, oracle_batch, random_prompts
+from conftest import ARCHS, oracle_batch, oracle_generate, random_prompts
 from transformers import MinNewTokensLengthLogitsProcessor
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -26,14 +26,7 @@ ROUTE_CASES = ("ordinary", "equal_width", "aligned", "auto")
 
 def hf_generate(model, prompt, eos, min_new_tokens):
     """Single-request greedy HF generate with min_new_tokens: new tokens through the first EOS."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-            eos_token_id=eos, pad_token_id=eos, min_new_tokens=min_new_tokens,
-        )  # fmt: skip
-    tokens = output[0, ids.shape[1] :].tolist()
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    return oracle_generate(model, prompt, MAX_NEW, eos_token_id=eos, min_new_tokens=min_new_tokens)[0]
 
 
 def early_eos_case(model):
