@@ -19,17 +19,14 @@ to JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import torch
-from interleave import abba_rounds
+from interleave import abba_rounds, write_rounds
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
-from autobucket.coefficients.file import host_cpu
 from autobucket.engine import selection
 from autobucket.engine.kernels import packed_matmul, trainer_reductions
 from autobucket.engine.kernels.library import load_invariant_kernels
@@ -112,11 +109,7 @@ def main() -> None:
     print(f"{args.change}: engine {medians['engine']:.0f} ms, before {medians['before']:.0f} ms, ratio of medians "
           f"{medians['engine'] / medians['before']:.3f}, median of the rounds' ratios {rounds['median_round_ratio']:.3f}; "
           f"tokens equal {rounds['outputs_equal']}")  # fmt: skip
-    record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": medians,
-              "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"],
-              "samples_ms": rounds["samples_ms"]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_rounds(args.out, args, rounds)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@ calls in turn, `interleaved`; whole calls over rounds of fresh inputs in ABBA or
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from autobucket.coefficients.file import host_cpu
 
 
 def interleaved(
@@ -61,3 +67,13 @@ def abba_rounds(
         "ratios_to_first": ratios,
         "outputs_equal": equal,
     }
+
+
+def write_rounds(out: str, args: Any, rounds: dict[str, Any], **extra: Any) -> None:
+    """`abba_rounds`' result as JSON at `out`: the CPU, torch, the arguments, medians, per-round ratios, whether
+    the outputs agreed and the raw samples, with `extra` fields."""
+    record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": rounds["medians_ms"],
+              "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"], **extra,
+              "samples_ms": rounds["samples_ms"]}  # fmt: skip
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1))

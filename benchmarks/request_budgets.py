@@ -24,18 +24,15 @@ tokens (checked every round). Medians, ratios to per_request and raw samples go 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from interleave import abba_rounds
+from interleave import abba_rounds, write_rounds
 from shared_decode import round_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
 from autobucket.engine.batching import batcher
 from autobucket.models import build_tiny_model
 
@@ -114,11 +111,7 @@ def main() -> None:
     print(f"per-request budgets ({args.kernels} kernels, {args.prompts} prompts, {rows} rows at once, budgets "
           f"{args.least}-{args.most}): "
           f"per_request {medians['per_request']:.0f} ms, {summary}; tokens equal {rounds['outputs_equal']}")  # fmt: skip
-    record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": medians,
-              "ratios_to_per_request": rounds["ratios_to_first"], "tokens_equal": rounds["outputs_equal"],
-              "samples_ms": rounds["samples_ms"]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_rounds(args.out, args, rounds, ratios_to_per_request=rounds["ratios_to_first"])
 
 
 @contextmanager

@@ -13,16 +13,13 @@ samples to JSON, with the finish reasons of the call."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
 import torch
-from interleave import abba_rounds
+from interleave import abba_rounds, write_rounds
 from request_budgets import rows_shifted_on_retirement
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
 from autobucket.models import load_model
 from autobucket.tools.demo import demo_prompts
 
@@ -59,11 +56,7 @@ def main() -> None:
           f"{medians['fill_holes']:.0f} ms, shifting {medians['shifting']:.0f} ms, median of the rounds' ratios "
           f"{rounds['median_round_ratio']:.3f}; tokens equal {rounds['outputs_equal']}; finish reasons "
           f"{dict(reasons)}")  # fmt: skip
-    record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "medians_ms": medians,
-              "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"],
-              "finish_reasons": dict(reasons), "samples_ms": rounds["samples_ms"]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_rounds(args.out, args, rounds, finish_reasons=dict(reasons))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
-from interleave import abba_rounds
+from interleave import abba_rounds, write_rounds
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
-from autobucket.coefficients.file import host_cpu
 from autobucket.models import build_tiny_model, load_model
 
 STOP_STRINGS = ["</tool_call>", "\n\nUser:"]
@@ -70,11 +67,7 @@ def main() -> None:
           f"ratio of medians {medians['stops'] / medians['plain']:.3f}, median of the rounds' ratios "
           f"{rounds['median_round_ratio']:.3f}; tokens equal {rounds['outputs_equal']}; rows ended by a stop string "
           f"{len(fired)}")  # fmt: skip
-    record = {"cpu": host_cpu(), "torch": torch.__version__, "args": vars(args), "stop_strings": STOP_STRINGS,
-              "medians_ms": medians, "round_ratios": rounds["round_ratios"], "tokens_equal": rounds["outputs_equal"],
-              "rows_stopped": len(fired), "samples_ms": rounds["samples_ms"]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_rounds(args.out, args, rounds, stop_strings=STOP_STRINGS, rows_stopped=len(fired))
 
 
 if __name__ == "__main__":
