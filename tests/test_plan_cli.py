@@ -97,7 +97,7 @@ def test_old_flag_spellings_still_work_and_say_the_new_one(capsys, old, new):
 
 def test_a_prompt_over_the_prefill_budget_is_planned_in_chunks_not_refused():
     """Issue 15: --prefill-max-tokens is a budget (it used to be this command's one library error)."""
-    completed = run_cli("plan", "--lengths", "1000000")
+    completed = run_cli("plan", "--lengths", "1000000", "--max-positions", "1048576")
     assert completed.returncode == 0 and completed.stderr == ""
     assert "chunked:16" in completed.stdout  # ceil(1,000,000 / 65,536) forwards
 
@@ -136,10 +136,11 @@ def test_table_output(capsys, costs_file):
 
 
 def test_plan_shows_packed_groups_and_chunks(capsys, costs_file):
-    result = run_json(capsys, "--lengths", "70000,512,16x31", "--costs", str(costs_file), "--max-tokens", "4096")
+    argv = ["--lengths", "70000,512,16x31", "--costs", str(costs_file), "--max-tokens", "4096", "--max-positions", "131072"]
+    result = run_json(capsys, *argv)
     assert result["route"] == "bucketed" and result["forms"][0] == "chunked" and "packed" in result["forms"]
     assert result["buckets"][0] == [0] and sorted(i for b in result["buckets"] for i in b) == list(range(33))
-    assert main(["plan", "--lengths", "70000,512,16x31", "--costs", str(costs_file), "--max-tokens", "4096"]) == 0
+    assert main(["plan", *argv]) == 0
     out = capsys.readouterr().out
     assert "chunked:18" in out and "packed" in out
 
@@ -149,6 +150,19 @@ def test_bad_lengths_exit_2_with_the_item_and_an_example(capsys, bad):
     assert main(["plan", "--lengths", bad]) == 2
     err = capsys.readouterr().err
     assert "bad --lengths item" in err and "512,16x31" in err
+
+
+def test_a_prompt_past_the_models_positions_is_refused_as_the_engine_refuses_it(capsys):
+    """The engine's context check (`prompts.check_context`) refuses prompt + budget > max_positions; a plan
+    for such a call would plan one that cannot run."""
+    argv = ["plan", "--lengths", "16x3,4000", "--max-positions", "4096"]
+    assert main([*argv, "--max-new-tokens", "96"]) == 0  # 4000 + 96 = 4096 fits exactly
+    capsys.readouterr()
+    assert main([*argv, "--max-new-tokens", "97"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 3 has 4000 tokens" in err and "4097 positions" in err and "--max-positions 4096" in err
+    assert main(["plan", "--lengths", "40000"]) == 2  # the default geometry's 32,768 positions
+    assert "32768" in capsys.readouterr().err
 
 
 def test_library_errors_exit_2(capsys, tmp_path):

@@ -83,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _run_plan(args: argparse.Namespace) -> int:
     geometry = _geometry_from_args(args)
+    _check_context(args.lengths, args.max_new_tokens, geometry.max_positions)
     costs = CostCoefficients() if args.costs is None else load_costs(args.costs)
     decision = choose_route(
         args.lengths,
@@ -99,6 +100,20 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(decision, geometry, costs, args)
     return 0
+
+
+def _check_context(lengths: list[int], max_new_tokens: int, max_positions: int | None) -> None:
+    """The engine refuses a prompt whose length plus budget passes the model's positions
+    (`prompts.check_context`), so a plan for it would plan a call that cannot run."""
+    if max_positions is None:
+        return
+    for index, length in enumerate(lengths):
+        if length + max_new_tokens > max_positions:
+            raise ValueError(
+                f"--lengths: prompt {index} has {length} tokens; with --max-new-tokens {max_new_tokens} it needs "
+                f"{length + max_new_tokens} positions, over max_positions {max_positions}: shorten it, lower "
+                "--max-new-tokens, or give the model's own context (--max-positions or --model-config)"
+            )
 
 
 def _geometry_from_args(args: argparse.Namespace) -> ModelGeometry:
