@@ -243,6 +243,89 @@ def test_two_threads_generating_on_one_model_at_once_both_match_the_oracle(model
             assert_matches_oracle(result, tokens, reasons)
 
 
+class ForwardLog:
+    """Which thread ran each forward of the model (a pre-hook on its input embeddings, which every forward
+    and the direct decode step run); thread "first"'s first forward waits until `release` is set."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.threads: list[str] = []
+        self.first_entered, self.release = threading.Event(), threading.Event()
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        name = threading.current_thread().name
+        self.threads.append(name)
+        if name == "first" and not self.release.is_set():
+            self.first_entered.set()
+            self.release.wait(timeout=60)
+
+
+SHARED_STATE_CONFIG = dict(route="bucketed", kernels="invariant", prefix_cache_mb=16, costs=PACK_EVERYTHING)
+
+
+def generate_in_two_threads(first: Rollout, second: Rollout, prompts, sampling) -> tuple[list, list[str], dict]:
+    """`first` starts a call and is held at its first forward; then `second` starts one. Returns the
+    threads whose forwards ran while `first` was held, and both results."""
+    log, results, errors = ForwardLog(first.model), {}, []
+    second_started = threading.Event()
+
+    def call(name: str, rollout: Rollout) -> None:
+        torch.set_num_threads(1)
+        try:
+            if name == "second":
+                log.first_entered.wait(timeout=60)
+                second_started.set()
+            results[name] = rollout.generate(prompts, sampling)
+        except Exception as error:  # noqa: BLE001 - re-raised below in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(name, r), name=name) for name, r in (("first", first), ("second", second))]
+    try:
+        for thread in threads:
+            thread.start()
+        assert log.first_entered.wait(timeout=60) and second_started.wait(timeout=60)
+        threading.Event().wait(0.5)  # time for the second call to reach the model, were it not held back
+        while_held = list(log.threads)
+    finally:
+        log.release.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        log.handle.remove()
+    assert not errors, errors
+    return while_held, log.threads, results
+
+
+def test_calls_on_one_rollout_from_two_threads_run_one_at_a_time_as_in_turn(model):
+    """A Rollout's prefix cache, learned costs and stop-string matcher belong to it: another thread's call
+    waits for the one in flight, so both get what the same two calls made in turn get (the second
+    continuing from the first's cached sequences), sampled tokens and logprobs bitwise."""
+    prompts = random_prompts(LENGTHS, seed=8)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, temperature=1.0, seed=5, logprobs=True)
+    in_turn = Rollout(model, config=RolloutConfig(**SHARED_STATE_CONFIG))
+    expected = [in_turn.generate(prompts, sampling) for _ in range(2)]
+    assert expected[1].profile.cached_prompt_tokens > 0  # the second call read the first's sequences
+    rollout = Rollout(model, config=RolloutConfig(**SHARED_STATE_CONFIG))
+    while_held, ran, results = generate_in_two_threads(rollout, rollout, prompts, sampling)
+    assert set(while_held) == {"first"}  # the second call did not start a forward while the first was held
+    assert ran.index("second") > len(ran) - ran[::-1].index("first") - 1  # every first forward before it
+    for name, reference in zip(("first", "second"), expected, strict=True):
+        assert results[name].tokens == reference.tokens and results[name].logprobs == reference.logprobs
+    assert results["second"].profile.cached_prompt_tokens == expected[1].profile.cached_prompt_tokens
+
+
+def test_control_two_rollouts_of_one_model_do_run_at_once(model):
+    """The probe above can see calls overlap: two Rollouts of the model run in parallel (each with its own
+    prefix cache), and each still gets the result it gets alone."""
+    prompts = random_prompts(LENGTHS, seed=8)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, temperature=1.0, seed=5, logprobs=True)
+    alone = Rollout(model, config=RolloutConfig(**SHARED_STATE_CONFIG)).generate(prompts, sampling)
+    first, second = (Rollout(model, config=RolloutConfig(**SHARED_STATE_CONFIG)) for _ in range(2))
+    while_held, _, results = generate_in_two_threads(first, second, prompts, sampling)
+    assert "second" in while_held
+    for result in results.values():
+        assert result.tokens == alone.tokens and result.logprobs == alone.logprobs
+
+
 def test_the_tiny_model_builders_leave_the_global_rng_alone():
     from autobucket.models import load_model
 

@@ -9,6 +9,7 @@ Routes are plain functions with one signature, chosen from `routes.ROUTES`; each
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,11 @@ class Rollout:
 
     >>> rollout = Rollout(model, tokenizer, RolloutConfig(route="auto"))
     >>> result = rollout.generate(prompts, SamplingConfig(max_new_tokens=16))
+
+    Calls on one `Rollout` run one at a time: a call from another thread waits for the one in flight
+    (they share the prefix cache, the learned costs and the stop-string matcher). Threads that should
+    generate in parallel each take their own `Rollout` of the model (with its own packed copies, under
+    `kernels="invariant"`).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
@@ -73,21 +79,25 @@ class Rollout:
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         self._stops: StopStrings | None = None  # the last call's stop strings, matched with the tokenizer
+        # one call at a time (re-entrant: `generate` reads `costs`, which may probe through `_run_route`)
+        self._call_lock = threading.RLock()
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
         warn_if_slow_bf16_gemm(parameter.dtype, self.config.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
 
     @property
     def costs(self) -> CostCoefficients:
         """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
-        return self.cost_source.current(self._probe_runner())
+        with self._call_lock:
+            return self.cost_source.current(self._probe_runner())
 
     def refresh_weights(self) -> None:
         """Repack before the next forward: for weight writes that bypass version counters (`param.data`
         copies); optimizer steps, `copy_` under `no_grad` and `load_state_dict` are seen without it."""
-        if self.packed_linears is not None:
-            self.packed_linears.refresh()
-        if self.prefix_cache is not None:
-            self.prefix_cache.invalidate()
+        with self._call_lock:  # after the call in flight, whose forwards read the packs
+            if self.packed_linears is not None:
+                self.packed_linears.refresh()
+            if self.prefix_cache is not None:
+                self.prefix_cache.invalidate()
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +107,10 @@ class Rollout:
         self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, **overrides: Any
     ) -> RolloutResult:
         """Generate for every prompt; `overrides` are GenerationConfig fields (validated)."""
+        with self._call_lock:
+            return self._generate(prompts, sampling, overrides)
+
+    def _generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None, overrides: dict) -> RolloutResult:
         started = time.perf_counter()
         sampling = sampling_or_default(sampling)
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
