@@ -98,16 +98,25 @@ def test_sampled_requests_keep_the_minimum_and_do_not_depend_on_their_batch(tiny
     torch.testing.assert_close(torch.tensor(logprobs), forced, rtol=0, atol=1e-5)
 
 
-def test_none_takes_the_models_value_zero_turns_it_off_and_bad_values_are_refused(tiny_models, monkeypatch):
+@pytest.mark.parametrize("route", ROUTE_CASES)
+def test_none_takes_the_models_value_and_zero_turns_it_off(tiny_models, monkeypatch, route):
+    """On every route (transformers 5.x refills a None field of the config `generate` is given from the
+    model's own: the ordinary route once kept masking EOS to the model's minimum)."""
     model = tiny_models("tiny-llama")
     prompts, eos, minimum = early_eos_case(model)
-    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    rollout = Rollout(model, config=RolloutConfig(route=route))
     with monkeypatch.context() as patch:
         patch.setattr(model.generation_config, "min_new_tokens", minimum)
         from_model = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos))
         off = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, min_new_tokens=0))
     assert from_model.tokens == [hf_generate(model, p, eos, minimum) for p in prompts]
     assert off.tokens == [hf_generate(model, p, eos, 0) for p in prompts] != from_model.tokens
+
+
+def test_bad_values_are_refused(tiny_models):
+    model = tiny_models("tiny-llama")
+    prompts = random_prompts(LENGTHS, seed=3)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
     for value in (-1, 2.5, True, "3"):
         with pytest.raises(ValueError, match=rf"min_new_tokens={value!r} is invalid"):
             SamplingConfig(min_new_tokens=value)

@@ -164,15 +164,22 @@ def test_sampled_requests_stop_at_their_first_completed_string(tiny_models, toke
             assert torch.allclose(torch.tensor(got_logprobs), torch.tensor(kept), atol=1e-4)
 
 
-def test_the_models_own_stop_strings_apply_and_empty_list_turns_them_off(tiny_models, tokenizer):
+@pytest.mark.parametrize("route", ROUTE_CASES)
+def test_the_models_own_stop_strings_apply_and_the_callers_replace_them(tiny_models, tokenizer, route):
+    """None takes the model's generation_config strings, [] turns them off, a list replaces them, on every
+    route (transformers 5.x refills a None field of the config `generate` is given from the model's own:
+    the ordinary route once raised for want of a tokenizer, or matched the model's strings)."""
     model, prompts, strings, _, expected, reasons = stop_case("tiny-llama", tiny_models, tokenizer)
     model = copy.deepcopy(model)  # the shared model stays as built
     model.generation_config.stop_strings = strings
-    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned"))
+    rollout = Rollout(model, tokenizer, RolloutConfig(route=route))
     own = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[]))
     assert (own.tokens, own.finish_reasons) == (expected, reasons)
     off = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=[]))
     assert off.finish_reasons == ["length"] * len(prompts)
+    mine = rollout.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=strings[:1]))
+    pairs = [oracle(model, tokenizer, prompt, strings[:1]) for prompt in prompts]
+    assert (mine.tokens, mine.finish_reasons) == ([t for t, _ in pairs], [r for _, r in pairs]) != (expected, reasons)
 
 
 def test_cut_finished_orders_eos_before_stop_before_length():

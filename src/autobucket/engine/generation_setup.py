@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from autobucket.config import SamplingConfig, checked_stop_strings
 
@@ -28,6 +29,24 @@ _SAMPLING_KEYS = (
 # HF sampling warpers autobucket's sampler does not implement: refused as overrides (a model's own value
 # is inert like every other sampling value of its generation_config).
 _UNIMPLEMENTED_SAMPLING_KEYS = ("top_h",)
+
+
+# Fields the engine applies itself (Selection masks EOS before min_new_tokens; the ordinary route matches
+# stop strings over each row's own ids), left None in the resolved config so HF does not apply them twice.
+_ENGINE_APPLIED_KEYS = ("min_new_tokens", "stop_strings")
+
+
+class EngineGenerationConfig(GenerationConfig):
+    """The resolved config HF `generate` runs with (the ordinary route). transformers 5.x fills every None
+    field of a given config from the model's own generation_config at each `generate`
+    (`update(..., defaults_only=True)`; 4.57 did so for default values unless `use_model_defaults=False`),
+    which would switch the fields the engine applies itself back on with the model's values: those fills
+    are refused here. Every other field and update is GenerationConfig's."""
+
+    def update(self, **kwargs: Any) -> dict[str, Any]:
+        if kwargs.get("defaults_only"):
+            kwargs = {key: value for key, value in kwargs.items() if key not in _ENGINE_APPLIED_KEYS}
+        return super().update(**kwargs)
 
 
 def _is_set(value: Any) -> bool:
@@ -86,6 +105,7 @@ def resolve_generation(
     """Merge model defaults, caller overrides and `sampling`; reject what no route can honour."""
     _reject_sampling_overrides(overrides)
     config = copy.deepcopy(model.generation_config)
+    config.__class__ = EngineGenerationConfig  # the same fields and values; only its fills differ
     unknown = config.update(**overrides)
     if unknown:
         raise ValueError(
