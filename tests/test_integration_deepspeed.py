@@ -24,7 +24,7 @@ pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 from conftest import VOCAB, firing_eos_candidates  # noqa: E402
 
-from autobucket import RolloutConfig  # noqa: E402
+from autobucket import RolloutConfig, SamplingConfig  # noqa: E402
 from autobucket.models import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -173,6 +173,29 @@ def test_model_generation_config_warpers_apply_when_sampling(ds, workload, monke
         with pytest.raises(ValueError, match=r"generation_config sets top_h=0\.5, which autobucket cannot apply"):
             AutobucketRollout(engine, tokenizer).generate(request, settings)
         AutobucketRollout(engine, tokenizer).generate(request, sampling())
+
+
+@pytest.mark.parametrize("route", ["ordinary", "aligned"])
+def test_model_min_new_tokens_is_inert_as_in_hybrid_engine(route, ds, workload, monkeypatch):
+    """HybridEngineRollout runs `module.generate` with eos_token_id=None, so a generation_config
+    min_new_tokens never masks EOS there; AutobucketRollout matches it tensor for tensor. Negative control:
+    the same min_new_tokens through autobucket's own SamplingConfig does mask EOS and changes rows."""
+    from deepspeed.runtime.rollout import HybridEngineRollout
+
+    from autobucket.integrations.deepspeed import AutobucketRollout
+
+    _, engine = ds
+    request, tokenizer = workload
+    monkeypatch.setattr(engine.module.generation_config, "min_new_tokens", MAX_NEW_TOKENS)
+    want = HybridEngineRollout(engine, tokenizer).generate(request, sampling())
+    assert (want.input_ids[:, request.prompt_ids.shape[1] :] == tokenizer.eos_token_id).any()  # EOS not masked
+    ours = AutobucketRollout(engine, tokenizer, RolloutConfig(route=route))
+    assert_same_batch(ours.generate(request, sampling()), want)
+    masked = ours.rollout.generate_padded(
+        request.prompt_ids, request.prompt_attention_mask,
+        SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, eos_token_id=[tokenizer.eos_token_id]),
+    )  # fmt: skip
+    assert tokenizer.eos_token_id not in {token for row in masked.tokens for token in row}
 
 
 def test_sync_weights_after_optimizer_step_follows_new_weights(ds, workload):

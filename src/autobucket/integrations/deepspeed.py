@@ -93,6 +93,9 @@ class AutobucketRollout(RolloutEngine):
             continuous_batch_size=sampling.continuous_batch_size or total_rows,
             repetition_penalty=1.0 if penalty is None else float(penalty),  # HF generate applies the model's
             eos_token_id=list(self.eos_token_ids),
+            # HybridEngineRollout generates with eos_token_id=None and cuts at the first EOS afterwards,
+            # so HF never applies the model's generation_config min_new_tokens (it masks EOS ids only)
+            min_new_tokens=0,
             seed=self._next_seed(),
             n=sampling.n_samples_per_prompt,
             logprobs=True,
