@@ -103,9 +103,11 @@ def recording(trainer_cls):
 
 def run_grpo(
     trainer_cls, tmp_path, eos_id, greedy=True, texts=None, config_overrides=None, dtype=torch.float32,
-    tokenizer=None, **trainer_kwargs,
+    tokenizer=None, model_generation=None, **trainer_kwargs,
 ) -> Run:
     model, tokenizer = build_tiny_model("tiny-qwen2").to(dtype), tokenizer or word_tokenizer(eos_id)
+    for key, value in (model_generation or {}).items():  # the model's own generation_config
+        setattr(model.generation_config, key, value)
     completions: list = []
 
     def toy_reward(completion_ids, **kwargs):  # also records what TRL scored
@@ -309,6 +311,19 @@ def test_generation_kwargs_min_new_tokens_match_the_stock_trainer(stock_greedy, 
     ours = run_grpo(AutobucketGRPOTrainer, tmp_path / "ours", eos_id, config_overrides=overrides)
     assert ours.completions == stock.completions != stock_greedy.completions[:1]
     assert min(len(ids) for ids in ours.completions[0]) >= minimum
+
+
+def test_the_models_own_min_new_tokens_apply_as_in_the_stock_trainer(stock_greedy, tmp_path, eos_id):
+    """What TRL's GenerationConfig leaves unset, its `generate` takes from the model's generation_config
+    (transformers 5.x fills None fields; on 4.57 TRL overlays its kwargs on a copy of the model's), so a
+    model's own min_new_tokens applies in the stock trainer; autobucket applies it too (it was read as 0)."""
+    ended = [len(ids) for ids in stock_greedy.completions[0] if ids[-1] == eos_id]
+    minimum = min(ended) + 1
+    settings = dict(config_overrides={"generation_kwargs": {"do_sample": False}, "max_steps": 1},
+                    model_generation={"min_new_tokens": minimum})  # fmt: skip
+    stock = run_grpo(GRPOTrainer, tmp_path / "stock", eos_id, **settings)
+    ours = run_grpo(AutobucketGRPOTrainer, tmp_path / "ours", eos_id, **settings)
+    assert ours.completions == stock.completions != stock_greedy.completions[:1]
 
 
 # ------------------------------------------------------------------ bad input

@@ -91,7 +91,8 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         eos_token_id=[int(token) for token in eos_token_ids],
         # generation_kwargs={"stop_strings": [...]}: matched with the trainer's tokenizer (`_rollout_for`)
         stop_strings=getattr(generation_config, "stop_strings", None) or [],
-        min_new_tokens=getattr(generation_config, "min_new_tokens", None) or 0,  # generation_kwargs too
+        # generation_kwargs' value, else (None) the model's own, as TRL's `generate` fills an unset field
+        min_new_tokens=getattr(generation_config, "min_new_tokens", None),
         **_warping(generation_config),
     )
 
