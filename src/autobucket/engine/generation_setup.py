@@ -31,21 +31,27 @@ _SAMPLING_KEYS = (
 _UNIMPLEMENTED_SAMPLING_KEYS = ("top_h",)
 
 
-# Fields the engine applies itself (Selection masks EOS before min_new_tokens; the ordinary route matches
-# stop strings over each row's own ids), left None in the resolved config so HF does not apply them twice.
-_ENGINE_APPLIED_KEYS = ("min_new_tokens", "stop_strings")
+_MISSING = object()
 
 
 class EngineGenerationConfig(GenerationConfig):
-    """The resolved config HF `generate` runs with (the ordinary route). transformers 5.x fills every None
-    field of a given config from the model's own generation_config at each `generate`
-    (`update(..., defaults_only=True)`; 4.57 did so for default values unless `use_model_defaults=False`),
-    which would switch the fields the engine applies itself back on with the model's values: those fills
-    are refused here. Every other field and update is GenerationConfig's."""
+    """The resolved config HF `generate` runs with (the ordinary route): a copy of the model's
+    generation_config with the call's values, where None means off (the fields the engine applies itself,
+    min_new_tokens and stop_strings, and any option a caller unset with `option=None`).
+
+    transformers 5.x fills every None field of the config `generate` is given, first from the model's own
+    generation_config, then from its neutral defaults (`update(..., defaults_only=True)`; 4.57 did the
+    first for default values unless `use_model_defaults=False`, which the ordinary route passes). The first
+    would switch those fields back on with the model's values, so a fill is taken only where it offers the
+    neutral default; every other update is GenerationConfig's."""
 
     def update(self, **kwargs: Any) -> dict[str, Any]:
         if kwargs.get("defaults_only"):
-            kwargs = {key: value for key, value in kwargs.items() if key not in _ENGINE_APPLIED_KEYS}
+            neutral = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+            kwargs = {
+                key: value for key, value in kwargs.items()
+                if key in ("defaults_only", "allow_custom_entries") or neutral.get(key, _MISSING) == value
+            }  # fmt: skip
         return super().update(**kwargs)
 
 
