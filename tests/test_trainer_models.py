@@ -214,3 +214,98 @@ def test_the_compiled_decode_step_on_a_model_in_train_mode_has_eval_semantics():
     assert result.profile.compiled_steps > 0, result.profile.compile_fallback
     assert result.tokens == tokens
     assert all(module.training for module in model.modules())
+
+
+# ------------------------------------------------------------------ adapter state: switch, disable, scale, merge
+def _set_second(model) -> contextlib.AbstractContextManager:
+    model.set_adapter("second")
+    return contextlib.nullcontext()
+
+
+def _rescale(model) -> contextlib.AbstractContextManager:
+    for module in model.modules():
+        if hasattr(module, "set_scale"):
+            module.set_scale("default", 3.0)
+    return contextlib.nullcontext()
+
+
+ADAPTER_CHANGES = {
+    "set_adapter": _set_second,
+    "disable_adapter": lambda model: model.disable_adapter(),  # as TRL computes reference logprobs
+    "set_scale": _rescale,
+    "merge_adapter": lambda model: (model.merge_adapter(), contextlib.nullcontext())[1],
+}
+
+
+def two_adapter_model():
+    return lora(lora(build_tiny_model("tiny-llama", seed=32)), "second", seed=1).eval()
+
+
+def continue_after(change, key_adapters: bool = True, monkeypatch=None):
+    """Turn 1 with the default adapter, `change` (no parameter's version moves), then turn 2 continuing
+    every conversation: (turn-2 result, the oracle's tokens for turn 2 under the change)."""
+    from conftest import forget_oracle
+
+    if not key_adapters:  # the negative control: a prefix cache keyed as before adapters counted
+        monkeypatch.setattr("autobucket.engine.model_access.weight_versions.adapter_state", lambda model: ())
+    model = two_adapter_model()
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
+    greedy = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[])
+    first = random_prompts([40, 28, 50], seed=16)
+    turn_one = rollout.generate(first, greedy)
+    second = [p + t + [7, 8, 9] for p, t in zip(first, turn_one.tokens, strict=True)]
+    with change(model):
+        forget_oracle(model)
+        result = rollout.generate(second, greedy)
+        expected, _ = oracle_batch(model, second, BUDGET, eos_token_id=[])
+    forget_oracle(model)
+    return result, expected
+
+
+@pytest.mark.parametrize("change", sorted(ADAPTER_CHANGES))
+def test_the_prefix_cache_is_never_served_across_an_adapter_change(change):
+    """Switching, disabling, rescaling or merging an adapter changes the forward while no parameter's
+    version moves (peft merges through `.data`): turn 2 reuses nothing and matches the oracle."""
+    result, expected = continue_after(ADAPTER_CHANGES[change])
+    assert result.profile.cached_prompt_tokens == 0 and result.profile.prefix_cache_invalidations == 1
+    assert result.tokens == expected
+
+
+def test_control_a_cache_keyed_without_the_adapters_serves_the_other_adapters_kv(monkeypatch):
+    result, expected = continue_after(_set_second, key_adapters=False, monkeypatch=monkeypatch)
+    assert result.profile.cached_prompt_tokens > 0
+    assert result.tokens != expected, "the oracle did not catch K/V of the other adapter: the test could not fail"
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_invariant_packs_follow_merge_adapter(follow, monkeypatch):
+    """peft's merge writes the adapter into the base weight through `.data` (no version moves) and then
+    skips its LoRA path: packed base weights must be repacked, or the merged model runs as the bare base.
+    Oracle: the merged model's function is the unmerged one's (logits to float tolerance), through a
+    Rollout's greedy tokens and the trainer's `autobucket.invariant` forward. Control (follow=False): merges
+    not followed, the packs are stale and both oracles fail."""
+    import autobucket
+
+    if not follow:
+        monkeypatch.setattr("autobucket.engine.kernels.packed_linear.PackedLinears.follow_merges", lambda self, merged: None)
+    model = two_adapter_model()
+    prompts = random_prompts(LENGTHS, seed=9)
+    greedy = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[])
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", kernels="invariant"))
+    ids = torch.tensor([prompts[2]])
+    with torch.no_grad():
+        unmerged_tokens = rollout.generate(prompts, greedy).tokens
+        with autobucket.invariant(model):
+            unmerged_logits = model(input_ids=ids).logits
+        model.merge_adapter()
+        merged = rollout.generate(prompts, greedy)
+        with autobucket.invariant(model):
+            merged_logits = model(input_ids=ids).logits
+        with model.disable_adapter():
+            bare_logits = model.get_base_model()(input_ids=ids).logits
+    close = torch.allclose(merged_logits, unmerged_logits, atol=1e-4)
+    assert not torch.allclose(bare_logits, unmerged_logits, atol=1e-2)  # the adapter matters here
+    if follow:
+        assert close and merged.tokens == unmerged_tokens and merged.profile.packs_made > 0
+    else:
+        assert not close and merged.tokens != unmerged_tokens

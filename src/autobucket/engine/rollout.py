@@ -38,7 +38,7 @@ from autobucket.engine.model_access.hf_compat import (
     unwrap_model,
     vocab_size,
 )
-from autobucket.engine.model_access.weight_versions import weights_version
+from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.sampling.streams import request_seeds
 from autobucket.engine.selection import SamplerSettings, Selection
@@ -174,6 +174,7 @@ class Rollout:
         if packs is None:
             yield
             return
+        packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
             with invariant_kernels(packs, conv1d=self._conv1d):

@@ -70,6 +70,7 @@ class PackedLinears:
         self._packs: dict[int, Pack] = {}
         self._fused: dict[int, _FusedPack] = {}  # id(group) -> its concatenated weight's pack
         self._held_bytes = 0
+        self._merged_adapters: tuple | None = None  # the model's merged adapters when last followed
         self.budget_bytes = budget_bytes
         self.packs_made = 0  # packs made, first ones and repacks after weight updates
         self.pack_ms = 0.0
@@ -85,6 +86,13 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         return self._held_bytes
+
+    def follow_merges(self, merged: tuple) -> None:
+        """`merged`: `weight_versions.merged_adapters` of the model about to run. peft merges an adapter
+        into its base weight through `.data` (no version change), so a change of it marks every copy stale."""
+        if merged != self._merged_adapters:
+            self.refresh()
+            self._merged_adapters = merged
 
     def refresh(self) -> None:
         """Mark every packed copy stale: the next forward repacks (after writes that bypass version

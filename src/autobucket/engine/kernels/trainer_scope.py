@@ -26,6 +26,7 @@ from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
+from autobucket.engine.model_access.weight_versions import merged_adapters
 
 _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
@@ -54,6 +55,7 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     check_invariant_model(inner)
     packs = packs_for(inner)
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
+    packs.follow_merges(merged_adapters(inner))
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
     with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
         yield packs

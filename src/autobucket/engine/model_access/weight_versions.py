@@ -11,6 +11,10 @@ old weights (packed linears, prefix-cache K/V) is ever used after an update.
   removed, touching nothing but the counter) sees those updates too. Any optimizer's step counts — a
   reward model's included: a false alarm costs a repack, a miss would cost correctness.
 - Writes through `.data` (`p.data.copy_(...)`) are seen by neither: `Rollout.refresh_weights()`.
+- Adapter state (`adapter_state`): which of a peft model's adapters run, whether they are disabled, merged
+  or rescaled changes the forward without any parameter changing (`set_adapter`, `disable_adapter()`,
+  `set_scale`), and peft's merge writes the adapter into the base weight through `.data` (`merge_adapter`
+  is seen only here).
 """
 
 from __future__ import annotations
@@ -56,9 +60,35 @@ def tensor_version(tensor: torch.Tensor) -> tuple[int, int | None, int]:
 
 def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
     """What the K/V of a token sequence depends on besides its tokens: every parameter's storage,
-    in-place version, dtype and shape, the optimizer steps taken, plus `extra` (attention backend, kernels)."""
+    in-place version, dtype and shape, the optimizer steps taken, the adapters' state, plus `extra`
+    (attention backend, kernels)."""
     steps = optimizer_steps()
     parameters = tuple(
         (p.data_ptr(), in_place_version(p), p.dtype, tuple(p.shape)) for p in model.parameters()
     )
-    return (*extra, steps, parameters)
+    return (*extra, steps, parameters, adapter_state(model))
+
+
+def adapter_state(model: torch.nn.Module) -> tuple:
+    """Per peft tuner layer of `model` (modules with `active_adapters`, `disable_adapters` and
+    `merged_adapters`, as peft's `BaseTunerLayer` has): its name, the adapters that run, whether they are
+    disabled, those merged into the base weight, and its scaling (LoRA's `scaling` dict). () for a model
+    without adapters."""
+    return tuple(
+        (
+            name, tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters),
+            repr(getattr(module, "scaling", None)),  # LoRA's {adapter: float}; a repr whatever a tuner holds
+        )  # fmt: skip
+        for name, module in model.named_modules()
+        if _is_tuner_layer(module)
+    )
+
+
+def merged_adapters(model: torch.nn.Module) -> tuple:
+    """The part of `adapter_state` that changes base weights' values without their versions: which
+    adapters each layer has merged (peft merges through `.data`)."""
+    return tuple((name, tuple(module.merged_adapters)) for name, module in model.named_modules() if _is_tuner_layer(module))
+
+
+def _is_tuner_layer(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("active_adapters", "disable_adapters", "merged_adapters"))
