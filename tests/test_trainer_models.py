@@ -309,3 +309,27 @@ def test_invariant_packs_follow_merge_adapter(follow, monkeypatch):
         assert close and merged.tokens == unmerged_tokens and merged.profile.packs_made > 0
     else:
         assert not close and merged.tokens != unmerged_tokens
+
+
+@pytest.mark.parametrize("route", sorted(ROUTE_CONFIGS))
+def test_embeddings_resized_after_the_rollout_was_made_take_and_emit_the_new_ids(route):
+    """A trainer that adds tokens calls `resize_token_embeddings` on the model it already handed over: the
+    next call accepts the new ids and can choose them (the Rollout read the vocabulary once, refused them,
+    and its repetition-penalty mask had the old width). Oracle: HF generate on the resized model, the new
+    head rows set so greedy picks a new id."""
+    from conftest import forget_oracle
+
+    model = build_tiny_model("tiny-qwen2", seed=33)
+    rollout = Rollout(model, config=RolloutConfig(**ROUTE_CONFIGS[route]))
+    prompts = random_prompts(LENGTHS, seed=10)
+    rollout.generate(prompts, sampling())
+    old = model.config.vocab_size
+    model.resize_token_embeddings(old + 8, mean_resizing=False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[old + 5] = 3 * model.get_output_embeddings().weight[7]
+    forget_oracle(model)
+    prompts = [prompt + [old + 3] for prompt in prompts]
+    tokens, reasons = oracle_batch(model, prompts, BUDGET, repetition_penalty=1.3)
+    assert any(old + 5 in row for row in tokens), "no new id chosen: the test could not fail"
+    penalized = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, repetition_penalty=1.3)
+    assert_matches_oracle(rollout.generate(prompts, penalized), tokens, reasons)

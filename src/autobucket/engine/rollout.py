@@ -70,7 +70,6 @@ class Rollout:
         if not isinstance(self.config, RolloutConfig):
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
-        self.vocab_size = vocab_size(self.model)
         parameter = next(self.model.parameters())
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
@@ -83,6 +82,12 @@ class Rollout:
         self._call_lock = threading.RLock()
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
         warn_if_slow_bf16_gemm(parameter.dtype, self.config.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids the model can emit now: read at each call, since a trainer may resize the embeddings
+        (`resize_token_embeddings` after adding tokens) between calls."""
+        return vocab_size(self.model)
 
     @property
     def costs(self) -> CostCoefficients:
