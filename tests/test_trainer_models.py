@@ -333,3 +333,36 @@ def test_embeddings_resized_after_the_rollout_was_made_take_and_emit_the_new_ids
     assert any(old + 5 in row for row in tokens), "no new id chosen: the test could not fail"
     penalized = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, repetition_penalty=1.3)
     assert_matches_oracle(rollout.generate(prompts, penalized), tokens, reasons)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_attention_switched_to_eager_after_the_rollout_was_made_is_refused_under_invariant_kernels(
+    checked, monkeypatch
+):
+    """`Rollout(kernels="invariant")` refuses an eager model when made; a trainer switching the model's
+    attention later (`set_attn_implementation`) is refused at the next call with the same ValueError, and
+    switching back generates bitwise as before. Control (checked=False): without the per-call check the
+    eager attention reads cache columns the invariant kernels never fill, and the call fails or differs."""
+    if not checked:
+        monkeypatch.setattr(rollout_module, "check_kernel_attention", lambda model: None)
+    model = build_tiny_model("tiny-llama", seed=34)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
+    prompts = random_prompts(LENGTHS, seed=11)
+    sampled = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, temperature=1.0, seed=3, logprobs=True)
+    before = rollout.generate(prompts, sampled)
+    model.set_attn_implementation("eager")
+    try:
+        if checked:
+            with pytest.raises(ValueError, match=r"attn_implementation='eager'.*switch it back"):
+                rollout.generate(prompts, sampled)
+        else:
+            try:
+                eager = rollout.generate(prompts, sampled)
+            except RuntimeError:  # NaN logits from the unfilled columns: UnsamplableRows
+                pass
+            else:
+                assert (eager.tokens, eager.logprobs) != (before.tokens, before.logprobs)
+    finally:
+        model.set_attn_implementation("sdpa")
+    after = rollout.generate(prompts, sampled)
+    assert (after.tokens, after.logprobs) == (before.tokens, before.logprobs)

@@ -21,13 +21,7 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     """What `Rollout(kernels="invariant")` and `autobucket.invariant` both check first: refuse models whose
     attention cannot be reached (eager attention) and fp32 set to compute in a lower precision, warn
     where this CPU has no oneDNN linear for the model's dtype, then build the kernel."""
-    if not dispatches(model):
-        implementation = getattr(model.config, "_attn_implementation", None)
-        raise ValueError(
-            f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
-            f"{type(model).__name__} was loaded with attn_implementation={implementation!r}: load it with "
-            "attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
-        )
+    check_kernel_attention(model)
     dtype = next(model.parameters()).dtype
     if dtype in (torch.float32, torch.bfloat16):  # bf16 linears may fall back to fp32 GEMMs
         check_fp32_precision()
@@ -37,6 +31,19 @@ def check_invariant_model(model: torch.nn.Module) -> None:
             "linears run (not batch-invariant)", RuntimeWarning, stacklevel=4,
         )  # fmt: skip
     load_invariant_kernels()
+
+
+def check_kernel_attention(model: torch.nn.Module) -> None:
+    """The invariant attention is reached where transformers calls 'sdpa'; checked again at each call,
+    since a trainer may switch the model's attention (`set_attn_implementation`) after handing it over
+    (an eager model's attention would then read cache columns the invariant kernels never fill)."""
+    if not dispatches(model):
+        implementation = getattr(model.config, "_attn_implementation", None)
+        raise ValueError(
+            f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
+            f"{type(model).__name__} has attn_implementation={implementation!r}: load it with (or switch it "
+            "back to) attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
+        )
 
 
 @contextmanager
