@@ -19,6 +19,7 @@ old weights (packed linears, prefix-cache K/V) is ever used after an update.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Hashable
 
@@ -70,16 +71,16 @@ def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
 
 
 def adapter_state(model: torch.nn.Module) -> tuple:
-    """Per peft tuner layer of `model` (modules with `active_adapters`, `disable_adapters` and
-    `merged_adapters`, as peft's `BaseTunerLayer` has): its name, the adapters that run, whether they are
-    disabled, those merged into the base weight, and its scaling (LoRA's `scaling` dict). () for a model
-    without adapters."""
+    """Per peft tuner layer of `model` (peft's `BaseTunerLayer`): the module (its id: a replaced layer is
+    another state), the adapters that run, whether they are disabled, those merged into the base weight,
+    and its scaling (LoRA's `scaling` dict). () for a model without adapters."""
     return tuple(
         (
-            name, tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters),
+            id(module), tuple(module.active_adapters), bool(module.disable_adapters),
+            tuple(module.merged_adapters),
             repr(getattr(module, "scaling", None)),  # LoRA's {adapter: float}; a repr whatever a tuner holds
         )  # fmt: skip
-        for name, module in model.named_modules()
+        for module in model.modules()
         if _is_tuner_layer(module)
     )
 
@@ -87,8 +88,16 @@ def adapter_state(model: torch.nn.Module) -> tuple:
 def merged_adapters(model: torch.nn.Module) -> tuple:
     """The part of `adapter_state` that changes base weights' values without their versions: which
     adapters each layer has merged (peft merges through `.data`)."""
-    return tuple((name, tuple(module.merged_adapters)) for name, module in model.named_modules() if _is_tuner_layer(module))
+    return tuple((id(module), tuple(module.merged_adapters)) for module in model.modules() if _is_tuner_layer(module))
 
 
 def _is_tuner_layer(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, name) for name in ("active_adapters", "disable_adapters", "merged_adapters"))
+    return _is_tuner_class(type(module))
+
+
+@functools.cache
+def _is_tuner_class(cls: type) -> bool:
+    """peft's `BaseTunerLayer` declares `active_adapters`, `disable_adapters` and `merged` as properties
+    (`merged_adapters` is set per instance); read on the class, once per class (`hasattr` on each
+    module cost ~5 us a module through `nn.Module.__getattr__`)."""
+    return all(isinstance(getattr(cls, name, None), property) for name in ("active_adapters", "disable_adapters", "merged"))
