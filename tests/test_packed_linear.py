@@ -319,6 +319,22 @@ def test_invariant_kernels_refuse_a_lowered_fp32_precision(monkeypatch):
         Rollout(build_tiny_model("tiny-llama"), config=RolloutConfig(kernels="invariant"))
 
 
+def test_a_precision_lowered_after_the_rollout_was_made_is_refused_at_the_next_call():
+    """A trainer turning on bf16 math for its own steps after handing the model over: the next call is
+    refused as construction would be, and runs again once the precision is reset."""
+    rollout = Rollout(build_tiny_model("tiny-llama"), config=RolloutConfig(route="aligned", kernels="invariant"))
+    prompts = random_prompts([5, 9], seed=4)
+    before = _generate(rollout, prompts)
+    setting = torch.backends.mkldnn.matmul.fp32_precision  # set and reset by hand: monkeypatch's undo
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # leaves torch's precision APIs in a mixed state
+    try:
+        with pytest.raises(ValueError, match=r"fp32_precision='bf16'.*kernels='hf'"):
+            _generate(rollout, prompts)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = setting
+    assert _generate(rollout, prompts) == before
+
+
 def test_a_bad_kernels_value_names_the_choices():
     with pytest.raises(ValueError, match="kernels='fast' is invalid.*'hf', 'invariant'"):
         RolloutConfig(kernels="fast")

@@ -344,7 +344,7 @@ def test_attention_switched_to_eager_after_the_rollout_was_made_is_refused_under
     switching back generates bitwise as before. Control (checked=False): without the per-call check the
     eager attention reads cache columns the invariant kernels never fill, and the call fails or differs."""
     if not checked:
-        monkeypatch.setattr(rollout_module, "check_kernel_attention", lambda model: None)
+        monkeypatch.setattr(rollout_module, "check_call_settings", lambda model: None)
     model = build_tiny_model("tiny-llama", seed=34)
     rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
     prompts = random_prompts(LENGTHS, seed=11)

@@ -26,7 +26,7 @@ from autobucket.engine.generation_setup import ResolvedGeneration, resolve_gener
 from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_attention, invariant_kernels
+from autobucket.engine.kernels.scope import check_call_settings, check_invariant_model, invariant_kernels
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.grad_mode import autograd_off_for
@@ -179,7 +179,7 @@ class Rollout:
         if packs is None:
             yield
             return
-        check_kernel_attention(self.model)
+        check_call_settings(self.model)
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:

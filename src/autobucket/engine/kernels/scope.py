@@ -21,10 +21,8 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     """What `Rollout(kernels="invariant")` and `autobucket.invariant` both check first: refuse models whose
     attention cannot be reached (eager attention) and fp32 set to compute in a lower precision, warn
     where this CPU has no oneDNN linear for the model's dtype, then build the kernel."""
-    check_kernel_attention(model)
+    check_call_settings(model)
     dtype = next(model.parameters()).dtype
-    if dtype in (torch.float32, torch.bfloat16):  # bf16 linears may fall back to fp32 GEMMs
-        check_fp32_precision()
     if not onednn_available(dtype):
         warnings.warn(
             f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
@@ -33,10 +31,18 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     load_invariant_kernels()
 
 
+def check_call_settings(model: torch.nn.Module) -> None:
+    """What a trainer may change after handing the model over, checked again at each call: the model's
+    attention (`set_attn_implementation`: an eager model's attention would read cache columns the
+    invariant kernels never fill) and oneDNN's fp32 precision (a trainer turning on bf16 math for its own
+    steps would otherwise lower the rollout's, silently)."""
+    check_kernel_attention(model)
+    if next(model.parameters()).dtype in (torch.float32, torch.bfloat16):  # bf16 linears may use fp32 GEMMs
+        check_fp32_precision()
+
+
 def check_kernel_attention(model: torch.nn.Module) -> None:
-    """The invariant attention is reached where transformers calls 'sdpa'; checked again at each call,
-    since a trainer may switch the model's attention (`set_attn_implementation`) after handing it over
-    (an eager model's attention would then read cache columns the invariant kernels never fill)."""
+    """The invariant attention is reached where transformers calls 'sdpa'."""
     if not dispatches(model):
         implementation = getattr(model.config, "_attn_implementation", None)
         raise ValueError(
