@@ -182,6 +182,26 @@ def test_the_models_own_stop_strings_apply_and_the_callers_replace_them(tiny_mod
     assert (mine.tokens, mine.finish_reasons) == ([t for t, _ in pairs], [r for _, r in pairs]) != (expected, reasons)
 
 
+def test_a_token_added_to_the_tokenizer_between_calls_completes_a_stop_string(tiny_models):
+    """The stop-string matcher is kept between calls with the same strings; a trainer adding a token (and
+    resizing the model) in between needs a new one, or a string completed by the new token is missed.
+    Oracle: HF generate with the grown tokenizer; the new token is made greedy's choice somewhere."""
+    tokenizer = byte_bpe_tokenizer()  # its own: tokens are added to it
+    model = copy.deepcopy(tiny_models("tiny-llama"))
+    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned"))
+    prompts = [[300, 301, 302], [400, 401], [500, 510, 520, 530]]
+    turn = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[], stop_strings=["zq"])  # "z", "q": not in the corpus
+    assert rollout.generate(prompts, turn).finish_reasons == ["length"] * len(prompts)
+    tokenizer.add_tokens(["zq"])
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[VOCAB] = 3 * model.get_output_embeddings().weight[7]
+    pairs = [stop_string_oracle(model, tokenizer, prompt, ["zq"], MAX_NEW, eos_off=True) for prompt in prompts]
+    assert "stop" in [reason for _, reason in pairs], "the new token never completes the string: a weak case"
+    result = rollout.generate(prompts, turn)
+    assert (result.tokens, result.finish_reasons) == ([t for t, _ in pairs], [r for _, r in pairs])
+
+
 def test_cut_finished_orders_eos_before_stop_before_length():
     assert cut_finished([5, 6, 7, 8], frozenset([6]), 10, stop_length=2) == ([5, 6], "eos")
     assert cut_finished([5, 6, 7, 8], frozenset([7]), 10, stop_length=2) == ([5, 6], "stop")

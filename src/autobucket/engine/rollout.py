@@ -78,6 +78,7 @@ class Rollout:
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         self._stops: StopStrings | None = None  # the last call's stop strings, matched with the tokenizer
+        self._stops_vocabulary: int | None = None  # len(tokenizer) when that matcher was built
         # one call at a time (re-entrant: `generate` reads `costs`, which may probe through `_run_route`)
         self._call_lock = threading.RLock()
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
@@ -191,8 +192,8 @@ class Rollout:
             profile.packed_weight_bytes = packs.nbytes
 
     def _stop_strings(self, strings: tuple[str, ...]) -> StopStrings | None:
-        """The matcher for this call's stop strings (kept while the strings stay the same: building one
-        reads the tokenizer's whole vocabulary)."""
+        """The matcher for this call's stop strings (kept while the strings and the tokenizer's size stay the
+        same: building one reads the tokenizer's whole vocabulary)."""
         if not strings:
             return None
         if self.tokenizer is None:
@@ -200,8 +201,10 @@ class Rollout:
                 f"stop_strings={list(strings)!r} need the model's tokenizer to match text: create the Rollout "
                 "with it, Rollout(model, tokenizer, config), or pass stop_strings=[] to generate without them"
             )
-        if self._stops is None or self._stops.strings != strings:
-            self._stops = StopStrings(self.tokenizer, strings)
+        # tokens added since (`add_tokens`) need a new matcher
+        vocabulary = len(self.tokenizer) if hasattr(type(self.tokenizer), "__len__") else None
+        if self._stops is None or (self._stops.strings, self._stops_vocabulary) != (strings, vocabulary):
+            self._stops, self._stops_vocabulary = StopStrings(self.tokenizer, strings), vocabulary
         return self._stops
 
     def _prefix_cache(self) -> tuple[PrefixCache | None, bool]:
