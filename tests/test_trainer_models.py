@@ -366,3 +366,29 @@ def test_attention_switched_to_eager_after_the_rollout_was_made_is_refused_under
         model.set_attn_implementation("sdpa")
     after = rollout.generate(prompts, sampled)
     assert (after.tokens, after.logprobs) == (before.tokens, before.logprobs)
+
+
+@pytest.mark.parametrize("disabled", [True, False])
+def test_a_call_inside_the_trainers_autocast_region_computes_in_the_models_dtype(disabled, monkeypatch):
+    """A rollout made inside a mixed-precision step (`torch.autocast("cpu", bfloat16)`): every route and
+    both kernel sets give the tokens of the model in its own dtype (the oracle, outside autocast), and the
+    region is as it was after the call. Control (disabled=False): autocast reaches the continuous-batching
+    routes' linears but not their cache, and they leave the oracle."""
+    if not disabled:
+        monkeypatch.setattr(rollout_module, "without_autocast", lambda device: contextlib.nullcontext())
+    model = build_tiny_model("tiny-llama", seed=35)
+    prompts = random_prompts(LENGTHS, seed=12)
+    greedy = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, eos_token_id=[])
+    tokens, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
+    got = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for route in ("ordinary", "aligned", "bucketed"):
+            for kernels in ("hf", "invariant"):
+                config = RolloutConfig(**ROUTE_CONFIGS[route], kernels=kernels)
+                got[route, kernels] = Rollout(model, config=config).generate(prompts, greedy).tokens
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    wrong = [key for key, value in got.items() if value != tokens]
+    if disabled:
+        assert wrong == []
+    else:
+        assert ("aligned", "hf") in wrong and ("bucketed", "hf") in wrong

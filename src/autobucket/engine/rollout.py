@@ -164,6 +164,7 @@ class Rollout:
         # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
         with (
             PeakMemory(self.device) as memory,
+            without_autocast(self.device),
             autograd_off_for(self.model),
             eval_semantics(self.model),
             fused_elementwise(self.model),
@@ -239,6 +240,13 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
+
+
+def without_autocast(device: torch.device) -> torch.autocast:
+    """The call computes in the model's own dtype: an autocast region it was made in (a trainer's mixed-
+    precision step) would reach some of a route's ops (the model's linears) and not others (the engine's
+    cache and kernels), so routes would disagree with each other and with single-request `generate`."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> PackedLinears | None:
