@@ -392,3 +392,49 @@ def test_a_call_inside_the_trainers_autocast_region_computes_in_the_models_dtype
         assert wrong == []
     else:
         assert ("aligned", "hf") in wrong and ("bucketed", "hf") in wrong
+
+
+def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not_follow_it():
+    """accelerate's `prepare` with mixed_precision="bf16" (TRL's bf16=True on an fp32 model) wraps
+    `model.forward` in autocast. What each path computes, against its oracle: the ordinary route is the
+    prepared model's own generate; `kernels="invariant"` is the model in fp32 on every route; the default
+    kernels' continuous-batching routes follow neither exactly (their tokens can differ from the prepared
+    model's generate: seen on other prompts, not asserted), and say so once (a RuntimeWarning naming the fixes)."""
+    import warnings
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from autobucket.checks import warn_once
+
+    model = build_tiny_model("tiny-llama", seed=36)
+    prompts = random_prompts(LENGTHS, seed=13)
+    greedy = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, eos_token_id=[])
+    fp32_tokens, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
+    try:
+        prepared = Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+        amp_tokens = hf_greedy(prepared, prompts)
+        assert amp_tokens != fp32_tokens, "autocast changed nothing: the test could not fail"
+        warn_once.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # neither of these warns
+            assert Rollout(prepared, config=RolloutConfig(route="ordinary")).generate(prompts, greedy).tokens == amp_tokens
+            invariant = Rollout(prepared, config=RolloutConfig(route="aligned", kernels="invariant"))
+            assert invariant.generate(prompts, greedy).tokens == fp32_tokens
+        with pytest.warns(RuntimeWarning, match=r"accelerate's mixed precision.*kernels='invariant'"):
+            Rollout(prepared, config=RolloutConfig(route="aligned")).generate(prompts, greedy)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        warn_once.cache_clear()
+
+
+def hf_greedy(model, prompts) -> list[list[int]]:
+    """Each prompt's BUDGET new tokens from the model's own greedy `generate` (EOS off)."""
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BUDGET,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        rows.append(output[0, len(prompt) :].tolist())
+    return rows

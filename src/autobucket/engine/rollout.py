@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from autobucket.checks import warn_once
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.cost_source import CostSource, RunRoute
@@ -121,6 +122,7 @@ class Rollout:
         sampling = sampling_or_default(sampling)
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         stops = self._stop_strings(generation.stop_strings)
+        _warn_if_autocast_forward(self.model, self.config)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
         if not token_prompts:
@@ -240,6 +242,24 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
+
+
+def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> None:
+    """accelerate's mixed precision (`Accelerator(mixed_precision="bf16")`, TRL's `bf16=True` on an fp32
+    model) wraps `model.forward` in autocast: the ordinary route (HF `generate`, through that forward)
+    follows it, the continuous-batching routes with the default kernels do not (their static cache and
+    attention stay in the model's dtype), so their tokens can differ from it. Named once per process."""
+    if config.kernels != "hf" or config.route == "ordinary":
+        return
+    if "forward" in vars(model) and hasattr(model, "_original_forward"):  # accelerate's wrapped forward
+        warn_once(
+            f"autobucket: {type(model).__name__}.forward runs under accelerate's mixed precision (autocast); "
+            f"route={config.route!r} with kernels='hf' keeps its K/V cache and attention in the model's dtype, "
+            "so its tokens can differ from that forward's generate. Use kernels='invariant' (the model's dtype "
+            "on every route, bitwise autobucket.invariant's trainer forward), route='ordinary', or a model "
+            "loaded in bfloat16",
+            RuntimeWarning, stacklevel=5,  # warn_once, this, _generate, generate: the caller's line
+        )  # fmt: skip
 
 
 def without_autocast(device: torch.device) -> torch.autocast:
