@@ -292,6 +292,22 @@ def oracle_generate(
     return list(tokens), reason
 
 
+def hf_greedy(model, prompts, max_new_tokens: int, **options) -> list[list[int]]:
+    """Each prompt's `max_new_tokens` new tokens from the model's own greedy `generate` (EOS off), with
+    generate `options`; not cached (`oracle_generate` is, per model: here the options or the model's
+    wrapped forward are what a test varies)."""
+    import torch
+
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        with torch.inference_mode():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0, **options)  # fmt: skip
+        rows.append(output[0, len(prompt) :].tolist())
+    return rows
+
+
 def forget_oracle(model) -> None:
     """Drop `model`'s cached oracle answers (after its weights changed)."""
     _ORACLE_CACHE.pop(model, None)

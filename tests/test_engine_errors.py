@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import ROUTES, assert_matches_oracle, oracle_batch, random_prompts
+from conftest import ROUTES, assert_matches_oracle, hf_greedy, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 
@@ -170,18 +170,6 @@ def test_unsupported_option_in_the_models_generation_config_is_rejected(model, m
     assert_still_exact(rollout)
 
 
-def hf_greedy(model, prompts, **options) -> list[list[int]]:
-    """Each prompt's BUDGET new tokens from plain HF greedy `generate` (EOS off), with `options`."""
-    rows = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BUDGET, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0, **options)  # fmt: skip
-        rows.append(output[0, len(prompt) :].tolist())
-    return rows
-
-
 @pytest.mark.parametrize(("option", "value"), [("forced_eos_token_id", 3), ("no_repeat_ngram_size", 1)])
 @pytest.mark.parametrize("route", ROUTES)
 def test_an_option_of_the_models_generation_config_unset_as_the_refusal_says_is_off(
@@ -190,7 +178,9 @@ def test_an_option_of_the_models_generation_config_unset_as_the_refusal_says_is_
     """The refusal says `option=None`, and then no route applies the model's value. transformers 5.x
     refills a None field of the config `generate` is given from the model's own at every call, so the
     ordinary route applied it anyway. Control: the option does change these completions."""
-    assert hf_greedy(model, GOOD_PROMPTS, **{option: value}) != hf_greedy(model, GOOD_PROMPTS), "a weak case"
+    assert hf_greedy(model, GOOD_PROMPTS, BUDGET, **{option: value}) != hf_greedy(model, GOOD_PROMPTS, BUDGET), (
+        "a weak case"
+    )
     tokens, reasons = oracle_batch(model, GOOD_PROMPTS, BUDGET)  # the model without the option
     with monkeypatch.context() as patch:
         patch.setattr(model.generation_config, option, value)

@@ -57,6 +57,27 @@ def test_greedy_requests_generate_at_least_the_minimum_as_hf_generate_does(tiny_
     assert all(len(tokens) >= minimum for tokens in result.tokens)
 
 
+@pytest.mark.parametrize("route", ["ordinary", "aligned"])
+def test_the_minimum_with_a_repetition_penalty_is_hfs_processors_in_hfs_order(tiny_models, route):
+    """Penalty first, then the EOS mask, as HF's processors run (the mask writes the penalty's own output,
+    not a copy of it). Oracle: single-request HF generate with both."""
+    model = tiny_models("tiny-llama")
+    prompts, eos, minimum = early_eos_case(model)
+
+    def oracle(minimum_new: int) -> list[list[int]]:
+        return [
+            oracle_generate(model, p, MAX_NEW, repetition_penalty=1.3, eos_token_id=eos, min_new_tokens=minimum_new)[0]
+            for p in prompts
+        ]
+
+    expected = oracle(minimum)
+    assert expected != oracle(0), "the minimum must change some completion under the penalty"
+    sampling = SamplingConfig(
+        max_new_tokens=MAX_NEW, eos_token_id=eos, min_new_tokens=minimum, repetition_penalty=1.3, continuous_batch_size=4
+    )
+    assert Rollout(model, config=RolloutConfig(route=route)).generate(prompts, sampling).tokens == expected
+
+
 def test_the_mask_is_hfs_processor_and_leaves_the_callers_logits_alone():
     """Rows at steps 0, k - 1, k and k + 3 of a call: the masked scores equal HF's processor at each row's
     length, and the raw logits (what trainer-mode logprobs read) are not written."""

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_matches_oracle, mismatches, oracle_batch, random_prompts
+from conftest import assert_matches_oracle, hf_greedy, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import rollout as rollout_module
@@ -413,7 +413,7 @@ def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not
     fp32_tokens, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
     try:
         prepared = Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
-        amp_tokens = hf_greedy(prepared, prompts)
+        amp_tokens = hf_greedy(prepared, prompts, BUDGET)
         assert amp_tokens != fp32_tokens, "autocast changed nothing: the test could not fail"
         warn_once.cache_clear()
         with warnings.catch_warnings():
@@ -426,15 +426,3 @@ def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         warn_once.cache_clear()
-
-
-def hf_greedy(model, prompts) -> list[list[int]]:
-    """Each prompt's BUDGET new tokens from the model's own greedy `generate` (EOS off)."""
-    rows = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=BUDGET,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        rows.append(output[0, len(prompt) :].tolist())
-    return rows

@@ -137,7 +137,7 @@ class Selection:
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
         if self.suppresses_early_eos:
-            logits = self._without_early_eos(logits, steps)
+            logits = self._without_early_eos(logits, steps, in_place=logits is not raw)
         processed = self.want_logprobs and self.logprobs_mode == "processed"
         tokens, logprobs = select_tokens(logits, self.sampler, prompts, samples, steps, processed)
         if self.want_logprobs and not processed:
@@ -149,15 +149,16 @@ class Selection:
                 logprobs = trainer_logprobs(raw.to(self.logits_dtype), tokens, temperature, kernel=True).float()
         return tokens, logprobs
 
-    def _without_early_eos(self, logits: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
+    def _without_early_eos(self, logits: torch.Tensor, steps: Sequence[int], in_place: bool = False) -> torch.Tensor:
         """logits [rows, vocab] with -inf at the EOS ids of rows that have fewer than `min_new_tokens` new
-        tokens (`steps`: each row's count), as HF's MinNewTokensLengthLogitsProcessor; a copy, since the
-        caller's tensor is the raw logits trainer-mode logprobs are read from."""
+        tokens (`steps`: each row's count), as HF's MinNewTokensLengthLogitsProcessor; written into a copy
+        unless `in_place` (the raw logits are what trainer-mode logprobs are read from; the penalty's
+        output is already a copy)."""
         early = [row for row, step in enumerate(steps) if step < self.min_new_tokens]
         if not early:
             return logits
         rows = torch.tensor(early, dtype=torch.long, device=logits.device)
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=logits.device)
-        masked = logits.clone()
+        masked = logits if in_place else logits.clone()
         masked[rows[:, None], eos[None, :]] = float("-inf")
         return masked

@@ -13,8 +13,9 @@ from 0 in every route), so any common prefix of two sequences has the same K/V.
 
 Versions: `weights_version(model)` (`model_access/weight_versions.py`) is the parameters'
 `(data_ptr, _version)`, the process's optimizer steps (fused optimizers do not bump `_version`), a peft
-model's adapter state (active, disabled, merged, scaling), the attention backend and the kernels; any change clears the whole cache before the next lookup (an entry of old
-weights can never be served again, so keeping it would only hold memory). `Rollout.refresh_weights()`
+model's adapter state (active, disabled, merged, scaling), the attention backend and the kernels; any
+change clears the whole cache before the next lookup (an entry of old weights can never be served again,
+so keeping it would only hold memory). `Rollout.refresh_weights()`
 clears it too, for writes that bypass version counters (`param.data` copies).
 
 Eviction: least recently used first, a node with its subtree (a block is useless without its

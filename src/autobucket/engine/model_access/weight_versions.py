@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import torch
 
@@ -80,19 +80,18 @@ def adapter_state(model: torch.nn.Module) -> tuple:
             tuple(module.merged_adapters),
             repr(getattr(module, "scaling", None)),  # LoRA's {adapter: float}; a repr whatever a tuner holds
         )  # fmt: skip
-        for module in model.modules()
-        if _is_tuner_layer(module)
+        for module in _tuner_layers(model)
     )
 
 
 def merged_adapters(model: torch.nn.Module) -> tuple:
     """The part of `adapter_state` that changes base weights' values without their versions: which
     adapters each layer has merged (peft merges through `.data`)."""
-    return tuple((id(module), tuple(module.merged_adapters)) for module in model.modules() if _is_tuner_layer(module))
+    return tuple((id(module), tuple(module.merged_adapters)) for module in _tuner_layers(model))
 
 
-def _is_tuner_layer(module: torch.nn.Module) -> bool:
-    return _is_tuner_class(type(module))
+def _tuner_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    return (module for module in model.modules() if _is_tuner_class(type(module)))
 
 
 @functools.cache
