@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +28,12 @@ from autobucket.engine.compiled.compiled_decode import (
     row_bucket,
     store_columns,
 )
-from autobucket.engine.compiled.dynamo_compat import LIFTED_GRAPH_LIMIT, dynamo_limit_name, lifted_graph_limit
+from autobucket.engine.compiled.dynamo_compat import (
+    LIFTED_GRAPH_LIMIT,
+    dynamo_limit_name,
+    lifted_graph_limit,
+    raised_by_compiler,
+)
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
 from autobucket.planning.costs import CB_STEP
@@ -182,6 +187,69 @@ def test_a_model_that_raises_only_while_traced_falls_back_after_its_eager_step_s
     assert result.tokens == expected
     assert result.profile.compiled_steps == 0 and result.profile.eager_steps == result.profile.decode_forwards
     assert "refuses to be traced" in result.profile.compile_fallback
+
+
+def _kernelized_attention_model(seed: int) -> torch.nn.Module:
+    model = build_tiny_model("tiny-qwen2", seed=seed)
+    if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):  # `use_kernelized_func`'s instances
+        pytest.skip("this transformers' attention forward does not write the kernels hub's context variable")
+    return model
+
+
+@contextmanager
+def another_thread_writes_during_the_compile(monkeypatch):
+    """The interleaving a trainer thread's eager forward makes with a compile, pinned: torch holds
+    `is_compiling()` True for every thread during a compile session, so that forward's attention (the
+    kernels hub's `use_kernelized_func` in transformers 5.x) writes the hub's process-wide context
+    variable; here it lands after dynamo built its guards and before it checks them on the same frame."""
+    layer = pytest.importorskip("kernels._internals.layer.layer")
+    from torch._dynamo.guards import CheckFunctionManager
+
+    active = layer._ACTIVE_KERNEL_FUNCS
+    built = CheckFunctionManager.compile_check_fn
+
+    def then_the_other_thread_writes(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        active.global_var = {}  # what its `set` stores (its own functions, keyed by id)
+
+    monkeypatch.setattr(CheckFunctionManager, "compile_check_fn", then_the_other_thread_writes)
+    try:
+        yield
+    finally:
+        active.global_var = None  # as its `reset` leaves it
+
+
+@pytest.mark.engine
+def test_a_compile_raced_by_another_threads_forward_falls_back_to_eager(monkeypatch):
+    """Dynamo's "Guard failed on the same frame it was created" (a plain AssertionError from its own code)
+    is a failure to compile: that step and the rest decode eagerly with one warning, tokens unchanged;
+    the model's own asserts still propagate (`raised_by_compiler` looks at where it was raised)."""
+    model = _kernelized_attention_model(seed=12)  # its own graphs: the race disables them
+    expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    with another_thread_writes_during_the_compile(monkeypatch), pytest.warns(RuntimeWarning, match="eagerly"):
+        result = _generate(model, True)
+    assert result.tokens == expected
+    assert result.profile.compiled_steps == 0 and result.profile.eager_steps == result.profile.decode_forwards
+    assert "Guard failed on the same frame" in result.profile.compile_fallback
+
+
+@pytest.mark.engine
+def test_control_the_raced_compile_raises_out_of_generate_without_the_classifier(monkeypatch):
+    model = _kernelized_attention_model(seed=13)
+    monkeypatch.setattr(compiled_decode, "raised_by_compiler", lambda error: False)
+    with another_thread_writes_during_the_compile(monkeypatch), pytest.raises(AssertionError, match="Guard fail"):
+        _generate(model, True)
+
+
+def test_an_assert_outside_the_compiler_is_not_a_compile_failure():
+    def model_code():
+        assert False, "the model's own check"  # noqa: B011, PT015
+
+    with pytest.raises(AssertionError) as caught:
+        model_code()
+    assert not raised_by_compiler(caught.value)
+    assert not raised_by_compiler(ValueError("not an assert"))
+    assert not raised_by_compiler(AssertionError("never raised: no traceback"))
 
 
 @pytest.mark.engine

@@ -29,8 +29,10 @@ exception the model's own code raises *while traced* as `Unsupported` caused by 
 (torch 2.13, measured): that step runs eagerly, where the model raises its real exception; only if the
 eager step succeeds was it a tracing problem, and the next step disables compiling. Any other dynamo
 or inductor failure (a graph break under `fullgraph=True`, `BackendCompilerFailed`, our attention's
-NotImplementedError at trace time), a graph limit or a recompile storm disables the compiled path for
-that model with one warning and the reason in the profile; eager decoding continues."""
+NotImplementedError at trace time, an AssertionError from dynamo's own checks — "Guard failed on the
+same frame it was created" when another thread's forward ran during the compile), a graph limit or a
+recompile storm disables the compiled path for that model with one warning and the reason in the
+profile; eager decoding continues."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from autobucket.engine.compiled.dynamo_compat import (
     is_observed_not_implemented,
     lifted_graph_limit,
     observed_model_error,
+    raised_by_compiler,
 )
 from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
 from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
@@ -240,6 +243,11 @@ class CompiledDecode:
             with lifted_graph_limit(), compiled_dropout_off(dropout_suppressed()):
                 logits = _compiled_step()(self.model, self.cache_keyword, *self._inputs(inputs, key))
         except torch._dynamo.exc.TorchDynamoException as error:
+            self._compile_failed(error)
+            return None
+        except AssertionError as error:  # dynamo's own consistency checks (`raised_by_compiler`)
+            if not raised_by_compiler(error):
+                raise
             self._compile_failed(error)
             return None
         self._account(key, new, _graph_count() - graphs_before, (time.perf_counter() - started) * 1e3)

@@ -6,10 +6,15 @@ forward) does not reach the caller under `fullgraph=True`. Dynamo raises `Unsupp
 exception")` whose `__cause__` is a stand-in class, `Observed<Name>Error` (an `ObservedException`),
 created per user exception type; the real exception object never exists, because its code never ran.
 An exception raised by a compiled graph at *run time* (an allocation failure, a custom op) propagates
-as itself."""
+as itself. Dynamo's own consistency checks raise plain `AssertionError`s from its own code (not a
+`TorchDynamoException`): "Guard failed on the same frame it was created", met when another thread's
+eager forward writes state the trace read — torch holds `torch.compiler.is_compiling()` True for every
+thread during a compile session, so the kernels hub's `CompileableContextVar` in transformers 5.x
+attention forwards writes a process-wide global from the other thread (measured, torch 2.13)."""
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -53,3 +58,20 @@ def observed_model_error(error: BaseException) -> BaseException | None:
 def is_observed_not_implemented(observed: BaseException) -> bool:
     """The traced code raised NotImplementedError: code saying it cannot be compiled, not a model error."""
     return isinstance(observed, getattr(torch._dynamo.exc, "ObservedNotImplementedError", ()))
+
+
+_COMPILER_PACKAGES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), package) + os.sep for package in ("_dynamo", "_inductor")
+)
+
+
+def raised_by_compiler(error: BaseException) -> bool:
+    """An AssertionError raised in dynamo's or inductor's own code (its innermost frame is there): a failure
+    to compile, never the model's (a model's assert raised while traced reaches us as dynamo's
+    `ObservedException` stand-in; one raised by a compiled graph at run time has the model's frame last)."""
+    if not isinstance(error, AssertionError) or error.__traceback__ is None:
+        return False
+    innermost = error.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return os.path.abspath(innermost.tb_frame.f_code.co_filename).startswith(_COMPILER_PACKAGES)
