@@ -9,6 +9,7 @@ token, and leave the handed-over object as found. Negative controls: the adapter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 
@@ -394,12 +395,20 @@ def test_a_call_inside_the_trainers_autocast_region_computes_in_the_models_dtype
         assert ("aligned", "hf") in wrong and ("bucketed", "hf") in wrong
 
 
+def _first_token_logprob(forward, prompt, token: int) -> float:
+    """log p(token | prompt) from one forward (the prepared model's, or its fp32 original under it)."""
+    with torch.inference_mode():
+        return forward(torch.tensor([list(prompt)])).logits[0, -1].float().log_softmax(-1)[token].item()
+
+
 def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not_follow_it():
     """accelerate's `prepare` with mixed_precision="bf16" (TRL's bf16=True on an fp32 model) wraps
     `model.forward` in autocast. What each path computes, against its oracle: the ordinary route is the
     prepared model's own generate; `kernels="invariant"` is the model in fp32 on every route; the default
-    kernels' continuous-batching routes follow neither exactly (their tokens can differ from the prepared
-    model's generate: seen on other prompts, not asserted), and say so once (a RuntimeWarning naming the fixes)."""
+    kernels' continuous-batching routes follow the autocast forward in prefill (a first token's logprob is
+    the prepared forward's, not the fp32 one's) but attend in fp32 in decode, so their tokens can differ
+    from the prepared model's generate (seen on other prompts, not asserted), and say so once (a
+    RuntimeWarning naming the fixes)."""
     import warnings
 
     from accelerate import Accelerator
@@ -422,7 +431,17 @@ def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not
             invariant = Rollout(prepared, config=RolloutConfig(route="aligned", kernels="invariant"))
             assert invariant.generate(prompts, greedy).tokens == fp32_tokens
         with pytest.warns(RuntimeWarning, match=r"accelerate's mixed precision.*kernels='invariant'"):
-            Rollout(prepared, config=RolloutConfig(route="aligned")).generate(prompts, greedy)
+            aligned = Rollout(prepared, config=RolloutConfig(route="aligned")).generate(
+                prompts, dataclasses.replace(greedy, logprobs=True)
+            )
+        assert aligned.logprobs is not None
+        first = torch.tensor([row[0] for row in aligned.logprobs])
+        amp_first, fp32_first = (
+            torch.tensor([_first_token_logprob(forward, p, t[0]) for p, t in zip(prompts, aligned.tokens, strict=True)])
+            for forward in (prepared, prepared._original_forward)
+        )  # fmt: skip
+        torch.testing.assert_close(first, amp_first, rtol=0, atol=1e-5)
+        assert (first - fp32_first).abs().max() > 1e-3, "autocast moved no logprob: the check could not fail"
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         warn_once.cache_clear()

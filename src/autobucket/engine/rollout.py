@@ -247,15 +247,18 @@ class Rollout:
 def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> None:
     """accelerate's mixed precision (`Accelerator(mixed_precision="bf16")`, TRL's `bf16=True` on an fp32
     model) wraps `model.forward` in autocast: the ordinary route (HF `generate`, through that forward)
-    follows it, the continuous-batching routes with the default kernels do not (their static cache and
-    attention stay in the model's dtype), so their tokens can differ from it. Named once per process."""
+    follows it; the continuous-batching routes with the default kernels follow it in prefill (bitwise the
+    prepared forward's logits) but their decode steps attend on the engine's kernel in the model's dtype,
+    where the forward's SDPA computes in bf16, so their tokens can differ from it (measured: as often as a
+    bf16 model's default-kernel routes differ from its own generate). Named once per process."""
     if config.kernels != "hf" or config.route == "ordinary":
         return
     if "forward" in vars(model) and hasattr(model, "_original_forward"):  # accelerate's wrapped forward
         warn_once(
             f"autobucket: {type(model).__name__}.forward runs under accelerate's mixed precision (autocast); "
-            f"route={config.route!r} with kernels='hf' keeps its K/V cache and attention in the model's dtype, "
-            "so its tokens can differ from that forward's generate. Use kernels='invariant' (the model's dtype "
+            f"route={config.route!r} with kernels='hf' runs its decode attention in the model's dtype where that "
+            "forward computes it in bf16, so its tokens can differ from that forward's generate. Use "
+            "kernels='invariant' (the model's dtype "
             "on every route, bitwise autobucket.invariant's trainer forward), route='ordinary', or a model "
             "loaded in bfloat16",
             RuntimeWarning, stacklevel=5,  # warn_once, this, _generate, generate: the caller's line
