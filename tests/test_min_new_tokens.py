@@ -166,3 +166,31 @@ def test_the_cli_flag_applies_it_as_the_api_does(tiny_models, tmp_path, capsys):
     model, _ = load_model(str(folder))
     expected = [hf_generate(model, p, eos, minimum) for p in prompts]
     assert [row["tokens"] for row in rows] == expected != [hf_generate(model, p, eos, 0) for p in prompts]
+
+
+def test_the_cli_flag_turns_the_models_own_minimum_off_with_zero(tiny_models, tmp_path, capsys):
+    """A saved model whose generation config sets min_new_tokens: the CLI applies it by default and
+    `--min-new-tokens 0` turns it off, each as HF generate does with that minimum."""
+    import json
+
+    from autobucket.cli import main
+    from autobucket.models import build_tiny_model, load_model
+
+    prompts, eos, minimum = early_eos_case(tiny_models("tiny-llama"))
+    folder = tmp_path / "model"
+    saved = build_tiny_model("tiny-llama")
+    saved.generation_config.eos_token_id, saved.generation_config.min_new_tokens = eos, minimum
+    saved.save_pretrained(folder)
+    capsys.readouterr()
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    model, _ = load_model(str(folder))
+    for flag, applied in (([], minimum), (["--min-new-tokens", "0"], 0)):
+        argv = ["generate", "--model", str(folder), "--prompts", str(path), "--max-new-tokens", str(MAX_NEW),
+                "--route", "aligned", "--quiet", *flag]  # fmt: skip
+        assert main(argv) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [row["tokens"] for row in rows] == [hf_generate(model, p, eos, applied) for p in prompts]
+    assert [hf_generate(model, p, eos, 0) for p in prompts] != [hf_generate(model, p, eos, minimum) for p in prompts]
+    assert main(["generate", "--model", str(folder), "--prompts", str(path), "--min-new-tokens", "-1"]) == 2
+    assert "expected an integer >= 0, got '-1'" in capsys.readouterr().err

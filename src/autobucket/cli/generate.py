@@ -16,6 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         add_model_arguments,
         costs_argument,
         finish_parser,
+        non_negative_int,
         positive_int,
         seed_argument,
     )
@@ -38,9 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                         help='new tokens per prompt (default 64); a JSONL line\'s "max_new_tokens" wins for it')  # fmt: skip
-    parser.add_argument("--min-new-tokens", type=positive_int, default=None, metavar="K",
+    parser.add_argument("--min-new-tokens", type=non_negative_int, default=None, metavar="K",
                         help="EOS cannot end a completion before its K-th token (HF's min_new_tokens; default: "
-                        "the model's generation config, usually none)")  # fmt: skip
+                        "the model's generation config, usually none; 0 turns the model's own minimum off)")  # fmt: skip
     parser.add_argument("--stop", dest="stop_strings", action="append", metavar="TEXT",
                         help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
                         "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip
