@@ -9,12 +9,13 @@ import json
 import random
 
 import pytest
+import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.coefficients.online import OnlineCosts, median_relative_error
 from autobucket.coefficients.store import entry_path, load_entry, save_entry, store_metadata
 from autobucket.engine import cost_source
-from autobucket.models import CACHE_DIR_ENV
+from autobucket.models import CACHE_DIR_ENV, build_tiny_model
 from autobucket.planning.costs import (
     BENCH_QWEN2_GEOMETRY,
     CB_STEP,
@@ -276,3 +277,49 @@ def test_the_ray_driver_takes_the_median_of_what_online_workers_learned():
     learned = _learned_costs([result("online", 1.0), result("stored", 3.0), result("online", 8.0), result("file", 99.0)])
     assert learned.fixed_ms == 3.0 and learned.token_ms == TRUE.token_ms  # the file-pinned worker does not vote
     assert _learned_costs([result("given", 1.0)]) is None
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_costs_follow_the_model_to_another_dtype_and_back(tiny_models, tmp_path, monkeypatch):
+    """A trainer's `model.to(torch.bfloat16)` between calls: the bf16 calls learn bf16 costs (their own
+    probe, no fp32 timing in their window, KV bytes of 2), saved as their own entry; back in fp32 the fp32
+    learning continues where it stopped (no probe). Control: a Rollout that does not follow plans the
+    bf16 calls with the fp32 learner, whose window then mixes both dtypes."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    model = build_tiny_model("tiny-qwen2", seed=4)
+    prompts = random_prompts([5, 40, 7, 100, 12, 3], 1024, seed=0)
+    sampling = SamplingConfig(max_new_tokens=5, continuous_batch_size=4)
+    probes, real_probe = [], cost_source.probe
+    monkeypatch.setattr(cost_source, "probe", lambda *args: probes.append(1) or real_probe(*args))
+    rollout = Rollout(model, config=RolloutConfig(route="auto"))
+    fp32_call = rollout.generate(prompts, sampling).profile
+    fp32_learner = rollout.cost_source.learner
+    fp32_window = len(fp32_learner.observations())
+    model.to(torch.bfloat16)
+    bf16_calls = [rollout.generate(prompts, sampling).profile for _ in range(2)]
+    assert [p.costs_source for p in (fp32_call, *bf16_calls)] == ["probe", "probe", "online"] and len(probes) == 2
+    assert rollout.cost_source.learner is not fp32_learner and rollout.geometry.element_bytes == 2
+    assert len(fp32_learner.observations()) == fp32_window  # no bf16 timing joined the fp32 window
+    entries = [json.loads(path.read_text())["metadata"]["dtype"] for path in (tmp_path / "online-costs").glob("*.json")]
+    assert sorted(entries) == ["bfloat16", "float32"]
+    model.to(torch.float32)
+    back = rollout.generate(prompts, sampling).profile
+    assert back.costs_source == "online" and len(probes) == 2 and rollout.cost_source.learner is fp32_learner
+    assert rollout.geometry.element_bytes == 4
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_control_without_following_the_bf16_calls_plan_with_the_fp32_costs(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(Rollout, "_follow_model", lambda self: None)
+    model = build_tiny_model("tiny-qwen2", seed=4)
+    prompts = random_prompts([5, 40, 7, 100, 12, 3], 1024, seed=0)
+    sampling = SamplingConfig(max_new_tokens=5, continuous_batch_size=4)
+    rollout = Rollout(model, config=RolloutConfig(route="auto"))
+    rollout.generate(prompts, sampling)
+    fp32_learner = rollout.cost_source.learner
+    fp32_window = len(fp32_learner.observations())
+    model.to(torch.bfloat16)
+    assert rollout.generate(prompts, sampling).profile.costs_source == "online"  # no bf16 probe
+    assert rollout.cost_source.learner is fp32_learner and rollout.geometry.element_bytes == 4
+    assert len(fp32_learner.observations()) > fp32_window  # bf16 timings in the fp32 window

@@ -28,7 +28,7 @@ import torch
 
 from autobucket.coefficients.file import load_calibration
 from autobucket.coefficients.online import OnlineCosts, predicted_ms
-from autobucket.coefficients.store import load_entry, persist_entry, store_metadata
+from autobucket.coefficients.store import ENTRY_KEY_FIELDS, load_entry, persist_entry, store_metadata
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
 from autobucket.profile import Profile, Timing
@@ -63,10 +63,35 @@ class CostSource:
             self.fixed, self.source = costs, "defaults" if costs == CostCoefficients() else "given"
         else:
             self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
+        self.kernels = config.kernels
         self.metadata = store_metadata(model, config.kernels) if self.online else {}
         self._entry_read = False  # whether the stored entry (if persisting) was looked up
         self._refit_ms = 0.0  # what the last refit took (0: the next call refits)
         self._since_refit_ms = 0.0  # measured ms of the calls since then
+        self._set_aside: dict[str, tuple] = {}  # other fingerprints' learning, by entry key (`follow`)
+
+    def follow(self, geometry: ModelGeometry) -> None:
+        """The model's fingerprint changed since the last call (a trainer's `model.to(torch.bfloat16)`, a
+        new device, thread count or attention): timings of the old one must not plan the new one, so
+        online learning continues where this fingerprint's left off — set aside in this process, else its
+        stored entry, else a probe. Fixed coefficients stay as given (only the geometry follows)."""
+        self.geometry = geometry
+        if not self.online:
+            return
+        metadata = store_metadata(self.model, self.kernels)
+        if metadata == self.metadata:
+            return
+        self._set_aside[_entry_key(self.metadata)] = self._learning()
+        self.metadata = metadata
+        self._restore(self._set_aside.pop(_entry_key(metadata), None))
+
+    def _learning(self) -> tuple:
+        return (self.learner, self.source, self.pending, self._entry_read, self._refit_ms, self._since_refit_ms)
+
+    def _restore(self, learning: tuple | None) -> None:
+        if learning is None:  # a fingerprint new to this process: its stored entry or a probe, at first need
+            learning = (None, ONLINE, [], False, 0.0, 0.0)
+        (self.learner, self.source, self.pending, self._entry_read, self._refit_ms, self._since_refit_ms) = learning
 
     def current(self, run: RunRoute | None) -> CostCoefficients | None:
         """Coefficients to plan with; online without a prior, `run` probes (None: do not probe)."""
@@ -118,6 +143,10 @@ class CostSource:
     def _save(self) -> None:
         if self.persist and self.learner is not None:
             persist_entry(self.metadata, self.learner.costs, self.learner.observations(), self.source)
+
+
+def _entry_key(metadata: dict) -> str:
+    return repr([metadata.get(name) for name in ENTRY_KEY_FIELDS])
 
 
 def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:

@@ -75,6 +75,7 @@ class Rollout:
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
+        self._fingerprint = self._model_fingerprint()  # what the costs were learned for (`_follow_model`)
         self.packed_linears = _packed_linears_for(self.model, self.config)
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
@@ -95,7 +96,25 @@ class Rollout:
     def costs(self) -> CostCoefficients:
         """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
         with self._call_lock:
+            self._follow_model()
             return self.cost_source.current(self._probe_runner())
+
+    def _model_fingerprint(self) -> tuple:
+        """What the cost model's timings depend on that a trainer can change between calls (a few
+        attribute reads; the full entry metadata is built only when this changed)."""
+        parameter = next(self.model.parameters())
+        return (parameter.dtype, parameter.device, attention_implementation(self.model), torch.get_num_threads())
+
+    def _follow_model(self) -> None:
+        """After `model.to(torch.bfloat16)` (or a new device, thread count, attention) the planner's KV
+        bytes and the learned costs are those of the model as it is now, not as it was handed over."""
+        fingerprint = self._model_fingerprint()
+        if fingerprint == self._fingerprint:
+            return
+        self._fingerprint = fingerprint
+        self.geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
+        self.cost_source.follow(self.geometry)
+        warn_if_slow_bf16_gemm(fingerprint[0], self.config.kernels, fingerprint[1].type)
 
     def refresh_weights(self) -> None:
         """Repack before the next forward: for weight writes that bypass version counters (`param.data`
@@ -122,6 +141,7 @@ class Rollout:
         sampling = sampling_or_default(sampling)
         generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
         stops = self._stop_strings(generation.stop_strings)
+        self._follow_model()
         _warn_if_autocast_forward(self.model, self.config)
         token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
         check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
