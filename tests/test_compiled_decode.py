@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import forget_oracle, mismatches, oracle_batch, random_prompts
+from conftest import forget_oracle, hf_greedy, mismatches, oracle_batch, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.compiled import compiled_decode
@@ -252,6 +252,60 @@ def test_an_assert_outside_the_compiler_is_not_a_compile_failure():
     assert not raised_by_compiler(AssertionError("never raised: no traceback"))
 
 
+def _steering_hook(model):
+    """A trainer's forward hook that changes a decoder layer's output (activation steering)."""
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
+
+    def hook(module, args, output):
+        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
+
+    return hook
+
+
+@pytest.mark.engine
+def test_hooks_added_or_removed_after_compiling_are_followed():
+    """Dynamo does not guard on module hooks: a graph compiled before a trainer adds a forward hook would
+    skip it, and one compiled with it would keep running it after its removal. Each call's hooks select
+    their own graphs (the hooked set compiled once, then reused; the plain graphs reused after removal),
+    every call equal to HF generate with the same hooks."""
+    model = build_tiny_model("tiny-llama", seed=11)  # its own graphs
+    prompts = random_prompts(LENGTHS, seed=3)
+    plain, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True))
+    sampling = _sampling()
+    first = rollout.generate(prompts, sampling)
+    assert first.tokens == plain and first.profile.compiled_graphs >= 1
+    handle = model.model.layers[1].register_forward_hook(_steering_hook(model))
+    try:
+        hooked = hf_greedy(model, prompts, BUDGET)
+        calls = [rollout.generate(prompts, sampling) for _ in range(2)]
+    finally:
+        handle.remove()
+    assert hooked != plain, "the hook changed nothing: the test could not fail"
+    assert [c.tokens for c in calls] == [hooked, hooked]
+    assert calls[0].profile.compiled_graphs == first.profile.compiled_graphs  # the hooked set's own graphs
+    assert calls[1].profile.compiled_graphs == 0 and calls[1].profile.compiled_steps > 0  # reused
+    after = rollout.generate(prompts, sampling)
+    assert after.tokens == plain and after.profile.compiled_graphs == 0 and after.profile.compiled_steps > 0
+    assert (after.profile.recompiles, after.profile.compile_fallback) == (0, "")
+
+
+@pytest.mark.engine
+def test_control_without_the_hooks_key_a_compiled_graph_skips_a_new_hook(monkeypatch):
+    model = build_tiny_model("tiny-llama", seed=14)
+    prompts = random_prompts(LENGTHS, seed=3)
+    monkeypatch.setattr(compiled_decode, "hooks_epoch", lambda model: 0)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True))
+    rollout.generate(prompts, _sampling())
+    handle = model.model.layers[1].register_forward_hook(_steering_hook(model))
+    try:
+        hooked = hf_greedy(model, prompts, BUDGET)
+        result = rollout.generate(prompts, _sampling())
+    finally:
+        handle.remove()
+    assert result.profile.compiled_steps > 0 and result.tokens != hooked
+
+
 @pytest.mark.engine
 def test_a_recompile_storm_is_counted_then_stops_compiled_decoding(own_model, monkeypatch):
     """Every step of an already compiled shape reported as a fresh dynamo graph (a guard that keeps
@@ -411,12 +465,12 @@ def test_out_of_memory_inside_the_third_compiled_step_propagates_as_itself(tripw
 def test_row_and_column_buckets():
     assert [row_bucket(r, 24) for r in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
     assert [column_bucket(c, 384) for c in (1, 128, 129, 300, 384)] == [128, 128, 256, 384, 384]
-    assert predicted_graph_keys(32, 512, 16, store_columns(528, True)) == {(32, 640, 640)}
-    assert predicted_graph_keys(4, 100, 64, store_columns(164, True)) == {(4, 128, 256), (4, 256, 256)}
+    assert predicted_graph_keys(32, 512, 16, store_columns(528, True)) == {(32, 640, 640, 0)}
+    assert predicted_graph_keys(4, 100, 64, store_columns(164, True)) == {(4, 128, 256, 0), (4, 256, 256, 0)}
     # an explicit cache_capacity is kept exactly, in the store and in the prediction
     assert store_columns(140, False) == 140
-    assert predicted_graph_keys(4, 30, 8, 140) == {(4, 128, 140)}
-    assert predicted_graph_keys(4, 100, 64, 164) == {(4, 128, 164), (4, 164, 164)}
+    assert predicted_graph_keys(4, 30, 8, 140) == {(4, 128, 140, 0)}
+    assert predicted_graph_keys(4, 100, 64, 164) == {(4, 128, 164, 0), (4, 164, 164, 0)}
 
 
 def test_the_dynamo_graph_limit_is_set_under_the_name_this_torch_has():

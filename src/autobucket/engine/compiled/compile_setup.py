@@ -8,6 +8,7 @@ import torch
 from autobucket.engine.compiled.compiled_decode import (
     CompiledDecode,
     decode_graphs,
+    hooks_epoch,
     predicted_graph_keys,
     store_columns,
 )
@@ -28,7 +29,8 @@ def compile_decision(
     """The decision for a CB call with `items` rows to decode, `rows` at once, on a `capacity`-column cache;
     `round_capacity` as for `compiled_decode_for` (False: an explicit cache_capacity, kept exactly), so the
     predicted graph keys are the ones the call's store will really have."""
-    keys = predicted_graph_keys(rows, longest, max_new_tokens, store_columns(capacity, round_capacity))
+    hooks = hooks_epoch(model) if setting is not False else 0  # a module walk only where graphs may run
+    keys = predicted_graph_keys(rows, longest, max_new_tokens, store_columns(capacity, round_capacity), hooks)
     new_graphs = len(keys - decode_graphs(model).shapes)
     waves = -(-items // rows)
     parameters = sum(p.numel() for p in model.parameters())

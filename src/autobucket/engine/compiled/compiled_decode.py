@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as module_globals
 from transformers.cache_utils import Cache
 
 from autobucket.engine.batching.static_cache import StaticKVCache
@@ -84,12 +85,15 @@ def store_columns(columns: int, round_capacity: bool) -> int:
     return rounded_capacity(columns) if round_capacity else columns
 
 
-def predicted_graph_keys(rows: int, longest: int, max_new_tokens: int, capacity: int) -> set[tuple[int, int, int]]:
-    """The (rows, columns, capacity) graphs a call with full rows will visit (its tail may add smaller row
-    buckets); `capacity` is the store's exact column count (`store_columns`), as in the real keys."""
+def predicted_graph_keys(
+    rows: int, longest: int, max_new_tokens: int, capacity: int, hooks: int = 0
+) -> set[tuple[int, int, int, int]]:
+    """The (rows, columns, capacity, hooks) graphs a call with full rows will visit (its tail may add smaller
+    row buckets); `capacity` is the store's exact column count (`store_columns`), `hooks` the model's
+    `hooks_epoch`, as in the real keys."""
     first, last = column_bucket(longest + 1, capacity), column_bucket(longest + max_new_tokens, capacity)
     columns = {*range(first, last, COLUMN_STEP), last}  # last: the capacity itself when it caps a bucket
-    return {(row_bucket(rows, rows), c, capacity) for c in columns}
+    return {(row_bucket(rows, rows), c, capacity, hooks) for c in columns}
 
 
 # ------------------------------------------------------------------ attention used inside the graph
@@ -134,9 +138,12 @@ class StepCache(Cache):
         return self.keys[0].shape[2]
 
 
-def decode_step(model, cache_keyword, input_ids, position_ids, mask, column, keys, values):
-    """The function compiled: input_ids, position_ids [rows, 1]; mask [rows, 1, 1, columns]; column [1];
-    keys[l], values[l] [rows, kv_heads, columns, head_dim] -> logits [rows, vocab] fp32."""
+def decode_step(model, cache_keyword, hooks, input_ids, position_ids, mask, column, keys, values):
+    """The function compiled: hooks, the model's `hooks_epoch`; input_ids, position_ids [rows, 1]; mask
+    [rows, 1, 1, columns]; column [1]; keys[l], values[l] [rows, kv_heads, columns, head_dim] -> logits
+    [rows, vocab] fp32."""
+    # Read, so dynamo guards on it (an unused int argument gets no guard): each set of hooks its own graph.
+    torch._check(hooks >= 0)
     cache = StepCache(keys, values, column)
     output = model(
         input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
@@ -150,7 +157,8 @@ def decode_step(model, cache_keyword, input_ids, position_ids, mask, column, key
 class DecodeGraphs:
     """One model's compiled shapes; kept while the model lives, so later calls reuse its graphs."""
 
-    shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (rows, columns, capacity)
+    shapes: set[tuple[int, int, int, int]] = field(default_factory=set)  # (rows, columns, capacity, hooks)
+    hook_sets: dict[tuple, int] = field(default_factory=lambda: {(): 0})  # `hooks_epoch`: none is 0
     recompiles: int = 0  # guard failures on an already compiled shape, over the model's lifetime
     disabled_reason: str = ""  # non-empty: this model decodes eagerly from now on
 
@@ -163,6 +171,24 @@ def decode_graphs(model: torch.nn.Module) -> DecodeGraphs:
     if model not in _GRAPHS:
         _GRAPHS[model] = DecodeGraphs()
     return _GRAPHS[model]
+
+
+def hooks_epoch(model: torch.nn.Module) -> int:
+    """Which forward hooks the model has now, as a small int per model (0: none). Dynamo does not guard
+    on module hooks (`skip_nnmodule_hook_guards`, on by default): a graph traced before a trainer added a
+    hook would skip it, one traced with a hook would run it after its removal. So the epoch is part of
+    every graph key and an argument the graph is specialised on. Read once per call (~1 ms on SmolLM2's
+    397 modules): hooks changed by another thread during a call reach its eager steps only."""
+    hooks = tuple(
+        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
+        for index, module in enumerate(model.modules())
+        if module._forward_pre_hooks or module._forward_hooks
+    )  # handle ids: a hook removed and registered again is a new set (compiled again), never a stale one
+    signature = (hooks, tuple(module_globals._global_forward_pre_hooks), tuple(module_globals._global_forward_hooks))
+    if signature == ((), (), ()):
+        return 0
+    epochs = decode_graphs(model).hook_sets
+    return epochs.setdefault(signature, len(epochs))
 
 
 def _compiled_step():
@@ -215,6 +241,7 @@ class CompiledDecode:
         self.model, self.cache_keyword, self.allow_new_graphs = model, cache_keyword, allow_new_graphs
         self.round_capacity = round_capacity  # False: an explicit cache_capacity is a memory limit, kept
         self.graphs = decode_graphs(model)
+        self.hooks = hooks_epoch(model)  # this call's forward hooks, which its graphs must have traced
         self.stats = CompileStats(fallback_reason=self.graphs.disabled_reason)
         self.last_step_compiled = False  # the last step's time was compile time (kept out of step timings)
         self.traced_error = ""  # the last step's trace hit the model's own raise; its eager step decides
@@ -233,7 +260,9 @@ class CompiledDecode:
         if self.traced_error:  # the model raised while traced, yet its eager step ran: a tracing problem
             reason, self.traced_error = self.traced_error, ""
             self._disable(f"the model raised only while traced: {reason}")
-        key = (row_bucket(rows, store.rows), column_bucket(store.front + 1, store.columns), store.columns)
+        key = (
+            row_bucket(rows, store.rows), column_bucket(store.front + 1, store.columns), store.columns, self.hooks
+        )  # fmt: skip
         new = key not in graphs.shapes
         if graphs.disabled_reason or (new and not self._may_compile(graphs)):
             self.stats.eager_steps += 1
@@ -241,7 +270,7 @@ class CompiledDecode:
         started, graphs_before = time.perf_counter(), _graph_count()
         try:
             with lifted_graph_limit(), compiled_dropout_off(dropout_suppressed()):
-                logits = _compiled_step()(self.model, self.cache_keyword, *self._inputs(inputs, key))
+                logits = _compiled_step()(self.model, self.cache_keyword, self.hooks, *self._inputs(inputs, key))
         except torch._dynamo.exc.TorchDynamoException as error:
             self._compile_failed(error)
             return None
@@ -275,8 +304,8 @@ class CompiledDecode:
             return False
         return True
 
-    def _inputs(self, inputs: StepInputs, key: tuple[int, int, int]) -> tuple:
-        store, (rows, columns, _) = inputs.store, key
+    def _inputs(self, inputs: StepInputs, key: tuple[int, int, int, int]) -> tuple:
+        store, (rows, columns, _, _) = inputs.store, key
         input_ids, positions = inputs.tokens, inputs.positions
         pad = rows - int(input_ids.shape[0])
         if pad:
@@ -288,7 +317,7 @@ class CompiledDecode:
             [k[:rows, :, :columns] for k in store.keys], [v[:rows, :, :columns] for v in store.values],
         )  # fmt: skip
 
-    def _account(self, key: tuple[int, int, int], new: bool, compiled: int, elapsed_ms: float) -> None:
+    def _account(self, key: tuple[int, int, int, int], new: bool, compiled: int, elapsed_ms: float) -> None:
         stats, graphs = self.stats, self.graphs
         stats.compiled_steps += 1
         self.last_step_compiled = new or compiled > 0
