@@ -242,13 +242,14 @@ def two_adapter_model():
     return lora(lora(build_tiny_model("tiny-llama", seed=32)), "second", seed=1).eval()
 
 
-def continue_after(change, key_adapters: bool = True, monkeypatch=None):
+def continue_after(change, unkeyed: str | None = None, monkeypatch=None):
     """Turn 1 with the default adapter, `change` (no parameter's version moves), then turn 2 continuing
-    every conversation: (turn-2 result, the oracle's tokens for turn 2 under the change)."""
+    every conversation: (turn-2 result, the oracle's tokens for turn 2 under the change). `unkeyed`: the
+    negative control, a prefix cache keyed without that part of `weights_version`."""
     from conftest import forget_oracle
 
-    if not key_adapters:  # the negative control: a prefix cache keyed as before adapters counted
-        monkeypatch.setattr("autobucket.engine.model_access.weight_versions.adapter_state", lambda model: ())
+    if unkeyed is not None:
+        monkeypatch.setattr(f"autobucket.engine.model_access.weight_versions.{unkeyed}", lambda model: ())
     model = two_adapter_model()
     rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16))
     greedy = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[])
@@ -273,9 +274,40 @@ def test_the_prefix_cache_is_never_served_across_an_adapter_change(change):
 
 
 def test_control_a_cache_keyed_without_the_adapters_serves_the_other_adapters_kv(monkeypatch):
-    result, expected = continue_after(_set_second, key_adapters=False, monkeypatch=monkeypatch)
+    result, expected = continue_after(_set_second, unkeyed="adapter_state", monkeypatch=monkeypatch)
     assert result.profile.cached_prompt_tokens > 0
     assert result.tokens != expected, "the oracle did not catch K/V of the other adapter: the test could not fail"
+
+
+@contextlib.contextmanager
+def _steering(model):
+    """A trainer's forward hook on the first decoder layer (activation steering) for the block: the K/V of
+    every later layer change, no parameter does."""
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
+
+    def hook(module, args, output):
+        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
+
+    first_layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+    handle = first_layer.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_the_prefix_cache_is_never_served_across_a_forward_hook():
+    """A forward hook added between turns changes every later layer's K/V (the engine's forwards run it):
+    turn 2 reuses nothing and matches the oracle with the hook."""
+    result, expected = continue_after(_steering)
+    assert result.profile.cached_prompt_tokens == 0 and result.profile.prefix_cache_invalidations == 1
+    assert result.tokens == expected
+
+
+def test_control_a_cache_keyed_without_the_forward_hooks_serves_unhooked_kv(monkeypatch):
+    result, expected = continue_after(_steering, unkeyed="forward_state", monkeypatch=monkeypatch)
+    assert result.profile.cached_prompt_tokens > 0
+    assert result.tokens != expected, "the oracle did not catch unhooked K/V: the test could not fail"
 
 
 @pytest.mark.parametrize("follow", [True, False])

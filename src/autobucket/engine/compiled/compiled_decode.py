@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as module_globals
 from transformers.cache_utils import Cache
 
 from autobucket.engine.batching.static_cache import StaticKVCache
@@ -56,6 +55,7 @@ from autobucket.engine.compiled.dynamo_compat import (
 from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
 from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
+from autobucket.engine.model_access.weight_versions import forward_state
 
 COLUMN_STEP = 128  # column bucket granularity: attention over <= 127 masked columns, few graphs
 MAX_GRAPHS_PER_MODEL = 24  # beyond this a new shape decodes eagerly (compile is tens of seconds each)
@@ -158,7 +158,7 @@ class DecodeGraphs:
     """One model's compiled shapes; kept while the model lives, so later calls reuse its graphs."""
 
     shapes: set[tuple[int, int, int, int]] = field(default_factory=set)  # (rows, columns, capacity, hooks)
-    hook_sets: dict[tuple, int] = field(default_factory=lambda: {(): 0})  # `hooks_epoch`: none is 0
+    hook_sets: dict[tuple, int] = field(default_factory=dict)  # `hooks_epoch` of each hook set past none (0)
     recompiles: int = 0  # guard failures on an already compiled shape, over the model's lifetime
     disabled_reason: str = ""  # non-empty: this model decodes eagerly from now on
 
@@ -179,16 +179,11 @@ def hooks_epoch(model: torch.nn.Module) -> int:
     hook would skip it, one traced with a hook would run it after its removal. So the epoch is part of
     every graph key and an argument the graph is specialised on. Read once per call (~1 ms on SmolLM2's
     397 modules): hooks changed by another thread during a call reach its eager steps only."""
-    hooks = tuple(
-        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
-        for index, module in enumerate(model.modules())
-        if module._forward_pre_hooks or module._forward_hooks
-    )  # handle ids: a hook removed and registered again is a new set (compiled again), never a stale one
-    signature = (hooks, tuple(module_globals._global_forward_pre_hooks), tuple(module_globals._global_forward_hooks))
+    signature = forward_state(model)  # hooks (and forwards replaced on an instance) by registration
     if signature == ((), (), ()):
         return 0
     epochs = decode_graphs(model).hook_sets
-    return epochs.setdefault(signature, len(epochs))
+    return epochs.setdefault(signature, len(epochs) + 1)
 
 
 def _compiled_step():

@@ -15,6 +15,9 @@ old weights (packed linears, prefix-cache K/V) is ever used after an update.
   or rescaled changes the forward without any parameter changing (`set_adapter`, `disable_adapter()`,
   `set_scale`), and peft's merge writes the adapter into the base weight through `.data` (`merge_adapter`
   is seen only here).
+- Forward state (`forward_state`): forward hooks (a trainer's steering or logging hook that changes a
+  layer's output) and forwards replaced on an instance (accelerate's mixed-precision wrapper) change the
+  K/V of every later layer without any parameter changing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import threading
 from collections.abc import Hashable, Iterator
 
 import torch
+from torch.nn.modules import module as module_globals
 
 _LOCK = threading.Lock()
 _STEPS = 0
@@ -67,7 +71,19 @@ def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
     parameters = tuple(
         (p.data_ptr(), in_place_version(p), p.dtype, tuple(p.shape)) for p in model.parameters()
     )
-    return (*extra, steps, parameters, adapter_state(model))
+    return (*extra, steps, parameters, adapter_state(model), forward_state(model))
+
+
+def forward_state(model: torch.nn.Module) -> tuple:
+    """Per module with forward hooks or an instance-level forward: its position, its hooks' handle ids
+    (unique per registration: a hook removed and added again is a new state, never an old one) and the
+    replaced forward itself; then the global forward hooks. () parts for a plain model."""
+    modules = tuple(
+        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks), vars(module).get("forward"))
+        for index, module in enumerate(model.modules())
+        if module._forward_pre_hooks or module._forward_hooks or "forward" in vars(module)
+    )
+    return modules, tuple(module_globals._global_forward_pre_hooks), tuple(module_globals._global_forward_hooks)
 
 
 def adapter_state(model: torch.nn.Module) -> tuple:
