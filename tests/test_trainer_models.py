@@ -304,6 +304,32 @@ def test_the_prefix_cache_is_never_served_across_a_forward_hook():
     assert result.tokens == expected
 
 
+@contextlib.contextmanager
+def _rotary_rescaled(model):
+    """A buffer written in place (the rotary embedding's `inv_freq`, as a context-extension step might):
+    every position's K changes, no parameter does."""
+    inv_freq = next(buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq"))
+    saved = inv_freq.clone()
+    inv_freq.mul_(0.5)
+    try:
+        yield
+    finally:
+        inv_freq.copy_(saved)
+
+
+def test_the_prefix_cache_is_never_served_across_a_buffer_write():
+    result, expected = continue_after(_rotary_rescaled)
+    assert result.profile.cached_prompt_tokens == 0 and result.profile.prefix_cache_invalidations == 1
+    assert result.tokens == expected
+
+
+def test_control_a_cache_keyed_without_the_buffers_serves_the_old_rotary_kv(monkeypatch):
+    monkeypatch.setattr(torch.nn.Module, "buffers", lambda self, recurse=True: iter(()))
+    result, expected = continue_after(_rotary_rescaled)
+    assert result.profile.cached_prompt_tokens > 0
+    assert result.tokens != expected, "the oracle did not catch the old rotary K/V: the test could not fail"
+
+
 def test_control_a_cache_keyed_without_the_forward_hooks_serves_unhooked_kv(monkeypatch):
     result, expected = continue_after(_steering, unkeyed="forward_state", monkeypatch=monkeypatch)
     assert result.profile.cached_prompt_tokens > 0

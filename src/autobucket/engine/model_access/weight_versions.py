@@ -64,14 +64,15 @@ def tensor_version(tensor: torch.Tensor) -> tuple[int, int | None, int]:
 
 
 def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
-    """What the K/V of a token sequence depends on besides its tokens: every parameter's storage,
-    in-place version, dtype and shape, the optimizer steps taken, the adapters' state, plus `extra`
-    (attention backend, kernels)."""
+    """What the K/V of a token sequence depends on besides its tokens: every parameter's and buffer's
+    (rotary `inv_freq`, say) storage, in-place version, dtype and shape, the optimizer steps taken, the
+    adapters' state, the forward's hooks, plus `extra` (attention backend, kernels)."""
     steps = optimizer_steps()
-    parameters = tuple(
-        (p.data_ptr(), in_place_version(p), p.dtype, tuple(p.shape)) for p in model.parameters()
+    tensors = tuple(
+        (t.data_ptr(), in_place_version(t), t.dtype, tuple(t.shape))
+        for t in (*model.parameters(), *model.buffers())
     )
-    return (*extra, steps, parameters, adapter_state(model), forward_state(model))
+    return (*extra, steps, tensors, adapter_state(model), forward_state(model))
 
 
 def forward_state(model: torch.nn.Module) -> tuple:
