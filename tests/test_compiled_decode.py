@@ -190,7 +190,18 @@ def test_a_model_that_raises_only_while_traced_falls_back_after_its_eager_step_s
 
 
 def _kernelized_attention_model(seed: int) -> torch.nn.Module:
-    model = build_tiny_model("tiny-qwen2", seed=seed)
+    """A tiny Qwen2 of an MLP width no other test compiles, so its decode step really compiles here (dynamo
+    reuses code across model instances of equal shapes, as under `make test-compile`)."""
+    import transformers
+
+    from autobucket.models import TINY_CONFIGS
+
+    class_name, kwargs = TINY_CONFIGS["tiny-qwen2"]
+    config = getattr(transformers, class_name)(**{**kwargs, "intermediate_size": 96 + seed})
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config).eval()
     if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):  # `use_kernelized_func`'s instances
         pytest.skip("this transformers' attention forward does not write the kernels hub's context variable")
     return model
