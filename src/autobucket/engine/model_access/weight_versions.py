@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Hashable, Iterator
 
 import torch
@@ -78,13 +79,24 @@ def weights_version(model: torch.nn.Module, *extra: Hashable) -> tuple:
 def forward_state(model: torch.nn.Module) -> tuple:
     """Per module with forward hooks or an instance-level forward: its position, its hooks' handle ids
     (unique per registration: a hook removed and added again is a new state, never an old one) and the
-    replaced forward itself; then the global forward hooks. () parts for a plain model."""
+    replaced forward (by weak reference: keys outlive calls, and accelerate's wrapper is a method bound to
+    the model); then the global forward hooks. () parts for a plain model."""
     modules = tuple(
-        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks), vars(module).get("forward"))
+        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks), _weak(vars(module).get("forward")))
         for index, module in enumerate(model.modules())
         if module._forward_pre_hooks or module._forward_hooks or "forward" in vars(module)
     )
     return modules, tuple(module_globals._global_forward_pre_hooks), tuple(module_globals._global_forward_hooks)
+
+
+def _weak(value: object) -> Hashable:
+    """A key for `value` that does not keep it alive: equal while it lives, never equal to a later object."""
+    if value is None:
+        return None
+    try:
+        return weakref.ref(value)
+    except TypeError:  # a callable without weak reference support: its id, as long as it is the attribute
+        return ("id", id(value))
 
 
 def adapter_state(model: torch.nn.Module) -> tuple:
