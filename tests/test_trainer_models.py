@@ -503,3 +503,31 @@ def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         warn_once.cache_clear()
+
+
+def test_the_keys_of_a_replaced_forward_do_not_keep_the_model_alive():
+    """accelerate's mixed-precision wrapper is a forward bound to the model: the prefix cache's key and the
+    compiled step's per-model hook sets (a weak-keyed table) hold it by weak reference, so a model the
+    trainer drops is freed; the key still tells the wrapper from a new one."""
+    import gc
+    import weakref
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from autobucket.engine.compiled.compiled_decode import hooks_epoch
+    from autobucket.engine.model_access.weight_versions import weights_version
+
+    try:
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare(build_tiny_model("tiny-llama", seed=37))
+        assert hooks_epoch(model) > 0
+        before = weights_version(model)
+        assert weights_version(model) == before
+        model.forward = type(model.forward)(model.forward.__func__, model)  # the same wrapper bound anew
+        assert weights_version(model) != before
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        assert alive() is None, "a key kept the model alive"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
