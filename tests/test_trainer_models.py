@@ -330,6 +330,33 @@ def test_control_a_cache_keyed_without_the_buffers_serves_the_old_rotary_kv(monk
     assert result.tokens != expected, "the oracle did not catch the old rotary K/V: the test could not fail"
 
 
+@contextlib.contextmanager
+def _input_require_grads(model):
+    """What TRL's GRPO (gradient checkpointing) and transformers' checkpointing do at every enable: a new
+    forward hook on the input embeddings that only sets `requires_grad`; it changes no value."""
+    model.enable_input_require_grads()
+    yield
+
+
+@pytest.mark.parametrize("neutral", [True, False], ids=["value-neutral", "control-keyed"])
+def test_transformers_require_grads_hooks_keep_the_prefix_cache_and_the_graphs(neutral, monkeypatch):
+    """Keyed like any hook, the one `enable_input_require_grads` adds at every call emptied the prefix cache
+    between a TRL tool episode's turns (and would give each call a new compiled graph set). Control: the
+    same hook not recognised as value-neutral is keyed (no reuse)."""
+    from autobucket.engine.compiled.compiled_decode import hooks_epoch
+    from autobucket.engine.model_access import weight_versions
+
+    if not neutral:
+        monkeypatch.setattr(weight_versions, "_VALUE_NEUTRAL_HOOKS", frozenset())
+    result, expected = continue_after(_input_require_grads)
+    assert result.tokens == expected
+    assert (result.profile.cached_prompt_tokens > 0) is neutral
+    model = build_tiny_model("tiny-llama", seed=38)
+    before = hooks_epoch(model)
+    model.enable_input_require_grads()
+    assert (hooks_epoch(model) == before) is neutral
+
+
 def test_control_a_cache_keyed_without_the_forward_hooks_serves_unhooked_kv(monkeypatch):
     result, expected = continue_after(_steering, unkeyed="forward_state", monkeypatch=monkeypatch)
     assert result.profile.cached_prompt_tokens > 0

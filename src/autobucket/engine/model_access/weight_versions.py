@@ -81,12 +81,35 @@ def forward_state(model: torch.nn.Module) -> tuple:
     (unique per registration: a hook removed and added again is a new state, never an old one) and the
     replaced forward (by weak reference: keys outlive calls, and accelerate's wrapper is a method bound to
     the model); then the global forward hooks. () parts for a plain model."""
-    modules = tuple(
-        (index, tuple(module._forward_pre_hooks), tuple(module._forward_hooks), _weak(vars(module).get("forward")))
-        for index, module in enumerate(model.modules())
-        if module._forward_pre_hooks or module._forward_hooks or "forward" in vars(module)
-    )
+    states = (_module_forward_state(index, module) for index, module in enumerate(model.modules()))
+    modules = tuple(state for state in states if state is not None)
     return modules, tuple(module_globals._global_forward_pre_hooks), tuple(module_globals._global_forward_hooks)
+
+
+def _module_forward_state(index: int, module: torch.nn.Module) -> tuple | None:
+    """(index, value hooks before, after, replaced forward), or None for a module whose forward is its
+    class's with no hooks but value-neutral ones."""
+    if not (module._forward_pre_hooks or module._forward_hooks or "forward" in vars(module)):
+        return None  # the common case, decided without building anything
+    state = (_value_hooks(module._forward_pre_hooks), _value_hooks(module._forward_hooks), _weak(vars(module).get("forward")))
+    return None if state == ((), (), None) else (index, *state)
+
+
+# Hooks that change no value: transformers' `enable_input_require_grads` hook only sets `requires_grad` on
+# the embeddings' output, and trainers register a new one at every call of it (TRL's GRPO with gradient
+# checkpointing adds one per generation turn: keyed, it emptied the prefix cache between a tool episode's
+# turns, and would compile a new decode graph per call).
+_VALUE_NEUTRAL_HOOKS = frozenset({
+    ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
+})  # fmt: skip
+
+
+def _value_hooks(hooks: dict) -> tuple:
+    """The handle ids of the hooks that may change values."""
+    return tuple(
+        handle for handle, hook in hooks.items()
+        if (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)) not in _VALUE_NEUTRAL_HOOKS
+    )  # fmt: skip
 
 
 def _weak(value: object) -> Hashable:
