@@ -273,6 +273,32 @@ def test_rollout_loads_and_validates_a_calibration(calibration_path, model):
     assert rollout.costs == TRUE
 
 
+def test_a_calibration_is_validated_again_when_the_model_changes_dtype(calibration_path, model):
+    """A trainer's `model.to(torch.bfloat16)` after the Rollout was made with an fp32 calibration: the next
+    call refuses it as construction would (the model's dtype named), the Rollout stays usable (the call
+    after the model is back in fp32 runs), and with costs_strict=False it is a warning."""
+    import torch
+
+    from autobucket import Rollout, RolloutConfig, SamplingConfig
+    from autobucket.models import build_tiny_model
+
+    own = build_tiny_model("tiny-qwen2")  # the fixture's model is shared: this one changes dtype
+    prompts, sampling = [[5, 6, 7, 8]] * 2, SamplingConfig(max_new_tokens=2)
+    rollout = Rollout(own, config=RolloutConfig(route="auto", costs=calibration_path))
+    before = rollout.generate(prompts, sampling).tokens
+    own.to(torch.bfloat16)
+    for _ in range(2):  # refused at every call while the model differs, not only the first
+        with pytest.raises(ValueError, match="dtype: file 'float32' vs now 'bfloat16'"):
+            rollout.generate(prompts, sampling)
+    own.to(torch.float32)
+    assert rollout.generate(prompts, sampling).tokens == before
+    lenient = Rollout(own, config=RolloutConfig(route="auto", costs=calibration_path, costs_strict=False))
+    own.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="dtype: file 'float32' vs now 'bfloat16'"):
+        lenient.generate(prompts, sampling)
+    assert lenient.costs == TRUE and lenient.geometry.element_bytes == 2
+
+
 def test_costs_strict_must_be_a_bool():
     from autobucket import RolloutConfig
 

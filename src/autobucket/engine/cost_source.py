@@ -63,7 +63,7 @@ class CostSource:
             self.fixed, self.source = costs, "defaults" if costs == CostCoefficients() else "given"
         else:
             self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
-        self.kernels = config.kernels
+        self.kernels, self.config = config.kernels, config
         self.metadata = store_metadata(model, config.kernels) if self.online else {}
         self._entry_read = False  # whether the stored entry (if persisting) was looked up
         self._refit_ms = 0.0  # what the last refit took (0: the next call refits)
@@ -74,7 +74,10 @@ class CostSource:
         """The model's fingerprint changed since the last call (a trainer's `model.to(torch.bfloat16)`, a
         new device, thread count or attention): timings of the old one must not plan the new one, so
         online learning continues where this fingerprint's left off — set aside in this process, else its
-        stored entry, else a probe. Fixed coefficients stay as given (only the geometry follows)."""
+        stored entry, else a probe. A calibration file is validated against the model as it is now, as at
+        construction (`costs_strict`: refused, else warned); given coefficients stay as given."""
+        if self.source == "file":  # before anything changes: refused, the next call checks again
+            self.fixed = load_calibration(self.config.costs, model=self.model, strict=self.config.costs_strict)
         self.geometry = geometry
         if not self.online:
             return

@@ -111,9 +111,9 @@ class Rollout:
         fingerprint = self._model_fingerprint()
         if fingerprint == self._fingerprint:
             return
-        self._fingerprint = fingerprint
-        self.geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
-        self.cost_source.follow(self.geometry)
+        geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
+        self.cost_source.follow(geometry)  # may refuse a calibration file: then nothing here changed
+        self._fingerprint, self.geometry = fingerprint, geometry
         warn_if_slow_bf16_gemm(fingerprint[0], self.config.kernels, fingerprint[1].type)
 
     def refresh_weights(self) -> None:
