@@ -454,6 +454,31 @@ def test_attention_switched_to_eager_after_the_rollout_was_made_is_refused_under
     assert (after.tokens, after.logprobs) == (before.tokens, before.logprobs)
 
 
+def test_a_float16_model_is_refused_by_the_invariant_kernels_when_made_and_at_each_call():
+    """The kernels have fp32 and bf16 forms only: an fp16 model is refused with a ValueError naming its
+    dtype and the fixes, when the Rollout or the trainer scope is made and at the next call after a
+    trainer's `model.half()` (before: a RuntimeError from inside the attention kernel mid-call); back in
+    fp32 the Rollout generates bitwise as before."""
+    import autobucket
+
+    fix = r"is float16: load it in \(or move it to\) torch.bfloat16 or torch.float32, or use RolloutConfig"
+    half = build_tiny_model("tiny-llama", seed=39).half()
+    with pytest.raises(ValueError, match=fix):
+        Rollout(half, config=RolloutConfig(route="aligned", kernels="invariant"))
+    with pytest.raises(ValueError, match=fix), autobucket.invariant(half):
+        pass
+    model = build_tiny_model("tiny-llama", seed=39)
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", kernels="invariant"))
+    prompts = random_prompts(LENGTHS, seed=11)
+    greedy = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4, eos_token_id=[])
+    before = rollout.generate(prompts, greedy).tokens
+    model.half()
+    with pytest.raises(ValueError, match=fix):
+        rollout.generate(prompts, greedy)
+    model.float()
+    assert rollout.generate(prompts, greedy).tokens == before
+
+
 @pytest.mark.parametrize("disabled", [True, False])
 def test_a_call_inside_the_trainers_autocast_region_computes_in_the_models_dtype(disabled, monkeypatch):
     """A rollout made inside a mixed-precision step (`torch.autocast("cpu", bfloat16)`): every route and

@@ -35,10 +35,25 @@ def check_call_settings(model: torch.nn.Module) -> None:
     """What a trainer may change after handing the model over, checked again at each call: the model's
     attention (`set_attn_implementation`: an eager model's attention would read cache columns the
     invariant kernels never fill) and oneDNN's fp32 precision (a trainer turning on bf16 math for its own
-    steps would otherwise lower the rollout's, silently)."""
+    steps would otherwise lower the rollout's, silently), and the model's dtype (`model.half()` between
+    calls)."""
     check_kernel_attention(model)
-    if next(model.parameters()).dtype in (torch.float32, torch.bfloat16):  # bf16 linears may use fp32 GEMMs
-        check_fp32_precision()
+    check_kernel_dtype(model)
+    check_fp32_precision()  # bf16 linears run fp32 GEMMs too
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_kernel_dtype(model: torch.nn.Module) -> None:
+    """The kernels compute in fp32 and bf16 (the attention and the fixed-order linears have no fp16 form)."""
+    dtype = next(model.parameters()).dtype
+    if dtype not in KERNEL_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kernels='invariant' computes in float32 or bfloat16, but {type(model).__name__} is {name}: load it "
+            "in (or move it to) torch.bfloat16 or torch.float32, or use RolloutConfig(kernels='hf')"
+        )
 
 
 def check_kernel_attention(model: torch.nn.Module) -> None:
