@@ -337,3 +337,63 @@ def test_the_tiny_model_builders_leave_the_global_rng_alone():
     assert torch.equal(torch.rand(3), expected)  # the caller's stream continues as if nothing ran
     again = build_tiny_model("tiny-llama", seed=5)
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True))
+
+
+# ---- process-wide settings a trainer may have changed ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_a_float64_default_dtype_changes_nothing(kernels):
+    """A trainer's `torch.set_default_dtype(torch.float64)` (scientific code does it) reaches every tensor
+    the engine creates without a dtype: a probe's random logits made the trainer-logprob kernel refuse
+    them (RuntimeError), a cascade's merge weights ran in float64. Every route, sampled with both logprob
+    modes, n > 1 on shared K/V, penalty, packed and chunked prefill, must give bitwise the float32
+    default's tokens and logprobs."""
+    model = build_tiny_model("tiny-llama", seed=40)
+    prompts = random_prompts(LENGTHS, seed=7)
+    calls = [
+        (dict(route="bucketed", costs=PACK_EVERYTHING), dict(n=3, temperature=1.0, top_p=0.9, logprobs=True)),
+        (dict(route="aligned", prefill_max_tokens=8), dict(temperature=0.8, logprobs=True, logprobs_mode="processed")),
+        (dict(route="ordinary"), dict(temperature=1.0, logprobs=True, repetition_penalty=1.3)),
+        (dict(route="equal_width"), dict(n=2, temperature=1.0, logprobs=True)),
+    ]
+
+    def run_all():
+        results = []
+        for config, sampling in calls:
+            rollout = Rollout(model, config=RolloutConfig(kernels=kernels, **config))
+            result = rollout.generate(prompts, SamplingConfig(max_new_tokens=BUDGET, seed=11, **sampling))
+            results.append((result.tokens, result.logprobs))
+        return results
+
+    expected = run_all()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert run_all() == expected
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_kernel_probes_answer_alike_under_a_float64_default():
+    """The probes that decide, once per process, whether a kernel takes a call build their own random
+    inputs: under a float64 default they must answer as under float32 (the trainer-logprob probe raised
+    there, and whichever call came first would have decided for the process)."""
+    from transformers.models.llama import modeling_llama
+
+    from autobucket.engine.kernels import onednn_probes, trainer_reductions
+    from autobucket.engine.kernels.elementwise import rotary
+
+    probes = {"rotary": lambda: rotary.router_for.__wrapped__(modeling_llama.apply_rotary_pos_emb) is not None}
+    if trainer_reductions.kernel_library_builds():  # loads the library the two reductions probe
+        probes["logsumexp"] = trainer_reductions._logsumexp_agrees
+        if torch.ops.autobucket.trainer_log_softmax_at_available():
+            probes["log_softmax"] = trainer_reductions._log_softmax_agrees
+    if onednn_probes.native_bf16_gemm():  # oneDNN runs bf16 GEMMs here (AVX-512 or AVX-NE-CONVERT)
+        probes["bf16 blocks"] = lambda: onednn_probes.bf16_blocks_invariant.__wrapped__(64, 96)
+        probes["fused columns"] = lambda: onednn_probes.fused_columns_agree.__wrapped__(64, (32, 48), True)
+    expected = {name: probe() for name, probe in probes.items()}
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert {name: probe() for name, probe in probes.items()} == expected
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -212,7 +212,7 @@ class StaticKVCache:
         shape = (len(used), self.keys[0].shape[1], longest, self.keys[0].shape[3])
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
-        mask = torch.full((len(used), longest), float("-inf"), device=device)
+        mask = torch.full((len(used), longest), float("-inf"), dtype=torch.float32, device=device)
         for slot, (group, length) in enumerate(zip(used, lengths, strict=True)):
             group_keys, group_values = self.groups[group]
             for layer in range(len(self.keys)):

@@ -120,7 +120,7 @@ def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: in
     out = out.reshape(groups, kv_heads, layout.slots, per_kv, head_dim).transpose(1, 2)
     lse = lse.reshape(groups, kv_heads, layout.slots, per_kv).transpose(1, 2)
     row_out = torch.zeros((rows, kv_heads, per_kv, head_dim), dtype=torch.float32, device=q.device)
-    row_lse = torch.full((rows, kv_heads, per_kv), float("-inf"), device=q.device)
+    row_lse = torch.full((rows, kv_heads, per_kv), float("-inf"), dtype=torch.float32, device=q.device)
     row_out[grouped] = out[where].float()
     row_lse[grouped] = lse[where]
     return row_out, row_lse

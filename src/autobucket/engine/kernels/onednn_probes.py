@@ -82,7 +82,7 @@ def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
         rows = _probe_rows(generator, in_features)
         reference = onednn_linear(rows, packed, None)
         places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
-        mixed = torch.randn(ROW_BLOCK, in_features, generator=generator).bfloat16()
+        mixed = torch.randn(ROW_BLOCK, in_features, generator=generator, dtype=torch.float32).bfloat16()
         mixed[places] = rows[:kept]
         if not torch.equal(onednn_linear(mixed, packed, None)[places], reference[:kept]):
             return False
@@ -111,8 +111,9 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
     columns bitwise its own GEMM's output in the same `ROW_BLOCK` rows (every bf16 call is made of such
     blocks, so one block shape decides it). Random data, a private generator."""
     generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
-    weights = [(torch.randn(n, in_features, generator=generator) * in_features**-0.5).bfloat16() for n in out_features]
-    biases = [torch.randn(n, generator=generator).bfloat16() if has_bias else None for n in out_features]
+    weights = [(torch.randn(n, in_features, generator=generator, dtype=torch.float32) * in_features**-0.5).bfloat16()
+               for n in out_features]  # fmt: skip
+    biases = [torch.randn(n, generator=generator, dtype=torch.float32).bfloat16() if has_bias else None for n in out_features]
     packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
     fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
     fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
@@ -147,7 +148,7 @@ def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int
     if not bf16_blocks_invariant(in_features, out_features):
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 13 + out_features + rows_count)
-    bias = torch.randn(out_features, generator=generator).bfloat16() if has_bias else None
+    bias = torch.randn(out_features, generator=generator, dtype=torch.float32).bfloat16() if has_bias else None
     rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
     blocks = [onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
     return torch.equal(onednn_linear(rows, packed, bias), torch.cat(blocks))
@@ -156,14 +157,14 @@ def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int
 def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:
     """A private generator and a random bf16 [out, in] weight packed for ROW_BLOCK rows."""
     generator = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator, dtype=torch.float32) * in_features**-0.5).bfloat16()
     return generator, torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK)
 
 
 def _probe_rows(generator: torch.Generator, in_features: int) -> torch.Tensor:
     """ROW_BLOCK random bf16 rows of scales 1e-2 .. 1e2."""
-    scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator)
-    return (torch.randn(ROW_BLOCK, in_features, generator=generator) * scales).bfloat16()
+    scales = 10.0 ** torch.randint(-2, 3, (ROW_BLOCK, 1), generator=generator).float()
+    return (torch.randn(ROW_BLOCK, in_features, generator=generator, dtype=torch.float32) * scales).bfloat16()
 
 
 def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -108,8 +108,8 @@ def _probe_logits(rows: int, vocab: int) -> torch.Tensor:
     """Rows whose sum order and exp show in the last bits: a language model's spread, and near-flat rows;
     one with some and one with only -inf."""
     generator = torch.Generator().manual_seed(0)
-    probe = 3 * torch.randn(rows, vocab, generator=generator)
-    probe[1::2] = -0.7 * torch.rand(probe[1::2].shape, generator=generator)
+    probe = 3 * torch.randn(rows, vocab, generator=generator, dtype=torch.float32)
+    probe[1::2] = -0.7 * torch.rand(probe[1::2].shape, generator=generator, dtype=torch.float32)
     probe[1, :100] = -math.inf
     probe[2] = -math.inf
     return probe

@@ -69,9 +69,9 @@ def router_for(builtin: Callable) -> Callable | None:
     generator = torch.Generator().manual_seed(0)
     for dtype in _DTYPES:
         # [batch 2, tokens 5, heads 3 / 1, head_dim 8] as the model lays them out: views transposed to [B, H, T, D]
-        q = torch.randn(2, 5, 3, 8, generator=generator).to(dtype).transpose(1, 2)
-        k = torch.randn(2, 5, 1, 8, generator=generator).to(dtype).transpose(1, 2)
-        cos, sin = (torch.randn(2, 5, 8, generator=generator).to(dtype) for _ in range(2))
+        q = torch.randn(2, 5, 3, 8, generator=generator, dtype=torch.float32).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 5, 1, 8, generator=generator, dtype=torch.float32).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(2, 5, 8, generator=generator, dtype=torch.float32).to(dtype) for _ in range(2))
         with torch.inference_mode():
             want = builtin(q, k, cos, sin)
             got = fused_rotary_embedding(q, k, cos, sin)
