@@ -397,3 +397,23 @@ def test_the_kernel_probes_answer_alike_under_a_float64_default():
         assert {name: probe() for name, probe in probes.items()} == expected
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_deterministic_algorithms_on_change_nothing(kernels, model):
+    """`torch.use_deterministic_algorithms(True)` (what a reproducibility-minded trainer sets) refuses
+    nondeterministic ops with an error: no route may use one, and the tokens stay HF generate's."""
+    prompts = random_prompts(LENGTHS, seed=5)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for config in ROUTE_CONFIGS.values():
+            if config.get("kernels", kernels) != kernels:
+                continue
+            result = Rollout(model, config=RolloutConfig(**{**config, "kernels": kernels})).generate(
+                prompts, SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=4)
+            )
+            assert_matches_oracle(result, tokens, reasons)
+    finally:
+        torch.use_deterministic_algorithms(before)
