@@ -292,6 +292,19 @@ def oracle_generate(
     return list(tokens), reason
 
 
+def steering_hook(model):
+    """A trainer's forward hook that changes a decoder layer's output (activation steering: a fixed vector
+    added), so every later layer's K/V changes while no parameter does."""
+    import torch
+
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
+
+    def hook(module, args, output):
+        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
+
+    return hook
+
+
 def hf_greedy(model, prompts, max_new_tokens: int, **options) -> list[list[int]]:
     """Each prompt's `max_new_tokens` new tokens from the model's own greedy `generate` (EOS off), with
     generate `options`; not cached (`oracle_generate` is, per model: here the options or the model's

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import forget_oracle, hf_greedy, mismatches, oracle_batch, random_prompts
+from conftest import forget_oracle, hf_greedy, mismatches, oracle_batch, random_prompts, steering_hook
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.compiled import compiled_decode
@@ -263,16 +263,6 @@ def test_an_assert_outside_the_compiler_is_not_a_compile_failure():
     assert not raised_by_compiler(AssertionError("never raised: no traceback"))
 
 
-def _steering_hook(model):
-    """A trainer's forward hook that changes a decoder layer's output (activation steering)."""
-    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
-
-    def hook(module, args, output):
-        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
-
-    return hook
-
-
 @pytest.mark.engine
 def test_hooks_added_or_removed_after_compiling_are_followed():
     """Dynamo does not guard on module hooks: a graph compiled before a trainer adds a forward hook would
@@ -286,7 +276,7 @@ def test_hooks_added_or_removed_after_compiling_are_followed():
     sampling = _sampling()
     first = rollout.generate(prompts, sampling)
     assert first.tokens == plain and first.profile.compiled_graphs >= 1
-    handle = model.model.layers[1].register_forward_hook(_steering_hook(model))
+    handle = model.model.layers[1].register_forward_hook(steering_hook(model))
     try:
         hooked = hf_greedy(model, prompts, BUDGET)
         calls = [rollout.generate(prompts, sampling) for _ in range(2)]
@@ -308,7 +298,7 @@ def test_control_without_the_hooks_key_a_compiled_graph_skips_a_new_hook(monkeyp
     monkeypatch.setattr(compiled_decode, "hooks_epoch", lambda model: 0)
     rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True))
     rollout.generate(prompts, _sampling())
-    handle = model.model.layers[1].register_forward_hook(_steering_hook(model))
+    handle = model.model.layers[1].register_forward_hook(steering_hook(model))
     try:
         hooked = hf_greedy(model, prompts, BUDGET)
         result = rollout.generate(prompts, _sampling())

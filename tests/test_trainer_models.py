@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_matches_oracle, hf_greedy, mismatches, oracle_batch, random_prompts
+from conftest import assert_matches_oracle, hf_greedy, mismatches, oracle_batch, random_prompts, steering_hook
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import rollout as rollout_module
@@ -283,13 +283,8 @@ def test_control_a_cache_keyed_without_the_adapters_serves_the_other_adapters_kv
 def _steering(model):
     """A trainer's forward hook on the first decoder layer (activation steering) for the block: the K/V of
     every later layer change, no parameter does."""
-    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
-
-    def hook(module, args, output):
-        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
-
     first_layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
-    handle = first_layer.register_forward_hook(hook)
+    handle = first_layer.register_forward_hook(steering_hook(model))
     try:
         yield
     finally:

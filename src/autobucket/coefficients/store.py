@@ -59,11 +59,15 @@ def store_metadata(model: torch.nn.Module, kernels: str = "hf") -> dict[str, Any
 ENTRY_KEY_FIELDS = ("config_hash", "dtype", "device", "attn_implementation", "kernels", "cpu", "threads")
 
 
-def entry_path(metadata: dict[str, Any]) -> Path:
+def entry_key(metadata: dict[str, Any]) -> str:
+    """The fingerprint an entry is stored under: a digest of its ENTRY_KEY_FIELDS."""
     keyed = {name: metadata[name] for name in ENTRY_KEY_FIELDS}
-    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def entry_path(metadata: dict[str, Any]) -> Path:
     root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "autobucket"
-    return Path(root).expanduser() / _FOLDER / f"{key}.json"
+    return Path(root).expanduser() / _FOLDER / f"{entry_key(metadata)}.json"
 
 
 def save_entry(

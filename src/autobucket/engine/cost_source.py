@@ -28,7 +28,7 @@ import torch
 
 from autobucket.coefficients.file import load_calibration
 from autobucket.coefficients.online import OnlineCosts, predicted_ms
-from autobucket.coefficients.store import ENTRY_KEY_FIELDS, load_entry, persist_entry, store_metadata
+from autobucket.coefficients.store import entry_key, load_entry, persist_entry, store_metadata
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
 from autobucket.profile import Profile, Timing
@@ -63,7 +63,7 @@ class CostSource:
             self.fixed, self.source = costs, "defaults" if costs == CostCoefficients() else "given"
         else:
             self.fixed, self.source = load_calibration(costs, model=model, strict=config.costs_strict), "file"
-        self.kernels, self.config = config.kernels, config
+        self.config = config
         self.metadata = store_metadata(model, config.kernels) if self.online else {}
         self._entry_read = False  # whether the stored entry (if persisting) was looked up
         self._refit_ms = 0.0  # what the last refit took (0: the next call refits)
@@ -81,20 +81,14 @@ class CostSource:
         self.geometry = geometry
         if not self.online:
             return
-        metadata = store_metadata(self.model, self.kernels)
+        metadata = store_metadata(self.model, self.config.kernels)
         if metadata == self.metadata:
             return
-        self._set_aside[_entry_key(self.metadata)] = self._learning()
+        self._set_aside[entry_key(self.metadata)] = {name: getattr(self, name) for name in _fresh_learning()}
         self.metadata = metadata
-        self._restore(self._set_aside.pop(_entry_key(metadata), None))
-
-    def _learning(self) -> tuple:
-        return (self.learner, self.source, self.pending, self._entry_read, self._refit_ms, self._since_refit_ms)
-
-    def _restore(self, learning: tuple | None) -> None:
-        if learning is None:  # a fingerprint new to this process: its stored entry or a probe, at first need
-            learning = (None, ONLINE, [], False, 0.0, 0.0)
-        (self.learner, self.source, self.pending, self._entry_read, self._refit_ms, self._since_refit_ms) = learning
+        learning = self._set_aside.pop(entry_key(metadata), None) or _fresh_learning()
+        for name, value in learning.items():
+            setattr(self, name, value)
 
     def current(self, run: RunRoute | None) -> CostCoefficients | None:
         """Coefficients to plan with; online without a prior, `run` probes (None: do not probe)."""
@@ -148,8 +142,11 @@ class CostSource:
             persist_entry(self.metadata, self.learner.costs, self.learner.observations(), self.source)
 
 
-def _entry_key(metadata: dict) -> str:
-    return repr([metadata.get(name) for name in ENTRY_KEY_FIELDS])
+def _fresh_learning() -> dict:
+    """What online learning holds for one fingerprint (`CostSource.follow` sets it aside and restores it),
+    as a new CostSource starts it: its stored entry or a probe, at first need."""
+    return {"learner": None, "source": ONLINE, "pending": [], "_entry_read": False, "_refit_ms": 0.0,
+            "_since_refit_ms": 0.0}  # fmt: skip
 
 
 def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:

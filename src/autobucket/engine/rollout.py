@@ -149,7 +149,8 @@ class Rollout:
             profile = Profile(route=self.config.route)
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
         # Only the planning routes need coefficients: the others never trigger the online probe.
-        costs = self.costs if self.config.route in PLANNING_ROUTES else self.cost_source.current(None)
+        # the model was followed above: the cost source directly, not `self.costs` (which follows again)
+        costs = self.cost_source.current(self._probe_runner() if self.config.route in PLANNING_ROUTES else None)
         prefix_cache, cleared = self._prefix_cache()
         result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
         result.profile.prefix_cache_invalidations = int(cleared)
@@ -278,9 +279,8 @@ def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> 
             f"autobucket: {type(model).__name__}.forward runs under accelerate's mixed precision (autocast); "
             f"route={config.route!r} with kernels='hf' runs its decode attention in the model's dtype where that "
             "forward computes it in bf16, so its tokens can differ from that forward's generate. Use "
-            "kernels='invariant' (the model's dtype "
-            "on every route, bitwise autobucket.invariant's trainer forward), route='ordinary', or a model "
-            "loaded in bfloat16",
+            "kernels='invariant' (the model's dtype on every route, bitwise autobucket.invariant's trainer "
+            "forward), route='ordinary', or a model loaded in bfloat16",
             RuntimeWarning, stacklevel=5,  # warn_once, this, _generate, generate: the caller's line
         )  # fmt: skip
 
