@@ -30,6 +30,7 @@ from autobucket.coefficients.file import load_calibration
 from autobucket.coefficients.online import OnlineCosts, predicted_ms
 from autobucket.coefficients.store import entry_key, load_entry, persist_entry, store_metadata
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.engine.model_access.hf_compat import sliding_window_limit
 from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
 from autobucket.profile import Profile, Timing
 from autobucket.prompts import random_prompts
@@ -158,16 +159,23 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> lis
     sampling = SamplingConfig(max_new_tokens=6, continuous_batch_size=64, eos_token_id=[], stop_strings=[])
     first = run("ordinary", random_prompts([32, 32], vocab, seed=1), sampling)
     forward_ms = sum(t.ms for t in first.timings if t.kind == PREFILL_FORWARD)
-    unit = _probe_unit(forward_ms / 64, geometry.max_positions)
+    # A sliding attention window bounds what continuous batching runs (routes.py), the probe's calls too.
+    positions = _least(geometry.max_positions, sliding_window_limit(model.config))
+    unit = _probe_unit(forward_ms / 64, positions)
     # One long prompt whatever the budget: the attention term (∝ L²) is not identified by short ones, and
     # extrapolating it from them was off by 10x and more on a slow machine.
-    long = max(2 * unit, min(512, ((geometry.max_positions or 1024) - 8) // 2))
+    long = max(2 * unit, min(512, ((positions or 1024) - 8) // 2))
     calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, long]),
              ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))  # fmt: skip
     timings = list(first.timings)
     for seed, (route, lengths) in enumerate(calls, start=2):
         timings += run(route, random_prompts(lengths, vocab, seed=seed), sampling).timings
     return timings
+
+
+def _least(*limits: int | None) -> int | None:
+    present = [limit for limit in limits if limit is not None]
+    return min(present) if present else None
 
 
 def _probe_unit(token_ms: float, max_positions: int | None) -> int:

@@ -86,6 +86,9 @@ def bucketed_route(call: RouteCall) -> FinishedItems:
 
 def auto_route(call: RouteCall) -> FinishedItems:
     started = time.perf_counter()
+    window_text = _window_exceeded(call)
+    if window_text is not None:
+        return _ordinary_for_window(call, window_text)
     if call.prefix_cache is not None:
         # Ordinary `generate` neither reads nor fills the prefix cache; continuous batching does both.
         cached = sum(call.prefix_cache.cached_length(p) > 0 for p in call.prompts)
@@ -298,11 +301,40 @@ def cache_shape(call: RouteCall) -> CacheShape:
     return CacheShape(continuous_batch_size=rows, cache_capacity=columns)
 
 
-def _check_sliding_window(call: RouteCall) -> None:
+def _window_exceeded(call: RouteCall) -> str | None:
+    """What a sliding attention window rules out, when a sequence of the call would outgrow it: the
+    continuous-batching routes attend over every cached column, so they agree with the model only while
+    no sequence is longer than its window (None: it fits, or the model has no window)."""
     window = sliding_window_limit(call.model.config)
+    if window is None or not call.prompts:
+        return None
     needed = max(len(p) + budget for p, budget in zip(call.prompts, call.budgets, strict=True))
-    if window is not None and needed > window:
+    if needed <= window:
+        return None
+    return f"the model uses a sliding attention window of {window} tokens and this call needs {needed}"
+
+
+def _check_sliding_window(call: RouteCall) -> None:
+    window_text = _window_exceeded(call)
+    if window_text is not None:
         raise ValueError(
-            f"the model uses a sliding attention window of {window} tokens and this call needs {needed}: the "
-            "continuous-batching routes do not implement sliding windows; use route='ordinary'"
+            f"{window_text}: the continuous-batching routes do not implement sliding windows; use "
+            "route='ordinary' (or route='auto', which runs it for such calls)"
         )
+
+
+def _ordinary_for_window(call: RouteCall, window_text: str) -> FinishedItems:
+    """Auto on a call that outgrows the model's sliding window: only ordinary `generate` computes it
+    (it neither reads nor fills the prefix cache), so it runs unless the config rules it out too."""
+    blocked = _ordinary_blocked_reason(call.config)
+    if blocked is not None:
+        raise ValueError(
+            f"{window_text}, which only route='ordinary' computes, but {blocked}, which ordinary generate "
+            "cannot honour: leave cache_capacity None and trim_cache False for this model"
+        )
+    call.profile.route = ROUTE_ORDINARY
+    call.profile.decision_reason = (
+        f"{window_text}: continuous batching does not implement sliding windows, so ordinary generate runs"
+    )
+    call.profile.prefill_groups = [[list(range(len(call.prompts)))]]
+    return ordinary_route(call)

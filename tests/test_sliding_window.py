@@ -1,0 +1,126 @@
+"""Models that attend in a sliding window (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3).
+
+The continuous-batching routes attend over every cached column, so they compute such a model only
+while no sequence of the call outgrows its window. The oracle is single-request HF `generate`, which
+applies the window; a control (the same weights with the window off) shows that each test's sequences
+do outgrow it, so a route that ignored the window would fail the oracle.
+- `route="auto"` (the default) runs ordinary `generate` for a call that outgrows the window, says why
+  in `profile.decision_reason`, and its cost probe stays inside the window (it ran CB calls of 518
+  tokens, so every call of a model with a 512-token window, Gemma 3 1B's, raised before);
+- an explicit CB route refuses such a call with a ValueError naming the window and the fix, and stays
+  usable; inside the window every route equals the oracle, both kernel sets.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import oracle_generate, random_prompts
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig
+
+pytestmark = pytest.mark.engine
+
+WINDOW = 16
+NEW_TOKENS = 12
+_BASE = {
+    "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2, "max_position_embeddings": 2048,
+}  # fmt: skip
+# name -> (config class, its window keywords): every layer windowed, or one of two (Gemma 3, Qwen2).
+WINDOWED = {
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+}  # fmt: skip
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def windowed_model(name: str) -> torch.nn.Module:
+    if name not in _MODELS:
+        import transformers
+
+        class_name, window = WINDOWED[name]
+        config = getattr(transformers, class_name)(**_BASE, **window)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        _MODELS[name] = model.eval()
+    return _MODELS[name]
+
+
+def without_window(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights attending over everything: the window made wider than any sequence here."""
+    wide = copy.deepcopy(model)
+    wide.config.sliding_window = 1 << 20
+    for module in wide.modules():
+        if isinstance(getattr(module, "sliding_window", None), int):
+            module.sliding_window = 1 << 20
+    return wide
+
+
+def oracle(model, prompts) -> list[list[int]]:
+    return [oracle_generate(model, prompt, NEW_TOKENS, eos_token_id=[])[0] for prompt in prompts]
+
+
+SAMPLING = SamplingConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[])
+LONG = random_prompts([5, 9, 21, 30], seed=3)  # 21 + 12 and 30 + 12 outgrow the window; 5 + 12 too
+SHORT = random_prompts([2, 3, 1], seed=4)  # every sequence inside the window (at most 15 tokens)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_window_control_changes_the_oracle(name):
+    """The prompts outgrow the window: without it the same weights generate other tokens."""
+    model = windowed_model(name)
+    assert oracle(without_window(model), LONG) != oracle(model, LONG)
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_auto_runs_ordinary_when_the_call_outgrows_the_window(name, kernels):
+    model = windowed_model(name)
+    rollout = Rollout(model, None, RolloutConfig(route="auto", kernels=kernels))
+    result = rollout.generate(LONG, SAMPLING)
+    assert result.route == "ordinary"
+    assert f"sliding attention window of {WINDOW} tokens" in result.profile.decision_reason
+    assert result.tokens == oracle(model, LONG)
+    # Inside the window Auto plans as for any model (its probe ran inside the window, above).
+    inside = rollout.generate(SHORT, SAMPLING)
+    assert "sliding" not in inside.profile.decision_reason
+    assert inside.tokens == oracle(model, SHORT)
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("route", ["equal_width", "aligned", "bucketed"])
+def test_continuous_routes_refuse_a_call_outgrowing_the_window(route, kernels):
+    model = windowed_model("gemma3")
+    rollout = Rollout(model, None, RolloutConfig(route=route, kernels=kernels))
+    with pytest.raises(ValueError, match=rf"sliding attention window of {WINDOW} tokens and this call needs 42.*route='ordinary'"):
+        rollout.generate(LONG, SAMPLING)
+    # Still usable, and exact inside the window.
+    assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
+
+
+def test_auto_with_the_prefix_cache_runs_ordinary_once_a_conversation_outgrows_the_window():
+    """Turn 1 fits the window (continuous batching, cached); turn 2 extends it past the window: ordinary
+    `generate` runs, neither reading nor filling the cache, and equals the oracle."""
+    model = windowed_model("mistral")
+    rollout = Rollout(model, None, RolloutConfig(route="auto", prefix_cache_mb=8))
+    first = rollout.generate(SHORT[:1], SAMPLING)
+    assert first.route == "bucketed" and first.tokens == oracle(model, SHORT[:1])
+    conversation = [SHORT[0] + first.tokens[0] + [7, 8, 9]]
+    second = rollout.generate(conversation, SAMPLING)
+    assert second.route == "ordinary"
+    assert second.profile.cached_prompt_tokens == 0
+    assert second.tokens == oracle(model, conversation)
+
+
+def test_auto_refuses_when_the_window_and_the_config_rule_out_both_routes():
+    model = windowed_model("mistral")
+    rollout = Rollout(model, None, RolloutConfig(route="auto", trim_cache=True))
+    with pytest.raises(ValueError, match=r"sliding attention window.*trim_cache=True was requested"):
+        rollout.generate(LONG, SAMPLING)
+    assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
