@@ -33,8 +33,9 @@ from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.grad_mode import autograd_off_for
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
-    attention_implementation,
+    attention_backend,
     check_weights_loaded,
+    continuous_batching_refusal,
     forward_spec,
     unwrap_model,
     vocab_size,
@@ -103,7 +104,7 @@ class Rollout:
         """What the cost model's timings depend on that a trainer can change between calls (a few
         attribute reads; the full entry metadata is built only when this changed)."""
         parameter = next(self.model.parameters())
-        return (parameter.dtype, parameter.device, attention_implementation(self.model), torch.get_num_threads())
+        return (parameter.dtype, parameter.device, attention_backend(self.model), torch.get_num_threads())
 
     def _follow_model(self) -> None:
         """After `model.to(torch.bfloat16)` (or a new device, thread count, attention) the planner's KV
@@ -148,9 +149,11 @@ class Rollout:
         if not token_prompts:
             profile = Profile(route=self.config.route)
             return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
-        # Only the planning routes need coefficients: the others never trigger the online probe.
+        # Only the planning routes need coefficients: the others never trigger the online probe, nor do
+        # models continuous batching cannot run (auto runs ordinary generate for them, bucketed refuses).
         # the model was followed above: the cost source directly, not `self.costs` (which follows again)
-        costs = self.cost_source.current(self._probe_runner() if self.config.route in PLANNING_ROUTES else None)
+        plans = self.config.route in PLANNING_ROUTES and continuous_batching_refusal(self.model) is None
+        costs = self.cost_source.current(self._probe_runner() if plans else None)
         prefix_cache, cleared = self._prefix_cache()
         result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
         result.profile.prefix_cache_invalidations = int(cleared)
@@ -236,7 +239,7 @@ class Rollout:
         cache = self.prefix_cache
         if cache is None:
             return None, False
-        version = weights_version(self.model, attention_implementation(self.model), self.config.kernels)
+        version = weights_version(self.model, attention_backend(self.model), self.config.kernels)
         return cache, cache.use_version(version)
 
     def _probe_runner(self) -> RunRoute:

@@ -43,7 +43,11 @@ from autobucket.engine.compiled.compile_setup import (
 from autobucket.engine.finished import Finished
 from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
 from autobucket.engine.model_access.attention import AttentionFunction, dispatches
-from autobucket.engine.model_access.hf_compat import attention_implementation, sliding_window_limit
+from autobucket.engine.model_access.hf_compat import (
+    attention_implementation,
+    continuous_batching_refusal,
+    sliding_window_limit,
+)
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
@@ -86,9 +90,9 @@ def bucketed_route(call: RouteCall) -> FinishedItems:
 
 def auto_route(call: RouteCall) -> FinishedItems:
     started = time.perf_counter()
-    window_text = _window_exceeded(call)
-    if window_text is not None:
-        return _ordinary_for_window(call, window_text)
+    refusal = continuous_batching_refusal(call.model) or _window_exceeded(call)
+    if refusal is not None:
+        return _ordinary_instead(call, refusal)
     if call.prefix_cache is not None:
         # Ordinary `generate` neither reads nor fills the prefix cache; continuous batching does both.
         cached = sum(call.prefix_cache.cached_length(p) > 0 for p in call.prompts)
@@ -311,30 +315,31 @@ def _window_exceeded(call: RouteCall) -> str | None:
     needed = max(len(p) + budget for p, budget in zip(call.prompts, call.budgets, strict=True))
     if needed <= window:
         return None
-    return f"the model uses a sliding attention window of {window} tokens and this call needs {needed}"
+    return (
+        f"the model uses a sliding attention window of {window} tokens and this call needs {needed}, which the "
+        "continuous-batching routes do not implement"
+    )
 
 
 def _check_sliding_window(call: RouteCall) -> None:
     window_text = _window_exceeded(call)
     if window_text is not None:
         raise ValueError(
-            f"{window_text}: the continuous-batching routes do not implement sliding windows; use "
-            "route='ordinary' (or route='auto', which runs it for such calls)"
+            f"{window_text}: use route='ordinary' (or route='auto', which runs ordinary generate for such calls)"
         )
 
 
-def _ordinary_for_window(call: RouteCall, window_text: str) -> FinishedItems:
-    """Auto on a call that outgrows the model's sliding window: only ordinary `generate` computes it
-    (it neither reads nor fills the prefix cache), so it runs unless the config rules it out too."""
+def _ordinary_instead(call: RouteCall, refusal: str) -> FinishedItems:
+    """Auto on a call continuous batching cannot compute (the model's attention backend, or a sequence
+    outgrowing its sliding window): ordinary `generate` runs it (neither reading nor filling the prefix
+    cache), unless the config rules that out too."""
     blocked = _ordinary_blocked_reason(call.config)
     if blocked is not None:
         raise ValueError(
-            f"{window_text}, which only route='ordinary' computes, but {blocked}, which ordinary generate "
+            f"{refusal}, so only route='ordinary' computes this call, but {blocked}, which ordinary generate "
             "cannot honour: leave cache_capacity None and trim_cache False for this model"
         )
     call.profile.route = ROUTE_ORDINARY
-    call.profile.decision_reason = (
-        f"{window_text}: continuous batching does not implement sliding windows, so ordinary generate runs"
-    )
+    call.profile.decision_reason = f"{refusal}: ordinary generate runs"
     call.profile.prefill_groups = [[list(range(len(call.prompts)))]]
     return ordinary_route(call)

@@ -109,14 +109,29 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
+def attention_backend(model: torch.nn.Module) -> str:
+    """The model's attention implementation as transformers dispatches it now ("eager" when unset)."""
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def continuous_batching_refusal(model: torch.nn.Module) -> str | None:
+    """Why the continuous-batching routes cannot run this model's attention (None: they can). Ordinary
+    `generate` runs any backend transformers has (flash_attention_2, flex_attention, ...)."""
+    implementation = attention_backend(model)
+    if implementation in SUPPORTED_ATTENTION:
+        return None
+    return f"attn_implementation={implementation!r} is not supported by the continuous-batching routes"
+
+
 def attention_implementation(model: torch.nn.Module) -> str:
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
-    if implementation not in SUPPORTED_ATTENTION:
+    """The model's attention backend, refused with a ValueError where continuous batching cannot run it."""
+    refusal = continuous_batching_refusal(model)
+    if refusal is not None:
         raise ValueError(
-            f"attn_implementation={implementation!r} is not supported by the continuous-batching routes: "
-            f"load the model with attn_implementation in {SUPPORTED_ATTENTION} (or use route='ordinary')"
+            f"{refusal}: load the model with attn_implementation in {SUPPORTED_ATTENTION}, or use "
+            "route='ordinary' (or route='auto', which runs ordinary generate for it)"
         )
-    return implementation
+    return attention_backend(model)
 
 
 def output_cache(output: Any) -> Any:

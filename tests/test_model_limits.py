@@ -1,14 +1,21 @@
-"""Models that attend in a sliding window (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3).
+"""Models the continuous-batching routes cannot run as they are, and what each route does with them.
 
-The continuous-batching routes attend over every cached column, so they compute such a model only
-while no sequence of the call outgrows its window. The oracle is single-request HF `generate`, which
-applies the window; a control (the same weights with the window off) shows that each test's sequences
-do outgrow it, so a route that ignored the window would fail the oracle.
-- `route="auto"` (the default) runs ordinary `generate` for a call that outgrows the window, says why
-  in `profile.decision_reason`, and its cost probe stays inside the window (it ran CB calls of 518
-  tokens, so every call of a model with a 512-token window, Gemma 3 1B's, raised before);
-- an explicit CB route refuses such a call with a ValueError naming the window and the fix, and stays
-  usable; inside the window every route equals the oracle, both kernel sets.
+1. Sliding attention windows (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3). The CB routes
+   attend over every cached column, so they compute such a model only while no sequence of the call
+   outgrows its window. The oracle is single-request HF `generate`, which applies the window; a control
+   (the same weights with the window off) shows that each test's sequences do outgrow it, so a route that
+   ignored the window would fail the oracle.
+   - `route="auto"` (the default) runs ordinary `generate` for a call that outgrows the window, says why
+     in `profile.decision_reason`, and its cost probe stays inside the window (it ran CB calls of 518
+     tokens, so every call of a model with a 512-token window, Gemma 3 1B's, raised before);
+   - an explicit CB route refuses such a call with a ValueError naming the window and the fix, and stays
+     usable; inside the window every route equals the oracle, both kernel sets.
+2. Attention backends other than SDPA and eager (flash_attention_2 on a GPU trainer, flex_attention, a
+   kernels-hub or registered function; here a registered one that runs SDPA, since CPU flex_attention
+   fails inside torch's compiler on a padded batch even in plain HF `generate`). `ordinary` runs them
+   (a Rollout of such a model raised at construction on every route), `auto` runs ordinary without
+   probing CB costs, the CB routes refuse by name, and a trainer switching backends between calls is
+   followed.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ def test_auto_runs_ordinary_when_the_call_outgrows_the_window(name, kernels):
 def test_continuous_routes_refuse_a_call_outgrowing_the_window(route, kernels):
     model = windowed_model("gemma3")
     rollout = Rollout(model, None, RolloutConfig(route=route, kernels=kernels))
-    with pytest.raises(ValueError, match=rf"sliding attention window of {WINDOW} tokens and this call needs 42.*route='ordinary'"):
+    with pytest.raises(ValueError, match=rf"sliding attention window of {WINDOW} tokens and this call needs 42, which the continuous-batching routes do not implement: use route=.ordinary."):
         rollout.generate(LONG, SAMPLING)
     # Still usable, and exact inside the window.
     assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
@@ -124,3 +131,72 @@ def test_auto_refuses_when_the_window_and_the_config_rule_out_both_routes():
     with pytest.raises(ValueError, match=r"sliding attention window.*trim_cache=True was requested"):
         rollout.generate(LONG, SAMPLING)
     assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
+
+
+# ---------------------------------------------------------------- other attention backends
+BACKEND = "autobucket_test_attention"
+
+
+@pytest.fixture(scope="module")
+def registered_backend() -> str:
+    """A backend transformers dispatches by name that the CB routes do not know (it runs SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(*args, **kwargs):
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register(BACKEND, attention)
+    AttentionMaskInterface.register(BACKEND, sdpa_mask)  # as a real backend's registration does
+    return BACKEND
+
+
+def backend_model(backend: str) -> torch.nn.Module:
+    from autobucket.models import build_tiny_model
+
+    return build_tiny_model("tiny-qwen2", attn_implementation=backend)
+
+
+@pytest.mark.parametrize("prefix_cache_mb", [0, 8])
+def test_ordinary_runs_a_model_on_another_attention_backend(registered_backend, prefix_cache_mb):
+    model = backend_model(registered_backend)
+    rollout = Rollout(model, None, RolloutConfig(route="ordinary", prefix_cache_mb=prefix_cache_mb))
+    result = rollout.generate(LONG, SAMPLING)
+    assert result.route == "ordinary" and result.tokens == oracle(model, LONG)
+
+
+def test_auto_runs_ordinary_on_another_attention_backend_without_probing(registered_backend, monkeypatch):
+    import autobucket.engine.cost_source as cost_source
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the online probe runs continuous-batching calls this model cannot run")
+
+    monkeypatch.setattr(cost_source, "probe", no_probe)
+    model = backend_model(registered_backend)
+    rollout = Rollout(model, None, RolloutConfig(route="auto", prefix_cache_mb=8))
+    result = rollout.generate(LONG, SAMPLING)
+    assert result.route == "ordinary"
+    assert f"attn_implementation={registered_backend!r}" in result.profile.decision_reason
+    assert result.tokens == oracle(model, LONG)
+
+
+@pytest.mark.parametrize("route", ["equal_width", "aligned", "bucketed"])
+def test_continuous_routes_refuse_another_attention_backend(registered_backend, route):
+    rollout = Rollout(backend_model(registered_backend), None, RolloutConfig(route=route))
+    with pytest.raises(ValueError, match=rf"attn_implementation='{registered_backend}'.*'sdpa', 'eager'.*route='ordinary'"):
+        rollout.generate(LONG, SAMPLING)
+
+
+def test_auto_follows_a_trainer_switching_attention_backends(registered_backend):
+    """sdpa -> the registered backend -> sdpa between calls: each call runs what the model is now."""
+    model = backend_model("sdpa")
+    rollout = Rollout(model, None, RolloutConfig(route="auto"))
+    expected = oracle(model, LONG)
+    routes = []
+    for backend in ("sdpa", registered_backend, "sdpa"):
+        model.set_attn_implementation(backend)
+        result = rollout.generate(LONG, SAMPLING)
+        assert result.tokens == expected, backend
+        routes.append(result.route)
+    assert routes[1] == "ordinary" and routes[0] == routes[2]
