@@ -91,6 +91,65 @@ def test_several_adapters_generate_with_the_active_one(route):
     assert model.active_adapter == "second"
 
 
+# Adapters peft injects into the layers, beyond plain LoRA on attention: each runs inside the base model's
+# forward, so every route must equal the PeftModel's own generate (both kernel sets: the packed linears
+# take the base weight and leave the adapter's path to peft's layer).
+ADAPTER_KINDS = {
+    "dora": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+    "rslora_on_the_head_and_embeddings": lambda: peft.LoraConfig(
+        r=4, target_modules=["embed_tokens", "lm_head", "o_proj"], use_rslora=True),
+    "lora_with_a_trained_head_copy": lambda: peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "loha": lambda: peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "lokr": lambda: peft.LoKrConfig(r=4, target_modules=["q_proj", "gate_proj"]),
+}  # fmt: skip
+
+
+def adapter_of_kind(kind: str):
+    """A PeftModel whose adapter changes the tokens: its zero-initialised factors (LoRA's B, IA3's ones,
+    DoRA's magnitudes, a saved head copy) are moved off their no-op values."""
+    model = peft.get_peft_model(build_tiny_model("tiny-qwen2", seed=33), ADAPTER_KINDS[kind]())
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        for parameter in model.parameters():
+            if parameter.requires_grad:  # the adapter's own parameters (and the saved head copy)
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("kind", sorted(ADAPTER_KINDS))
+def test_adapters_in_the_layers_match_the_peft_models_own_generate(kind, kernels):
+    model = adapter_of_kind(kind)
+    prompts = random_prompts(LENGTHS, seed=9)
+    tokens, reasons = oracle_batch(model, prompts, BUDGET)
+    with model.disable_adapter():  # control: the adapter changes the oracle
+        assert mismatches(tokens, oracle_batch(model.get_base_model(), prompts, BUDGET)[0])
+    for route in ("ordinary", "aligned", "bucketed"):
+        config = RolloutConfig(**{**ROUTE_CONFIGS[route], "kernels": kernels})
+        assert_matches_oracle(Rollout(model, config=config).generate(prompts, sampling()), tokens, reasons)
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_prompt_learning_adapters_are_refused_by_name(method):
+    """Their virtual tokens are added by PeftModel.forward, outside the base model the engine runs: a
+    Rollout generated as if the adapter were off (probed), so it refuses them."""
+    configs = {"prompt": peft.PromptTuningConfig, "prefix": peft.PrefixTuningConfig}
+    model = peft.get_peft_model(build_tiny_model("tiny-qwen2"), configs[method](task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match=rf"{method.upper()}_TUNING, a prompt-learning method.*LoRA"):
+        Rollout(model)
+    if method == "prompt":  # control: the virtual tokens change what the PeftModel generates
+        prompt = torch.tensor([random_prompts([9], seed=10)[0]])
+
+        def last_tokens(generator) -> list[int]:
+            with torch.inference_mode():
+                output = generator.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                            max_new_tokens=BUDGET, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            return output[0, -BUDGET:].tolist()
+
+        assert last_tokens(model) != last_tokens(model.get_base_model())
+
+
 @contextlib.contextmanager
 def one_process_group():
     import torch.distributed as dist

@@ -58,6 +58,7 @@ def check_weights_loaded(model: torch.nn.Module) -> None:
 
 def _unwrap_once(model: Any) -> Any:
     if _is_peft_model(model):
+        _check_adapter_in_layers(model)
         return model.get_base_model()
     if _looks_wrapped(model):
         from accelerate.utils import extract_model_from_parallel
@@ -81,6 +82,21 @@ def _looks_wrapped(model: Any) -> bool:
     if not isinstance(model, torch.nn.Module):  # a str, say, has no vars()
         return False
     return bool(class_names(model) & _WRAPPER_CLASSES) or "_orig_mod" in vars(model)
+
+
+def _check_adapter_in_layers(model: Any) -> None:
+    """A ValueError for a prompt-learning adapter (prompt, prefix or p-tuning): `PeftModel.forward` adds its
+    virtual tokens (or their K/V) to every input, outside the base model the engine runs, so the engine
+    would generate as if the adapter were off, silently."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        method = getattr(config, "peft_type", None)
+        raise ValueError(
+            f"the PeftModel's active adapter {model.active_adapter!r} is {getattr(method, 'value', method)}, a "
+            "prompt-learning method whose virtual tokens PeftModel.forward adds outside the base model, so "
+            "autobucket would generate without them: use an adapter injected into the layers (LoRA, DoRA, "
+            "IA3, LoHa, LoKr, ...), or the PeftModel's own generate"
+        )
 
 
 def _is_peft_model(model: Any) -> bool:
