@@ -86,6 +86,35 @@ def test_numpy_prompts_run_as_the_same_token_ids(model):
         assert all(type(token) is int for row in result.tokens for token in row)
 
 
+def bos_adding_tokenizer():
+    """The conftest BPE tokenizer with a Llama-style post-processor: `tokenizer(text)` prepends <s>."""
+    import copy
+
+    from conftest import byte_bpe_tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(byte_bpe_tokenizer())
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tokenizer, bos
+
+
+def test_string_prompts_get_one_bos_whether_or_not_a_chat_template_wrote_it(model):
+    """Plain text is tokenized as `tokenizer(text)` (its BOS added); text that already begins with the BOS
+    token, as `apply_chat_template(..., tokenize=False)` writes it for Llama, Gemma or Mistral, is not
+    given a second one (TRL tokenizes templated prompts without special tokens for the same reason)."""
+    tokenizer, bos = bos_adding_tokenizer()
+    text = "abc dep ghop"
+    plain_ids = tokenizer(text)["input_ids"]
+    assert plain_ids[0] == bos and plain_ids[1] != bos
+    templated = "<s>" + text
+    assert tokenizer(templated)["input_ids"][:2] == [bos, bos]  # control: what adding them again gives
+    rollout = Rollout(model, tokenizer, RolloutConfig(route="aligned"))
+    tokens, reasons = oracle_batch(model, [plain_ids], BUDGET)
+    for prompt in (text, templated):
+        assert_matches_oracle(rollout.generate([prompt], sampling()), tokens, reasons)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_prompt_longer_than_the_context_is_rejected_and_the_boundary_is_accepted(model, route):
     # tiny models have 2048 positions; the check allows prompt + max_new_tokens <= 2048

@@ -39,11 +39,19 @@ def check_tokenizer(tokenizer: Any) -> None:
     raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable on a string) or None, got {kind}")
 
 
+def _starts_with_bos(text: str, tokenizer: Any) -> bool:
+    """Whether the text already begins with the tokenizer's BOS token (`apply_chat_template(...,
+    tokenize=False)` writes it for Llama, Gemma, Mistral): adding special tokens again would give the
+    model two BOS ids, which it never saw in training, so such text is tokenized without them."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return isinstance(bos, str) and bool(bos) and text.startswith(bos)
+
+
 def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string but the Rollout has no tokenizer: pass tokenizer=...")
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(prompt, add_special_tokens=not _starts_with_bos(prompt, tokenizer))["input_ids"]
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point:
             raise ValueError(
