@@ -16,6 +16,9 @@
    (a Rollout of such a model raised at construction on every route), `auto` runs ordinary without
    probing CB costs, the CB routes refuse by name, and a trainer switching backends between calls is
    followed.
+3. A class transformers gives no SDPA attention (gpt-oss: attention sinks; Gemma 2 in 5.x) runs eager:
+   the default kernels run it on every route; `kernels="invariant"` refuses it, naming `kernels='hf'` as
+   the fix (not a switch to SDPA, which that class refuses).
 """
 
 from __future__ import annotations
@@ -200,3 +203,25 @@ def test_auto_follows_a_trainer_switching_attention_backends(registered_backend)
         assert result.tokens == expected, backend
         routes.append(result.route)
     assert routes[1] == "ordinary" and routes[0] == routes[2]
+
+
+# ---------------------------------------------------------------- a class with eager attention only
+def eager_only_model() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GptOssConfig(**{**_BASE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                          "sliding_window": 4096, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert not type(model)._supports_sdpa, "this release gives gpt-oss SDPA: pick another eager-only class"
+    return model.eval()
+
+
+def test_an_eager_only_class_runs_on_the_default_kernels_and_invariant_names_the_fix():
+    model = eager_only_model()
+    expected = oracle(model, SHORT)
+    for route in ("ordinary", "equal_width", "aligned", "bucketed", "auto"):
+        assert Rollout(model, None, RolloutConfig(route=route)).generate(SHORT, SAMPLING).tokens == expected, route
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM has attn_implementation='eager': this transformers release has no SDPA attention for it, so use RolloutConfig\(kernels='hf'\)"):
+        Rollout(model, None, RolloutConfig(kernels="invariant"))

@@ -60,10 +60,16 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
     """The invariant attention is reached where transformers calls 'sdpa'."""
     if not dispatches(model):
         implementation = getattr(model.config, "_attn_implementation", None)
+        # A class without SDPA attention in this transformers release (Gemma 2 and gpt-oss in 5.x: softcapping,
+        # attention sinks) cannot be switched to it: only the default kernels run it.
+        switch = (
+            "load it with (or switch it back to) attn_implementation='sdpa', or use"
+            if getattr(type(model), "_supports_sdpa", True)
+            else "this transformers release has no SDPA attention for it, so use"
+        )
         raise ValueError(
             f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
-            f"{type(model).__name__} has attn_implementation={implementation!r}: load it with (or switch it "
-            "back to) attn_implementation='sdpa', or use RolloutConfig(kernels='hf')"
+            f"{type(model).__name__} has attn_implementation={implementation!r}: {switch} RolloutConfig(kernels='hf')"
         )
 
 
