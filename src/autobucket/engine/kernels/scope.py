@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import transformers
 
 from autobucket.engine.kernels.invariant_attention import invariant_sdpa
 from autobucket.engine.kernels.library import load_invariant_kernels
@@ -60,6 +61,13 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
     """The invariant attention is reached where transformers calls 'sdpa'."""
     if not dispatches(model):
         implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation == "sdpa":  # configured for it, but its layers call torch's SDPA themselves
+            raise ValueError(
+                f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
+                f"{type(model).__name__}'s attention layers call torch's SDPA themselves in transformers "
+                f"{transformers.__version__}, out of its reach: use RolloutConfig(kernels='hf') (or a transformers "
+                "release whose class calls attention through its attention interface; 5.x for Falcon, StableLM)"
+            )
         # A class without SDPA attention in this transformers release (Gemma 2 and gpt-oss in 5.x: softcapping,
         # attention sinks) cannot be switched to it: only the default kernels run it.
         switch = (

@@ -23,6 +23,8 @@ off) without flipping its training flag, which another thread's training step re
 from __future__ import annotations
 
 import contextvars
+import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -96,9 +98,29 @@ def install_dispatcher() -> None:
 
 
 def dispatches(model: torch.nn.Module) -> bool:
-    """Whether this model's attention layers go through the dispatcher (configured for SDPA)."""
+    """Whether this model's attention layers go through the dispatcher: configured for SDPA, and written
+    against transformers' attention interface."""
     install_dispatcher()
-    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+    return getattr(model.config, "_attn_implementation", None) == "sdpa" and uses_attention_interface(model)
+
+
+_INTERFACE_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> uses_attention_interface
+
+
+def uses_attention_interface(model: torch.nn.Module) -> bool:
+    """Whether every attention layer's modeling file calls attention through transformers' registry. Some
+    classes of a release call torch's SDPA themselves (Falcon and StableLM on 4.57; 5.x moved them to the
+    registry): the dispatcher, and so the engine's attention, never sees their forwards."""
+    if model not in _INTERFACE_USERS:
+        # torch's own modules (a vision tower's nn.MultiheadAttention pooling head) are not modeling files
+        modeling_files = {
+            type(module).__module__ for module in model.modules()
+            if "Attention" in type(module).__name__ and not type(module).__module__.startswith("torch.")
+        }  # fmt: skip
+        _INTERFACE_USERS[model] = all(
+            hasattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS") for name in modeling_files
+        )
+    return _INTERFACE_USERS[model]
 
 
 @contextmanager
