@@ -1,15 +1,16 @@
 """Models the continuous-batching routes cannot run as they are, and what each route does with them.
 
-1. Sliding attention windows (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3). The CB routes
-   attend over every cached column, so they compute such a model only while no sequence of the call
-   outgrows its window. The oracle is single-request HF `generate`, which applies the window; a control
-   (the same weights with the window off) shows that each test's sequences do outgrow it, so a route that
-   ignored the window would fail the oracle.
-   - `route="auto"` (the default) runs ordinary `generate` for a call that outgrows the window, says why
-     in `profile.decision_reason`, and its cost probe stays inside the window (it ran CB calls of 518
-     tokens, so every call of a model with a 512-token window, Gemma 3 1B's, raised before);
-   - an explicit CB route refuses such a call with a ValueError naming the window and the fix, and stays
-     usable; inside the window every route equals the oracle, both kernel sets.
+1. Sliding attention windows (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3). When a sequence
+   of a call outgrows the window, the continuous-batching routes narrow each sliding layer's attention to
+   it (the dispatcher windows the masks the engine builds; prefill K/V kept whole; dense packing; no
+   cascade or compiled step). The oracle is single-request HF `generate`, which applies the window; a
+   control (the same weights with the window off) shows that the sequences do outgrow it, and another
+   (the windows not applied) that the oracle catches a route that ignores them. Every CB route and
+   prefill form (padded, per-prompt, chunked, packed), n > 1, the prefix cache across turns, both kernel
+   sets; under `kernels="invariant"` a prompt's sampled logprobs are bitwise the same alone and in a
+   batch on every form. A model on eager attention (no dispatcher) is refused by the CB routes and run
+   as ordinary `generate` by auto; the cost probe stays inside the window (it ran CB calls of 518 tokens,
+   so every call of a model with a 512-token window, Gemma 3 1B's, raised on the default route before).
 2. Attention backends other than SDPA and eager (flash_attention_2 on a GPU trainer, flex_attention, a
    kernels-hub or registered function; here a registered one that runs SDPA, since CPU flex_attention
    fails inside torch's compiler on a padded batch even in plain HF `generate`). `ordinary` runs them
@@ -23,13 +24,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
 from conftest import oracle_generate, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.planning.costs import CostCoefficients
 
 pytestmark = pytest.mark.engine
 
@@ -88,52 +92,108 @@ def test_window_control_changes_the_oracle(name):
     assert oracle(without_window(model), LONG) != oracle(model, LONG)
 
 
+FORMS = {
+    "equal_width": {"route": "equal_width"},
+    "aligned": {"route": "aligned"},
+    "chunked": {"route": "aligned", "prefill_max_tokens": 8},
+    "packed": {"route": "bucketed", "costs": CostCoefficients(fixed_ms=1e4)},  # a high fixed cost packs
+}
+
+
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
 @pytest.mark.parametrize("name", sorted(WINDOWED))
-def test_auto_runs_ordinary_when_the_call_outgrows_the_window(name, kernels):
+def test_every_form_attends_within_the_window(name, kernels):
     model = windowed_model(name)
-    rollout = Rollout(model, None, RolloutConfig(route="auto", kernels=kernels))
-    result = rollout.generate(LONG, SAMPLING)
-    assert result.route == "ordinary"
-    assert f"sliding attention window of {WINDOW} tokens" in result.profile.decision_reason
-    assert result.tokens == oracle(model, LONG)
-    # Inside the window Auto plans as for any model (its probe ran inside the window, above).
-    inside = rollout.generate(SHORT, SAMPLING)
-    assert "sliding" not in inside.profile.decision_reason
-    assert inside.tokens == oracle(model, SHORT)
+    expected = oracle(model, LONG)
+    for form, keywords in FORMS.items():
+        for n in (1, 3):
+            result = Rollout(model, None, RolloutConfig(**keywords, kernels=kernels)).generate(
+                LONG, dataclasses.replace(SAMPLING, n=n))
+            rows = result.tokens if n == 1 else [samples[0] for samples in result.tokens]
+            assert rows == expected, f"{form} n={n}"
+            if n > 1:  # greedy: every sample of a prompt is its one answer
+                assert all(samples == [samples[0]] * n for samples in result.tokens), f"{form} n={n}"
+            if form == "packed":
+                assert ["packed"] in result.profile.prefill_forms
+
+
+def test_control_windows_not_applied_fail_the_oracle(monkeypatch):
+    from autobucket.engine import routes
+
+    monkeypatch.setattr(routes, "sliding_windows_applied", contextlib.nullcontext)
+    model = windowed_model("mistral")
+    result = Rollout(model, None, RolloutConfig(route="aligned")).generate(LONG, SAMPLING)
+    assert result.tokens != oracle(model, LONG)
+
+
+def test_invariant_logprobs_within_the_window_are_the_same_alone_and_in_a_batch():
+    """Under kernels='invariant' the windowed attention counts its key blocks from each query's first
+    key in the window, so a prompt's sampled tokens and logprobs do not depend on its batch or form."""
+    model = windowed_model("gemma3")
+    sampled = SamplingConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], temperature=1.0, seed=[5, 6, 7, 8],
+                             logprobs=True)  # fmt: skip
+    answers = []
+    for keywords in FORMS.values():
+        rollout = Rollout(model, None, RolloutConfig(**keywords, kernels="invariant"))
+        batch = rollout.generate(LONG, sampled)
+        alone = rollout.generate(LONG[3:], dataclasses.replace(sampled, seed=[8]))
+        assert (alone.tokens[0], alone.logprobs[0]) == (batch.tokens[3], batch.logprobs[3])
+        answers.append((batch.tokens, batch.logprobs))
+    assert all(answer == answers[0] for answer in answers)
 
 
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
-@pytest.mark.parametrize("route", ["equal_width", "aligned", "bucketed"])
-def test_continuous_routes_refuse_a_call_outgrowing_the_window(route, kernels):
-    model = windowed_model("gemma3")
-    rollout = Rollout(model, None, RolloutConfig(route=route, kernels=kernels))
-    with pytest.raises(ValueError, match=rf"sliding attention window of {WINDOW} tokens and this call needs 42, which the continuous-batching routes do not implement: use route=.ordinary."):
-        rollout.generate(LONG, SAMPLING)
-    # Still usable, and exact inside the window.
-    assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
+def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
+    model = windowed_model("qwen2")
+    rollout = Rollout(model, None, RolloutConfig(route="auto", kernels=kernels, compile=True))
+    result = rollout.generate(LONG, SAMPLING)  # the online probe ran inside the window first
+    assert result.tokens == oracle(model, LONG)
+    assert "sliding" not in result.profile.decision_reason
+    if result.route == "bucketed":  # the compiled step does not narrow attention to the window
+        assert "sliding window: decodes eagerly" in result.profile.compile_decision
 
 
-def test_auto_with_the_prefix_cache_runs_ordinary_once_a_conversation_outgrows_the_window():
-    """Turn 1 fits the window (continuous batching, cached); turn 2 extends it past the window: ordinary
-    `generate` runs, neither reading nor filling the cache, and equals the oracle."""
+def test_the_prefix_cache_serves_a_conversation_past_the_window():
+    """Three turns, the second and third past the window: each equals the oracle over the whole
+    conversation and prefills only its new tokens (the cached K/V is kept whole, windowed when read)."""
     model = windowed_model("mistral")
     rollout = Rollout(model, None, RolloutConfig(route="auto", prefix_cache_mb=8))
-    first = rollout.generate(SHORT[:1], SAMPLING)
-    assert first.route == "bucketed" and first.tokens == oracle(model, SHORT[:1])
-    conversation = [SHORT[0] + first.tokens[0] + [7, 8, 9]]
-    second = rollout.generate(conversation, SAMPLING)
-    assert second.route == "ordinary"
-    assert second.profile.cached_prompt_tokens == 0
-    assert second.tokens == oracle(model, conversation)
+    conversation, previous = list(LONG[2]), 0
+    for turn in range(3):
+        result = rollout.generate([conversation], SAMPLING)
+        assert result.tokens == oracle(model, [conversation]), turn
+        cached = result.profile.cached_prompt_tokens
+        assert cached >= previous and result.profile.prefill_tokens == len(conversation) - cached, turn
+        previous = len(conversation)  # its K/V is all cached at the end of the call, and the answer's
+        conversation = conversation + result.tokens[0] + [7, 8, 9]
 
 
-def test_auto_refuses_when_the_window_and_the_config_rule_out_both_routes():
-    model = windowed_model("mistral")
-    rollout = Rollout(model, None, RolloutConfig(route="auto", trim_cache=True))
-    with pytest.raises(ValueError, match=r"sliding attention window.*trim_cache=True was requested"):
+def eager_windowed_model() -> torch.nn.Module:
+    import transformers
+
+    class_name, window = WINDOWED["mistral"]
+    config = getattr(transformers, class_name)(**_BASE, **window)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("route", ["equal_width", "aligned", "bucketed"])
+def test_eager_attention_past_the_window_is_refused_by_the_continuous_routes(route):
+    model = eager_windowed_model()
+    rollout = Rollout(model, None, RolloutConfig(route=route))
+    with pytest.raises(ValueError, match=rf"sliding attention window of {WINDOW} tokens and this call needs 42 with attn_implementation='eager': load the model with attn_implementation='sdpa'"):
         rollout.generate(LONG, SAMPLING)
-    assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)
+    assert rollout.generate(SHORT, SAMPLING).tokens == oracle(model, SHORT)  # inside the window
+
+
+def test_auto_runs_ordinary_for_eager_attention_past_the_window():
+    model = eager_windowed_model()
+    result = Rollout(model, None, RolloutConfig(route="auto")).generate(LONG, SAMPLING)
+    assert result.route == "ordinary" and "applies only where attention goes through SDPA" in result.profile.decision_reason
+    assert result.tokens == oracle(model, LONG)
+    with pytest.raises(ValueError, match=r"sliding attention window.*trim_cache=True was requested"):
+        Rollout(model, None, RolloutConfig(route="auto", trim_cache=True)).generate(LONG, SAMPLING)
 
 
 # ---------------------------------------------------------------- other attention backends

@@ -11,7 +11,7 @@ from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedGeneration
-from autobucket.engine.model_access.hf_compat import ForwardSpec
+from autobucket.engine.model_access.hf_compat import ForwardSpec, sliding_window_limit
 from autobucket.engine.selection import Selection
 from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.costs import CostCoefficients, ModelGeometry
@@ -48,3 +48,15 @@ class RouteCall:
     def most_new_tokens(self) -> int:
         """The largest budget: it bounds the call's decode steps and every row's cache columns."""
         return self.sampling.most_new_tokens
+
+    @property
+    def outgrown_window(self) -> str | None:
+        """What the model's sliding attention window asks of this call when a sequence outgrows it (None: it
+        fits, or there is no window): attention narrowed to the window on the continuous-batching routes."""
+        window = sliding_window_limit(self.model.config)
+        if window is None or not self.prompts:
+            return None
+        needed = max(len(prompt) + budget for prompt, budget in zip(self.prompts, self.budgets, strict=True))
+        if needed <= window:
+            return None
+        return f"the model uses a sliding attention window of {window} tokens and this call needs {needed}"

@@ -16,6 +16,7 @@ The compile decision is made once per call (`with_compile_decision`) and carried
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -42,12 +43,8 @@ from autobucket.engine.compiled.compile_setup import (
 )
 from autobucket.engine.finished import Finished
 from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
-from autobucket.engine.model_access.attention import AttentionFunction, dispatches
-from autobucket.engine.model_access.hf_compat import (
-    attention_implementation,
-    continuous_batching_refusal,
-    sliding_window_limit,
-)
+from autobucket.engine.model_access.attention import AttentionFunction, dispatches, sliding_windows_applied
+from autobucket.engine.model_access.hf_compat import attention_implementation, continuous_batching_refusal
 from autobucket.engine.ordinary import run_ordinary
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
@@ -90,7 +87,7 @@ def bucketed_route(call: RouteCall) -> FinishedItems:
 
 def auto_route(call: RouteCall) -> FinishedItems:
     started = time.perf_counter()
-    refusal = continuous_batching_refusal(call.model) or _window_exceeded(call)
+    refusal = continuous_batching_refusal(call.model) or _window_refusal(call)
     if refusal is not None:
         return _ordinary_instead(call, refusal)
     if call.prefix_cache is not None:
@@ -183,7 +180,7 @@ def run_continuous(
     """One call's CB schedule; `share_prefixes`: the planning routes may prefill a prefix shared inside
     an admission once (when `RolloutConfig.share_prefixes` and the cost model agree)."""
     attention_implementation(call.model)
-    _check_sliding_window(call)
+    windowed = _check_sliding_window(call)
     shape = cache_shape(call)
     call.profile.cache_capacity = shape.cache_capacity
     assert call.compile_decision is not None, "a CB route runs on a call with its compile decision"
@@ -195,7 +192,7 @@ def run_continuous(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
         track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
         cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
-        decode_attention=_decode_attention(call),
+        decode_attention=_decode_attention(call), dense_packing=windowed,
     )  # fmt: skip
     call.profile.decode_forward = "direct" if runner.direct is not None else "model"
     batcher = ContinuousBatcher(
@@ -204,7 +201,8 @@ def run_continuous(
         call.stops,
     )  # fmt: skip
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
-    finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
+    with sliding_windows_applied() if windowed else contextlib.nullcontext():
+        finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
     _record_cache(call.profile, runner)
     if call.prefix_cache is not None:
         call.profile.prefix_cache_evictions = call.prefix_cache.stats.evicted_blocks - evicted
@@ -228,7 +226,7 @@ def _cascade_allowed(call: RouteCall) -> bool:
     interface (where the engine's decode attention is called); with `kernels="invariant"` the invariant
     kernel reads the shared keys as part of the row's own sequence (bitwise a per-row copy's). A prefix
     shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`)."""
-    return dispatches(call.model)
+    return dispatches(call.model) and call.outgrown_window is None  # its tiles read every shared key
 
 
 def _shares_samples_kv(call: RouteCall) -> bool:
@@ -259,6 +257,11 @@ def with_compile_decision(call: RouteCall) -> RouteCall:
 def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
     longest = max(len(p) for p in call.prompts)
     items = len(call.prompts) * call.sampling.n
+    if call.outgrown_window is not None and call.config.compile is not False:
+        # The compiled step's attention is not narrowed to the window (the dispatcher's eager path is).
+        decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
+                                    call.most_new_tokens, shape.cache_capacity)  # fmt: skip
+        return dataclasses.replace(decision, reason="sequences outgrow the model's sliding window: decodes eagerly")
     if call.config.kernels == "invariant" and call.config.compile is not False:
         # The engine's own kernels run eagerly: a graph of the model's own linears would not be invariant.
         decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
@@ -305,28 +308,28 @@ def cache_shape(call: RouteCall) -> CacheShape:
     return CacheShape(continuous_batch_size=rows, cache_capacity=columns)
 
 
-def _window_exceeded(call: RouteCall) -> str | None:
-    """What a sliding attention window rules out, when a sequence of the call would outgrow it: the
-    continuous-batching routes attend over every cached column, so they agree with the model only while
-    no sequence is longer than its window (None: it fits, or the model has no window)."""
-    window = sliding_window_limit(call.model.config)
-    if window is None or not call.prompts:
-        return None
-    needed = max(len(p) + budget for p, budget in zip(call.prompts, call.budgets, strict=True))
-    if needed <= window:
-        return None
-    return (
-        f"the model uses a sliding attention window of {window} tokens and this call needs {needed}, which the "
-        "continuous-batching routes do not implement"
-    )
-
-
-def _check_sliding_window(call: RouteCall) -> None:
-    window_text = _window_exceeded(call)
-    if window_text is not None:
+def _check_sliding_window(call: RouteCall) -> bool:
+    """Whether the call's forwards must narrow attention to the model's sliding window (sequences outgrow
+    it): the dispatcher does it on the layers that ask for a window. A model whose attention does not go
+    through it (eager attention) is refused."""
+    window_text = call.outgrown_window
+    if window_text is None:
+        return False
+    if not dispatches(call.model):
         raise ValueError(
-            f"{window_text}: use route='ordinary' (or route='auto', which runs ordinary generate for such calls)"
+            f"{window_text} with attn_implementation={attention_implementation(call.model)!r}: load the model with "
+            "attn_implementation='sdpa', or use route='ordinary' (or route='auto', which runs ordinary "
+            "generate for such calls)"
         )
+    return True
+
+
+def _window_refusal(call: RouteCall) -> str | None:
+    """Why continuous batching cannot apply the model's sliding window to this call (eager attention)."""
+    window_text = call.outgrown_window
+    if window_text is None or dispatches(call.model):
+        return None
+    return f"{window_text}, which continuous batching applies only where attention goes through SDPA"
 
 
 def _ordinary_instead(call: RouteCall, refusal: str) -> FinishedItems:

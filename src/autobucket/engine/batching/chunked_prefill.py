@@ -14,7 +14,12 @@ import torch
 
 from autobucket.engine.batching.prefill import PrefillOutput
 from autobucket.engine.model_access.grad_mode import without_autograd
-from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.model_access.hf_compat import (
+    ForwardSpec,
+    full_prefill_cache,
+    layer_key_values,
+    output_cache,
+)
 
 
 def _chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
@@ -31,6 +36,7 @@ def prefill_chunked(
     ids = torch.as_tensor(list(prompt), dtype=torch.long, device=device)
     length, cache, output, forwards = len(prompt), None, None, 0
     kwargs = {"logits_to_keep": 1} if spec.accepts_logits_to_keep else {}
+    kwargs.update(full_prefill_cache(model, spec))
     for start in range(0, length, chunk_tokens):
         end = min(start + chunk_tokens, length)
         if cache is not None:

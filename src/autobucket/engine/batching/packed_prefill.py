@@ -30,7 +30,12 @@ import torch
 from autobucket.engine.batching.prefill import PrefillOutput
 from autobucket.engine.model_access.attention import base_attention, dispatches, engine_attention
 from autobucket.engine.model_access.grad_mode import without_autograd
-from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.model_access.hf_compat import (
+    ForwardSpec,
+    full_prefill_cache,
+    layer_key_values,
+    output_cache,
+)
 from autobucket.planning.forms import DENSE, SEGMENTS
 
 
@@ -122,6 +127,7 @@ def prefill_packed(
     position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, T]
     last = torch.tensor([e - 1 for _, e in bounds], dtype=torch.long, device=device)
     kwargs = {"logits_to_keep": last} if spec.accepts_logits_to_keep else {}
+    kwargs.update(full_prefill_cache(model, spec))
     dtype = next(model.parameters()).dtype
     if attention == SEGMENTS:
         # A zero-cost 4-D placeholder: mask construction returns a 4-D mask as is, and the segment

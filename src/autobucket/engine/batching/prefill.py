@@ -14,7 +14,12 @@ from typing import Any
 import torch
 
 from autobucket.engine.model_access.grad_mode import without_autograd
-from autobucket.engine.model_access.hf_compat import ForwardSpec, layer_key_values, output_cache
+from autobucket.engine.model_access.hf_compat import (
+    ForwardSpec,
+    full_prefill_cache,
+    layer_key_values,
+    output_cache,
+)
 from autobucket.planning.forms import PADDED
 
 # The forms (planning/forms.py): PADDED = prompts left-padded to the longest, one row each, one
@@ -92,6 +97,7 @@ def prefill_padded(
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_token_id, device)
     kwargs = {"logits_to_keep": 1} if spec.accepts_logits_to_keep else {}
+    kwargs.update(full_prefill_cache(model, spec))
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,10 @@ _KERNEL_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvar
     "autobucket_kernel_attention", default=None
 )
 _HF_SDPA: AttentionFunction | None = None  # the function the dispatcher replaced
+# Set for the forwards of a continuous-batching call whose sequences outgrow the model's sliding window:
+# the masks the engine builds (decode steps, chunks over a cached prefix, dense packing) cover a row's
+# whole sequence, and the dispatcher narrows them to the window on the layers that ask for one.
+_APPLY_WINDOWS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_apply_windows", default=False)
 
 
 def hf_sdpa() -> AttentionFunction:
@@ -79,9 +84,56 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     if chosen is None and not torch.compiler.is_compiling():
         chosen = chosen_attention()
+        window = kwargs.get("sliding_window")
+        if window and _APPLY_WINDOWS.get():
+            attention_mask = within_window(attention_mask, window, query.shape[2], key.shape[2], query.device)
     if chosen is None:
         return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
     return chosen(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextmanager
+def sliding_windows_applied() -> Iterator[None]:
+    """This thread's forwards in the block attend within each layer's sliding window (`dispatch_sdpa`)."""
+    install_dispatcher()
+    with context_value(_APPLY_WINDOWS, True):
+        yield
+
+
+class _WindowMemo(threading.local):
+    """A forward hands every layer the same mask: its windowed form is kept for the next layer (keyed on
+    the mask object, its version and the window; inference tensors keep no version: identity alone)."""
+
+    source: weakref.ref | None = None
+    key: tuple | None = None
+    mask: torch.Tensor | None = None
+
+
+_WINDOW_MEMO = _WindowMemo()
+
+
+def within_window(
+    mask: torch.Tensor | None, window: int, queries: int, keys: int, device: torch.device
+) -> torch.Tensor | None:
+    """`mask` `[rows | 1, 1, queries, keys]` (bool, True = attend; or additive, 0 = attend) narrowed to each
+    query's `window` newest allowed keys, in its own type: the keys a row may see are its own sequence up
+    to the query, in position order, so the k-th newest allowed key is k - 1 positions back (HF's window:
+    key positions in (q - window, q]). No mask means causal with the queries last."""
+    if mask is None:
+        if keys <= window:
+            return None
+        query_column = torch.arange(keys - queries, keys, device=device)[:, None]
+        key_column = torch.arange(keys, device=device)[None, :]
+        return ((key_column <= query_column) & (key_column > query_column - window))[None, None]
+    memo, memo_key = _WINDOW_MEMO, (None if mask.is_inference() else mask._version, window)
+    if memo.source is not None and memo.source() is mask and memo.key == memo_key:
+        return memo.mask
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    newer = allowed.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # allowed keys at or after each column
+    keep = allowed & (newer <= window)
+    windowed = keep if mask.dtype == torch.bool else mask.masked_fill(~keep, torch.finfo(mask.dtype).min)
+    memo.source, memo.key, memo.mask = weakref.ref(mask), memo_key, windowed
+    return windowed
 
 
 def install_dispatcher() -> None:

@@ -164,6 +164,18 @@ def layer_key_values(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]
     return [k for k, _ in cache], [v for _, v in cache]  # legacy tuple of (k, v)
 
 
+def full_prefill_cache(model: torch.nn.Module, spec: ForwardSpec) -> dict[str, Any]:
+    """The cache keyword for a prefill forward: for a model with a sliding window, a DynamicCache of full
+    layers (transformers' own keeps only a window's last keys per sliding layer, and the engine copies a
+    prompt's whole K/V into its rows: the window is applied where attention runs); else nothing (the
+    model makes its own)."""
+    if sliding_window_limit(model.config) is None:
+        return {}
+    from transformers.cache_utils import DynamicCache
+
+    return {spec.cache_keyword: DynamicCache()}
+
+
 def sliding_window_limit(config: Any) -> int | None:
     """The attention window when the model really uses one (the engine would ignore it), else None."""
     window = getattr(config, "sliding_window", None)
