@@ -168,6 +168,23 @@ def test_the_prefix_cache_serves_a_conversation_past_the_window():
         conversation = conversation + result.tokens[0] + [7, 8, 9]
 
 
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels):
+    """A 40-token header shared by six prompts (2.5 windows): prefilled once, each prompt continued over
+    it, with n = 1 and n = 4 (greedy: every sample is the one answer)."""
+    model = windowed_model("gemma3")
+    header = random_prompts([40], seed=21)[0]
+    prompts = [header + tail for tail in random_prompts([3, 7, 5, 9, 2, 4], seed=22)]
+    expected = oracle(model, prompts)
+    for n in (1, 4):
+        result = Rollout(model, None, RolloutConfig(route="bucketed", kernels=kernels)).generate(
+            prompts, dataclasses.replace(SAMPLING, n=n))
+        assert [samples if n == 1 else samples[0] for samples in result.tokens] == expected, n
+        assert result.profile.prefill_forms == [["continued"]] * len(result.profile.prefill_forms), n
+        tails = [len(p) - len(header) for p in prompts]  # continuations: at most one padded forward's worth
+        assert len(header) < result.profile.prefill_tokens <= len(header) + len(prompts) * max(tails), n
+
+
 def eager_windowed_model() -> torch.nn.Module:
     import transformers
 
