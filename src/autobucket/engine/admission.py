@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from autobucket.engine.batching.packed_prefill import packing_attention
 from autobucket.engine.batching.prefill import PrefillGroup
 from autobucket.engine.route_call import RouteCall
-from autobucket.planning.forms import CHUNKED, DENSE, PADDED, plan_forms
+from autobucket.planning.forms import CHUNKED, PADDED, plan_forms
 from autobucket.planning.planner import plan_prefill
 from autobucket.planning.route_choice import FormOptions, RouteDecision
 
@@ -60,10 +60,7 @@ def _own_group(call: RouteCall, index: int) -> PrefillGroup:
 
 def form_options(call: RouteCall) -> FormOptions:
     """How this call's model can pack prompts (per-segment SDPA or a dense mask; None: not at all)."""
-    if not call.config.packing:
-        return FormOptions(packing=None)
-    # Segment attention runs causal SDPA per prompt, unmasked: a window is applied to a mask (dense packing)
-    return FormOptions(packing=DENSE if call.outgrown_window is not None else packing_attention(call.model))
+    return FormOptions(packing=packing_attention(call.model) if call.config.packing else None)
 
 
 class PlannedGroups:

@@ -192,7 +192,7 @@ def run_continuous(
         call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
         track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
         cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
-        decode_attention=_decode_attention(call), dense_packing=windowed,
+        decode_attention=_decode_attention(call),
     )  # fmt: skip
     call.profile.decode_forward = "direct" if runner.direct is not None else "model"
     batcher = ContinuousBatcher(

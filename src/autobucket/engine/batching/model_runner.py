@@ -31,7 +31,7 @@ from autobucket.engine.model_access.attention import (
 from autobucket.engine.model_access.direct_decode import DirectDecode
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
-from autobucket.planning.forms import CHUNKED, DENSE, PACKED, PADDED
+from autobucket.planning.forms import CHUNKED, PACKED, PADDED
 
 # Sharing a copy adds two attention kernels and a few gathers per layer and step, whatever the groups; it
 # pays once the copies it avoids are large: measured on bench-qwen2 (one core), 8 prompts of ~40 tokens x 4
@@ -72,12 +72,8 @@ class ModelRunner:
         cascade: bool = False,
         share_samples: bool = False,
         decode_attention: AttentionFunction | None = None,
-        dense_packing: bool = False,
     ) -> None:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
-        # Packed rows kept apart by a dense mask even where per-segment SDPA could run (a sliding window
-        # is applied to masks: `attention.within_window`)
-        self.packed_attention = DENSE if dense_packing else packing_attention(model)
         # The eager decode step's attention when not transformers' own (the default kernels' `decode_sdpa`)
         self.decode_attention = decode_attention
         # Eager decode steps of Llama-family models run from the model's parts, bitwise its forward's
@@ -121,7 +117,7 @@ class ModelRunner:
         padded: one left-padded forward; packed: one forward of the prompts concatenated in one row;
         chunked: one prompt in forwards of at most `chunk_tokens` tokens."""
         if form == PACKED:
-            output = prefill_packed(self.model, self.spec, prompts, self.packed_attention)
+            output = prefill_packed(self.model, self.spec, prompts, packing_attention(self.model))
         elif form == CHUNKED:
             assert len(prompts) == 1 and chunk_tokens is not None, "a chunked prefill holds one prompt"
             output = prefill_chunked(self.model, self.spec, prompts[0], chunk_tokens)

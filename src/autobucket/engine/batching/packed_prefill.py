@@ -28,7 +28,14 @@ from contextlib import contextmanager
 import torch
 
 from autobucket.engine.batching.prefill import PrefillOutput
-from autobucket.engine.model_access.attention import base_attention, dispatches, engine_attention
+from autobucket.engine.model_access.attention import (
+    base_attention,
+    dispatches,
+    engine_attention,
+    placeholder_mask,
+    windows_applied,
+    within_window,
+)
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
@@ -62,10 +69,14 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     # Some layers (GPT-2 on transformers 4.57) derive is_causal=False from the 4-D placeholder mask;
     # each segment is an unmasked causal self-attention, so let SDPA read causality off the module.
     kwargs.pop("is_causal", None)
+    # A sliding layer of a call past its window: a segment longer than the window gets the causal
+    # window as its mask (None otherwise: plain causal).
+    window = kwargs.get("sliding_window") if windows_applied() else None
     outputs = [
-        sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+             within_window(None, window, e - s, e - s, query.device) if window else None, **kwargs)[0]
         for s, e in packing.bounds
-    ]
+    ]  # fmt: skip
     return torch.cat(outputs, dim=1), None
 
 
@@ -132,7 +143,7 @@ def prefill_packed(
     if attention == SEGMENTS:
         # A zero-cost 4-D placeholder: mask construction returns a 4-D mask as is, and the segment
         # attention ignores it (its blocks are the bounds).
-        mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device).expand(1, 1, total, total)
+        mask = placeholder_mask(torch.zeros((1, 1, 1, 1), dtype=dtype, device=device).expand(1, 1, total, total))
         with _segments_selected(bounds) as packing:
             output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kwargs)
         _check_every_layer_used_segments(model, packing, len(layer_key_values(output_cache(output))[0]))

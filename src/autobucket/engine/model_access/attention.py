@@ -85,7 +85,7 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     if chosen is None and not torch.compiler.is_compiling():
         chosen = chosen_attention()
         window = kwargs.get("sliding_window")
-        if window and _APPLY_WINDOWS.get():
+        if window and _APPLY_WINDOWS.get() and not _is_placeholder(attention_mask):
             attention_mask = within_window(attention_mask, window, query.shape[2], key.shape[2], query.device)
     if chosen is None:
         return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
@@ -98,6 +98,25 @@ def sliding_windows_applied() -> Iterator[None]:
     install_dispatcher()
     with context_value(_APPLY_WINDOWS, True):
         yield
+
+
+def windows_applied() -> bool:
+    """Whether this thread's forwards attend within their layers' sliding windows now."""
+    return _APPLY_WINDOWS.get()
+
+
+_PLACEHOLDER = "_autobucket_placeholder"  # an attribute on masks that stand for none (`placeholder_mask`)
+
+
+def placeholder_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Mark a mask the attention it reaches ignores (packed segments' stand-in: each segment attends
+    causally on its own), so the dispatcher does not window it; its windows are the segments' own."""
+    setattr(mask, _PLACEHOLDER, True)
+    return mask
+
+
+def _is_placeholder(mask: torch.Tensor | None) -> bool:
+    return getattr(mask, _PLACEHOLDER, False)
 
 
 class _WindowMemo(threading.local):
