@@ -312,16 +312,13 @@ def _check_sliding_window(call: RouteCall) -> bool:
     """Whether the call's forwards must narrow attention to the model's sliding window (sequences outgrow
     it): the dispatcher does it on the layers that ask for a window. A model whose attention does not go
     through it (eager attention) is refused."""
-    window_text = call.outgrown_window
-    if window_text is None:
-        return False
-    if not dispatches(call.model):
+    if _window_refusal(call) is not None:
         raise ValueError(
-            f"{window_text} with attn_implementation={attention_implementation(call.model)!r}: load the model with "
-            "attn_implementation='sdpa', or use route='ordinary' (or route='auto', which runs ordinary "
-            "generate for such calls)"
+            f"{call.outgrown_window} with attn_implementation={attention_implementation(call.model)!r}: load the "
+            "model with attn_implementation='sdpa', or use route='ordinary' (or route='auto', which runs "
+            "ordinary generate for such calls)"
         )
-    return True
+    return call.outgrown_window is not None
 
 
 def _window_refusal(call: RouteCall) -> str | None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.model_access.function_routes import context_value, dropout_off
+from autobucket.engine.model_access.hf_compat import attention_backend
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
 ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine's attention into a graph
@@ -172,7 +173,7 @@ def dispatches(model: torch.nn.Module) -> bool:
     """Whether this model's attention layers go through the dispatcher: configured for SDPA, and written
     against transformers' attention interface."""
     install_dispatcher()
-    return getattr(model.config, "_attn_implementation", None) == "sdpa" and uses_attention_interface(model)
+    return attention_backend(model) == "sdpa" and uses_attention_interface(model)
 
 
 _INTERFACE_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> uses_attention_interface

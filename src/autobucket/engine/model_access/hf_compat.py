@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -171,8 +171,6 @@ def full_prefill_cache(model: torch.nn.Module, spec: ForwardSpec) -> dict[str, A
     model makes its own)."""
     if sliding_window_limit(model.config) is None:
         return {}
-    from transformers.cache_utils import DynamicCache
-
     return {spec.cache_keyword: DynamicCache()}
 
 
