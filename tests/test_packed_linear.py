@@ -185,6 +185,46 @@ def test_control_large_blocks_the_probe_refuses_would_break_the_oracle(monkeypat
     assert not torch.equal(forced, in_blocks)
 
 
+@needs_bf16_gemm
+@pytest.mark.parametrize("k,n", [*LARGE_SHAPES, (256, 32000)])
+def test_a_decode_sized_bf16_call_is_one_padded_call_with_each_rows_alone_result(k, n):
+    """33-128 rows (a GRPO decode step's 64): one call padded to the smallest decode block whose probe
+    passes, else 32-row blocks. Oracle: every row run alone, bitwise; the block used is a probed one."""
+    generator = torch.Generator().manual_seed(k * 3 + n)
+    x = (torch.randn(128, k, generator=generator) * 10.0 ** torch.randint(-2, 3, (128, 1), generator=generator))
+    x, weight = x.bfloat16(), (torch.randn(n, k, generator=generator) / k**0.5).bfloat16()
+    packs = PackedLinears()
+    with torch.inference_mode():
+        alone = torch.cat([packs.linear(x[i : i + 1], weight, None) for i in range(128)])
+        for count in (33, 64, 100, 128):
+            assert torch.equal(packs.linear(x[:count], weight, None), alone[:count]), f"{count} rows"
+            block = packed_matmul.decode_block_for(count, k, n, False)
+            assert block is None or (block >= count and onednn_probes.bf16_large_block_agrees(k, n, block, False))
+
+
+def test_the_probe_catches_a_call_size_whose_sums_differ_in_rare_last_bits(monkeypatch):
+    """A call size whose kernel rounds one output in ~60,000 differently (what [1,024 -> 256] at 64 rows
+    does on the Intel Xeon's AMX): the probe refuses it. Control: one round of random rows, what the
+    probe compared before, lets such a size through in most draws. Runs on any CPU: a stand-in GEMM."""
+
+    def rarely_off_unless_one_block(rows, weight, bias):  # fp32 sums to bf16; other sizes nudge a few outputs
+        out = F.linear(rows.float(), weight.float()).bfloat16()
+        if rows.shape[0] != onednn_probes.ROW_BLOCK:
+            nudged = torch.rand(out.shape, generator=torch.Generator().manual_seed(int(rows.float().sum()))) < 1.6e-5
+            out = torch.where(nudged, (out.float() * (1 + 2**-7)).bfloat16(), out)
+        return out
+
+    monkeypatch.setattr(onednn_probes, "bf16_blocks_invariant", lambda k, n: True)
+    monkeypatch.setattr(onednn_probes, "_probe_weight", lambda k, n, seed: (torch.Generator().manual_seed(seed),
+                        (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5).bfloat16()))  # fmt: skip
+    monkeypatch.setattr(onednn_probes, "onednn_linear", rarely_off_unless_one_block)
+    probe = onednn_probes.bf16_large_block_agrees.__wrapped__
+    assert not probe(1024, 256, 64, False)  # 64 rounds: ~1M outputs compared
+    monkeypatch.setattr(onednn_probes, "probe_rounds", lambda outputs: 1)  # control: 16,384 outputs
+    passed = sum(probe(1024, 256 + extra, 64, False) for extra in range(8))  # eight fresh draws
+    assert passed >= 4, f"one round caught the rare difference in {8 - passed} of 8 draws"
+
+
 def test_a_shape_failing_the_bf16_probe_runs_fp32_gemms_and_stays_invariant(monkeypatch):
     """Control for the probe: a batch-dependent GEMM must fail it; then packs fall back to fp32 GEMMs
     (the fixed-order kernel on bf16 panels widened as read, else oneDNN's on an fp32 copy)."""

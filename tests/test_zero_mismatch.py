@@ -191,6 +191,71 @@ def test_bf16_down_projection_shape_stays_bitwise():
     assert logps.tolist() == [[float(v) for v in row] for row in result.logprobs]
 
 
+GRPO_PROMPTS = [12, 30, 7, 19, 41, 25]  # x n = 8: 48 rows decode at once
+
+
+def grpo_bf16_rollout():
+    """bench-qwen2 in bf16 on the invariant kernels, GRPO_PROMPTS x n = 8 in one call of 48 decode rows
+    -> (prompts, its result, the Rollout, the sampling config for given seeds)."""
+    from autobucket.models import build_tiny_model
+    from autobucket.prompts import random_prompts
+
+    model = build_tiny_model("bench-qwen2", dtype=torch.bfloat16)
+    prompts = random_prompts(GRPO_PROMPTS, model.config.vocab_size, seed=4)
+    rollout = Rollout(model, config=RolloutConfig(route="bucketed", kernels="invariant", persist_costs=False))
+
+    def sampling(seeds):
+        return SamplingConfig(max_new_tokens=6, temperature=1.0, seed=seeds, n=8, logprobs=True, eos_token_id=[],
+                              continuous_batch_size=48)  # fmt: skip
+
+    together = rollout.generate(prompts, sampling(list(range(len(prompts)))))
+    return prompts, together, rollout, sampling
+
+
+def rows_unlike_alone(prompts, together, rollout, sampling) -> list[int]:
+    """Prompts whose 8 samples differ (tokens or logprobs) from the same prompt's call of its own (8 rows)."""
+    differing = []
+    for index, prompt in enumerate(prompts):
+        alone = rollout.generate([prompt], sampling([index]))
+        if alone.tokens[0] != together.tokens[index] or alone.logprobs[0] != together.logprobs[index]:
+            differing.append(index)
+    return differing
+
+
+def test_a_grpo_sized_bf16_decode_in_one_padded_gemm_keeps_every_row_bitwise(monkeypatch):
+    """Where the CPU has a bf16 GEMM, each linear whose probe passes runs a 48-row decode step as one call
+    padded to 64 rows (`decode_block_for`). Oracles: each prompt's samples in a call of their own (8 rows:
+    one small block) and the scoped trainer forward, bitwise."""
+    from autobucket.engine.kernels import packed_matmul
+    from autobucket.engine.kernels.onednn_probes import native_bf16_gemm
+
+    blocks_used = []
+    probed = packed_matmul.decode_block_for
+    monkeypatch.setattr(packed_matmul, "decode_block_for", lambda *shape: blocks_used.append(probed(*shape)) or blocks_used[-1])
+    prompts, together, rollout, sampling = grpo_bf16_rollout()
+    assert rows_unlike_alone(prompts, together, rollout, sampling) == []
+    flat_prompts = [p for p in prompts for _ in range(8)]
+    ids, mask, width = teacher_forced_batch(flat_prompts, [t for group in together.tokens for t in group])
+    with torch.no_grad(), invariant(rollout.model):
+        logits = rollout.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    logps = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
+    assert logps.tolist() == [[float(v) for v in row] for group in together.logprobs for row in group]
+    if native_bf16_gemm():  # the path under test ran (bench-qwen2's projections pass at 64 rows on AMX)
+        assert 64 in blocks_used
+
+
+def test_control_decode_blocks_without_their_probe_change_rows(monkeypatch):
+    """Why each shape's probe: forcing 64-row calls on every linear (bench-qwen2's [1,024 -> 256] down
+    projection included, whose probe refuses 64 rows on the Intel Xeon's AMX) changes some prompt's
+    samples against its call alone. Skipped where every shape passes at 64 rows (nothing to show)."""
+    from autobucket.engine.kernels import onednn_probes, packed_matmul
+
+    if onednn_probes.bf16_large_block_agrees(1024, 256, 64, False) or not onednn_probes.bf16_blocks_invariant(1024, 256):
+        pytest.skip("the down projection passes at 64 rows on this CPU (or has no bf16 GEMM): nothing to show")
+    monkeypatch.setattr(packed_matmul, "decode_block_for", lambda count, *shape: 64 if 32 < count <= 64 else None)
+    assert rows_unlike_alone(*grpo_bf16_rollout()) != []
+
+
 def test_the_onednn_fp32_fallback_keeps_the_equality(tiny_models, monkeypatch):
     """Builds without AVX-512 run fp32 linears on oneDNN instead of the fixed-order kernel: the rollout
     and the scoped trainer still agree bitwise (both sides choose the kernel the same way)."""

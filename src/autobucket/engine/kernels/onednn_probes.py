@@ -29,6 +29,20 @@ from autobucket.checks import warn_once
 ROW_BLOCK = 32  # rows per bf16 GEMM call: one fixed shape, so a row's result never depends on M
 SMALL_BLOCK = 16  # rows of a call of at most 16 rows, where the shape's probe found them equal to 32's
 
+# Outputs a probe compares before it trusts a call size. Where a size runs another kernel whose fp32 sums
+# differ in their last bits, few bf16 outputs show it: on [1,024 -> 256] at 64 rows one round of 16,384
+# outputs passed 2 times in 8 draws, at 96 rows once (Intel Xeon, AMX); a size whose kernel is the 32-row
+# one passed every draw. About 4M outputs (64 rounds at most, for narrow weights: 1M at 64 rows of
+# [1,024 -> 256]) leave such a size no realistic chance.
+PROBE_OUTPUTS = 1 << 22
+PROBE_MAX_ROUNDS = 64
+
+
+def probe_rounds(outputs_per_round: int) -> int:
+    """Rounds of fresh random rows a probe runs: enough for `PROBE_OUTPUTS` outputs, at most
+    `PROBE_MAX_ROUNDS` (a head's single round already compares millions)."""
+    return max(1, min(PROBE_MAX_ROUNDS, -(-PROBE_OUTPUTS // outputs_per_round)))
+
 
 @functools.cache  # read on every linear call of a forward: the answer is fixed for the process
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -69,16 +83,17 @@ def warn_if_slow_bf16_gemm(dtype: torch.dtype, kernels: str, device_type: str) -
         warn_once(message, SlowBf16GemmWarning, stacklevel=4)  # at the line that built the Rollout
 
 
-@functools.cache  # once per weight shape and process: six 32-row GEMMs
+@functools.cache  # once per weight shape and process: 6-128 32-row GEMMs
 def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
     """Whether oneDNN's bf16 GEMM on a packed [out, in] weight gives each row of a `ROW_BLOCK`-row block
     bitwise the same output wherever it sits and whatever the other rows are. Probed with random data
-    from a private generator (the caller's RNG is untouched): three blocks of rows of mixed scales, each
-    against the same rows scattered among fresh ones."""
+    from a private generator (the caller's RNG is untouched): blocks of rows of mixed scales (at least
+    three, and `probe_rounds` of them), each against some of the same rows scattered among fresh ones."""
     if not native_bf16_gemm():
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 100_003 + out_features)
-    for kept in (1, ROW_BLOCK // 2, ROW_BLOCK - 1):
+    rounds = probe_rounds(ROW_BLOCK // 2 * out_features)
+    for kept in [(1, ROW_BLOCK // 2, ROW_BLOCK - 1)[index % 3] for index in range(max(3, rounds))]:
         rows = _probe_rows(generator, in_features)
         reference = onednn_linear(rows, packed, None)
         places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
@@ -97,7 +112,7 @@ def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     if not bf16_blocks_invariant(in_features, out_features):
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 7 + out_features * 3)
-    for _ in range(3):
+    for _ in range(max(3, probe_rounds(ROW_BLOCK * out_features))):
         rows = _probe_rows(generator, in_features)
         halves = [onednn_linear(rows[first : first + SMALL_BLOCK], packed, None) for first in (0, SMALL_BLOCK)]
         if not torch.equal(torch.cat(halves), onednn_linear(rows, packed, None)):
@@ -117,7 +132,7 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
     packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
     fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
     fused_bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
-    for _ in range(2):
+    for _ in range(max(2, probe_rounds(ROW_BLOCK * sum(out_features)))):
         rows = _probe_rows(generator, in_features)
         alone = [onednn_linear(rows, pack, bias) for pack, bias in zip(packs, biases, strict=True)]
         if not torch.equal(onednn_linear(rows, fused_pack, fused_bias), torch.cat(alone, dim=-1)):
@@ -139,6 +154,12 @@ LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up
 # sizes only: each probe builds a random weight of the head's shape, once per process (Qwen2.5-0.5B's:
 # 4.7 s at 512 rows, 2.1 s at 256), paid by the first call of at least that many rows.
 HEAD_BLOCKS = (512, 256)
+# Row counts of one bf16 call for a decode step of 33-128 rows (a GRPO call's 64 rows): the call padded up
+# to the smallest size that passes its probe, instead of 32-row blocks that each stream the whole weight.
+# On bench-qwen2's shapes, 64 rows took 0.36-0.45x the time of two 32-row calls (the head 1.46 against
+# 4.03 ms, weights from DRAM; Intel Xeon, AMX), and the probe passes on most of them (not [1,024 -> 256]
+# at 64 or 128 rows, nor SmolLM2's at any size); heads included, as at these sizes compute is cheap.
+DECODE_BLOCKS = (64, 96, 128)
 
 
 @functools.cache  # once per weight shape, block size and process
@@ -149,9 +170,13 @@ def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 13 + out_features + rows_count)
     bias = torch.randn(out_features, generator=generator, dtype=torch.float32).bfloat16() if has_bias else None
-    rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
-    blocks = [onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
-    return torch.equal(onednn_linear(rows, packed, bias), torch.cat(blocks))
+    for _ in range(probe_rounds(rows_count * out_features)):
+        rows = torch.cat([_probe_rows(generator, in_features) for _ in range(rows_count // ROW_BLOCK)])
+        blocks = [onednn_linear(rows[first : first + ROW_BLOCK], packed, bias) for first in range(0, rows_count, ROW_BLOCK)]
+        if not torch.equal(onednn_linear(rows, packed, bias), torch.cat(blocks)):
+            return False
+    return True
+
 
 
 def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.kernels.onednn_probes import (
+    DECODE_BLOCKS,
     HEAD_BLOCKS,
     LARGE_BLOCK_MAX_OUT,
     LARGE_BLOCKS,
@@ -115,11 +116,25 @@ def _in_large_blocks(rows: torch.Tensor, pack: Pack, bias: torch.Tensor | None, 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def decode_block_for(count: int, in_features: int, out_features: int, has_bias: bool) -> int | None:
+    """The one padded call a call of `count` rows (33-128) runs as: the smallest `DECODE_BLOCKS` size
+    that holds it and whose probe finds each row bitwise its `ROW_BLOCK`-row result; None: 32-row blocks."""
+    if not ROW_BLOCK < count <= DECODE_BLOCKS[-1]:
+        return None
+    for size in DECODE_BLOCKS:
+        if size >= count and bf16_large_block_agrees(in_features, out_features, size, has_bias):
+            return size
+    return None
+
+
 def _in_fixed_blocks(rows: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
     """The loop of one-block calls: in the engine's C++ library (`blocked_linear`) once it is built,
-    else here (the same calls)."""
+    else here (the same calls). A call of 33-128 rows is one padded call where `decode_block_for` finds one."""
     count = rows.shape[0]
-    block = SMALL_BLOCK if pack.small_block and count <= SMALL_BLOCK else ROW_BLOCK
+    if pack.small_block and count <= SMALL_BLOCK:
+        block = SMALL_BLOCK
+    else:
+        block = decode_block_for(count, rows.shape[1], pack.packed.shape[0], bias is not None) or ROW_BLOCK
     blocked_linear = _blocked_linear_op()
     if blocked_linear is not None:
         return blocked_linear(rows, pack.packed, bias, block)
