@@ -156,8 +156,8 @@ LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up
 HEAD_BLOCKS = (512, 256)
 # Row counts of one bf16 call for a decode step of 33-128 rows (a GRPO call's 64 rows): the call padded up
 # to the smallest size that passes its probe, instead of 32-row blocks that each stream the whole weight.
-# On bench-qwen2's shapes, 64 rows took 0.36-0.45x the time of two 32-row calls (the head 1.46 against
-# 4.03 ms, weights from DRAM; Intel Xeon, AMX), and the probe passes on most of them (not [1,024 -> 256]
+# On bench-qwen2's shapes, 64 rows took 0.38-0.43x the time of two 32-row calls (the head 1.31 against
+# 3.50 ms, weights from DRAM; Intel Xeon, AMX), and the probe passes on most of them (not [1,024 -> 256]
 # at 64 or 128 rows, nor SmolLM2's at any size); heads included, as at these sizes compute is cheap.
 DECODE_BLOCKS = (64, 96, 128)
 
