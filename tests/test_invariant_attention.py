@@ -27,6 +27,7 @@ from autobucket.engine.kernels.invariant_attention import (
     invariant_attention,
     invariant_attention_shared,
     invariant_sdpa,
+    shared_prefix_tiles,
 )
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import onednn_available
@@ -265,7 +266,8 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
     64- and 70-key groups; the 40-key one has no whole block, the 200-key one a single row). On two
     threads the groups' tiles and the rows are shared out by their cost (groups of 2 to 17 rows); on
     eight, more than the 6 (group, K/V head) pairs, each group's rows are cut into two slices (1 + 2,
-    1 + 1, 8 + 9 rows), each its own tile."""
+    1 + 1, 8 + 9 rows), each its own tile. The same with the tiles made once (`shared_prefix_tiles`, what
+    a call's steps keep), bitwise; where the build reads tiles, tiles of other keys change the rows (control)."""
     load_invariant_kernels()
     generator = torch.Generator().manual_seed(dim)
     heads, kv_heads, own = 6, 2, 23
@@ -283,10 +285,20 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
         mask[row, :, :, : row % 5] = False
     scale = dim**-0.5
     with torch.inference_mode():
+        tiles = shared_prefix_tiles(shared_key, shared_value, shared_length)  # a call's steps keep these
         with on_threads(threads):
             together = invariant_attention_shared(
                 query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group
             )
+            from_kept_tiles = invariant_attention_shared(
+                query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group, tiles
+            )
+            if tiles.numel() > 0:  # control: the kept tiles are what is read (tiles of other keys change rows)
+                others = shared_prefix_tiles(shared_key.flip(2), shared_value, shared_length)
+                assert not torch.equal(invariant_attention_shared(
+                    query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group, others
+                ), together)  # fmt: skip
+        assert torch.equal(from_kept_tiles, together)
         for row in range(rows):
             group = int(row_group[row])
             length = int(shared_length[group]) if group >= 0 else 0  # no group: an empty prompt

@@ -197,9 +197,10 @@ class StaticKVCache:
             row_slot.append(rows_in[group] if group >= 0 else 0)
             if group >= 0:
                 rows_in[group] += 1
-        keys, values, mask, lengths = self._stacked_groups(tuple(used))
+        keys, values, mask, lengths, tiles = self._stacked_groups(tuple(used))
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.attend.device)  # noqa: E731
-        return CascadeLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()))
+        return CascadeLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()),
+                             tiles=tiles)  # fmt: skip
 
     def _stacked_groups(self, used: tuple[int, ...]):
         """The groups' K/V stacked and zero-padded to the longest, per layer [groups, kv_heads, shared,
@@ -219,7 +220,9 @@ class StaticKVCache:
                 keys[layer][slot, :, :length] = group_keys[layer]
                 values[layer][slot, :, :length] = group_values[layer]
             mask[slot, :length] = 0.0
-        stacked = (keys, values, mask, torch.tensor(lengths, dtype=torch.long, device=device))
+        # tiles: per layer, the invariant kernel's tiles of these keys, made at the first step that reads them
+        tiles: list[torch.Tensor | None] = [None] * len(self.keys)
+        stacked = (keys, values, mask, torch.tensor(lengths, dtype=torch.long, device=device), tiles)
         self._stacked = (used, stacked)
         return stacked
 

@@ -122,17 +122,26 @@ def invariant_attention_shared(
     shared_value: torch.Tensor,
     shared_length: torch.Tensor,
     row_group: torch.Tensor,
+    shared_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`invariant_attention` of decode queries whose rows first read a shared prompt's keys (cascade
     decode): row r of group g = row_group[r] >= 0 sees shared_key[g, :, :shared_length[g]] and then its
     own allowed columns, in the same blocks and order as one sequence, so its output is bitwise that of
-    a row holding the whole prompt itself. shared_key, shared_value [groups, kv_heads, shared, D]."""
+    a row holding the whole prompt itself. shared_key, shared_value [groups, kv_heads, shared, D];
+    shared_tiles: `shared_prefix_tiles` of them, kept across a call's steps (None: made in each call)."""
     load_invariant_kernels()
     rows, columns = query.shape[0], key.shape[2]
     allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
     return torch.ops.autobucket.invariant_attention_shared(
-        query, key, value, allowed, float(scale), shared_key, shared_value, shared_length, row_group
+        query, key, value, allowed, float(scale), shared_key, shared_value, shared_length, row_group, shared_tiles
     )
+
+
+def shared_prefix_tiles(shared_key: torch.Tensor, shared_value: torch.Tensor, shared_length: torch.Tensor) -> torch.Tensor:
+    """The invariant kernel's tiles of a cascade's shared keys and their fp32 values ([groups, kv_heads,
+    2 * shared * D] fp32; empty where the build reads none), made once for the steps that read them."""
+    load_invariant_kernels()
+    return torch.ops.autobucket.shared_prefix_tiles(shared_key, shared_value, shared_length)
 
 
 class _InvariantAttention(torch.autograd.Function):

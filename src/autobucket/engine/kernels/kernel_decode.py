@@ -178,7 +178,7 @@ class _Calls:
         layout, layer = self.cascade, attention.layer_idx
         output = torch.ops.autobucket.invariant_attention_shared(
             query, key, value, self.allowed, scale, layout.keys[layer], layout.values[layer], layout.shared_length,
-            layout.row_group,
+            layout.row_group, layout.shared_tiles(layer),
         )  # fmt: skip
         layout.calls += 1
         return output

@@ -624,6 +624,7 @@ struct Shared {
   const at::Tensor* value = nullptr;
   const int64_t* length = nullptr;  // [groups]
   const int64_t* group = nullptr;   // [rows], -1: no shared keys
+  const at::Tensor* tiles = nullptr;  // shared_prefix_tiles' output for these keys, or null: transposed per call
 };
 
 // Queries of one (row, K/V head) handled by one work item: a prefill's queries share one transposed copy
@@ -799,6 +800,9 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   out.states.resize(static_cast<size_t>(rows * kv_heads * group * out.lanes_per_head));
   const Strides sks = strides_of(*shared.key), svs = strides_of(*shared.value);
   const int64_t per_head = out.lanes_per_head;
+  const bool cached = in_place == nullptr && shared.tiles != nullptr && shared.tiles->numel() > 0;
+  const float* cached_tiles = cached ? shared.tiles->data_ptr<float>() : nullptr;
+  const int64_t cached_stride = cached ? shared.tiles->size(2) : 0;  // floats per (group, K/V head)
   // Items: (group, K/V head, slice of the group's rows). One slice per group, unless the threads outnumber
   // the (group, K/V head) pairs (one prompt's samples on a many-core trainer): then each group's rows are
   // cut into as many slices as it takes to give every thread an item, each slice transposing the keys
@@ -820,6 +824,7 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   autobucket_parallel::parallel_for_balanced(pairs * slices, cost, [&](int64_t begin, int64_t end) {
     TiledList<T> list;
     std::vector<const T*> key_ptrs, value_ptrs;
+    std::vector<const float*> cached_values(static_cast<size_t>(cached_tiles != nullptr ? shared.key->size(2) : 0));
     std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
     std::vector<int64_t> counts(kQueryTile);
     std::vector<Lanes> states(static_cast<size_t>(kQueryTile * group * per_head));
@@ -848,14 +853,23 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
         }
         continue;
       }
-      list.take(key_ptrs, value_ptrs, whole, head_dim);
+      const float* tiles = nullptr;
+      const float* const* value_fp32 = nullptr;
+      if (cached_tiles != nullptr) {  // the tiles and fp32 values made once for these keys (shared_prefix_tiles)
+        tiles = cached_tiles + (g * kv_heads + kv_head) * cached_stride;
+        for (int64_t j = 0; j < whole; ++j) cached_values[j] = tiles + cached_stride / 2 + j * head_dim;
+        value_fp32 = cached_values.data();
+      } else {
+        list.take(key_ptrs, value_ptrs, whole, head_dim);
+        tiles = list.tiles.data(), value_fp32 = list.value_fp32.data();
+      }
       for (int64_t first = slice_first; first < slice_end; first += kQueryTile) {
         const int64_t n = std::min<int64_t>(kQueryTile, slice_end - first);
         for (int64_t t = 0; t < n; ++t) {  // each row's one query
           load_query_group(q, qs, group_rows[first + t], kv_head, group, 0, head_dim, tile_q.data() + t * group * head_dim);
           counts[t] = whole;
         }
-        tiled(tile_q.data(), n, group, list.tiles.data(), list.value_fp32.data(), counts.data(), scale,
+        tiled(tile_q.data(), n, group, tiles, value_fp32, counts.data(), scale,
               tile_out.data(), states.data(), reinterpret_cast<float*>(probs.data()));
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = group_rows[first + t];
@@ -868,6 +882,58 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   return out;
 }
 #endif
+
+// The tiles shared_prefix_states makes of each (group, K/V head)'s shared keys, made once for a decode
+// call's steps instead of in every step and layer (the keys stay the same while the groups do):
+// [groups, kv_heads, 2 * shared * head_dim] fp32, per pair the whole blocks' keys transposed into tiles
+// (transpose_into_tiles), then their values as fp32 vectors (a bf16 list widened: exact), unused space
+// zero. The same values the per-step copy holds, so the same bits (tested). Empty where this build walks
+// the prefix in place or has no vector form, where no tiles are read.
+at::Tensor shared_prefix_tiles(const at::Tensor& shared_key, const at::Tensor& shared_value,
+                               const at::Tensor& shared_length) {
+  TORCH_CHECK(shared_key.dim() == 4 && shared_key.sizes() == shared_value.sizes() && shared_key.stride(3) == 1 &&
+                  shared_value.stride(3) == 1 && shared_key.scalar_type() == shared_value.scalar_type(),
+              "shared_key and shared_value must be [groups, kv_heads, shared, head_dim] alike");
+  TORCH_CHECK(shared_length.scalar_type() == at::kLong && shared_length.is_contiguous() &&
+                  shared_length.numel() == shared_key.size(0), "shared_length must be [groups] int64");
+  const int64_t groups = shared_key.size(0), kv_heads = shared_key.size(1), shared = shared_key.size(2);
+  const int64_t head_dim = shared_key.size(3);
+  const auto empty = at::empty({0}, shared_key.options().dtype(at::kFloat));
+#if defined(AUTOBUCKET_ATTENTION_VECTORS)
+  const bool fp32 = shared_key.scalar_type() == at::kFloat;
+  if ((kCascadePrefixInPlace && fp32) || tiled_kernel_for(head_dim) == nullptr) return empty;
+  auto tiles = at::zeros({groups, kv_heads, 2 * shared * head_dim}, shared_key.options().dtype(at::kFloat));
+  const int64_t* lengths = shared_length.data_ptr<int64_t>();
+  const auto fill = [&](auto typed) {
+    using T = decltype(typed);
+    const Strides sks = strides_of(shared_key), svs = strides_of(shared_value);
+    std::vector<const T*> keys(static_cast<size_t>(shared));
+    for (int64_t g = 0; g < groups; ++g) {
+      TORCH_CHECK(lengths[g] >= 0 && lengths[g] <= shared, "shared_length out of range");
+      const int64_t whole = lengths[g] / kBlockKeys * kBlockKeys;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* pair = tiles.data_ptr<float>() + (g * kv_heads + h) * 2 * shared * head_dim;
+        const T* sk = shared_key.data_ptr<T>() + g * sks.row + h * sks.head;
+        const T* sv = shared_value.data_ptr<T>() + g * svs.row + h * svs.head;
+        for (int64_t j = 0; j < whole; ++j) keys[j] = sk + j * sks.token;
+        if (whole > 0) transpose_into_tiles(keys.data(), whole, head_dim, pair);
+        for (int64_t j = 0; j < whole; ++j)
+          for (int64_t d = 0; d < head_dim; ++d) pair[shared * head_dim + j * head_dim + d] = as_float(sv[j * svs.token + d]);
+      }
+    }
+  };
+  if (fp32) {
+    fill(float{});
+  } else {
+    TORCH_CHECK(shared_key.scalar_type() == at::kBFloat16, "shared_prefix_tiles supports float32 and bfloat16");
+    fill(c10::BFloat16{});
+  }
+  return tiles;
+#else
+  (void)groups, (void)kv_heads, (void)shared, (void)head_dim;
+  return empty;
+#endif
+}
 
 // allowed: [rows, mask_queries, columns] bool (mask_queries 1 = the same keys for every query), or an
 // empty tensor: every column for one query, or causal (query i sees columns < columns - queries + i + 1).
@@ -1105,7 +1171,7 @@ at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, c
 at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& allowed, double scale, const at::Tensor& shared_key,
                                       const at::Tensor& shared_value, const at::Tensor& shared_length,
-                                      const at::Tensor& row_group) {
+                                      const at::Tensor& row_group, const c10::optional<at::Tensor>& shared_tiles) {
   check_inputs(query, key, value, allowed);
   TORCH_CHECK(shared_key.dim() == 4 && shared_key.sizes() == shared_value.sizes() &&
                   shared_key.scalar_type() == query.scalar_type() && shared_value.scalar_type() == query.scalar_type(),
@@ -1123,7 +1189,15 @@ at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor&
     TORCH_CHECK(groups[r] < 0 || (lengths[groups[r]] >= 0 && lengths[groups[r]] <= shared_key.size(2)),
                 "shared_length out of range");
   }
-  return run(query, key, value, allowed, false, scale, Shared{&shared_key, &shared_value, lengths, groups});
+  const at::Tensor* tiles = nullptr;
+  if (shared_tiles.has_value() && shared_tiles->numel() > 0) {
+    TORCH_CHECK(shared_tiles->scalar_type() == at::kFloat && shared_tiles->is_contiguous() && shared_tiles->dim() == 3 &&
+                    shared_tiles->size(0) == shared_key.size(0) && shared_tiles->size(1) == shared_key.size(1) &&
+                    shared_tiles->size(2) == 2 * shared_key.size(2) * shared_key.size(3),
+                "shared_tiles must be shared_prefix_tiles' output for these shared keys");
+    tiles = &*shared_tiles;
+  }
+  return run(query, key, value, allowed, false, scale, Shared{&shared_key, &shared_value, lengths, groups, tiles});
 }
 
 // rows [M, K] through oneDNN's packed linear in calls of exactly `block` rows (the last zero-padded), so
@@ -1195,7 +1269,8 @@ bool set_decode_prefetch(bool on) {
 TORCH_LIBRARY(autobucket, m) {
   m.def("invariant_attention(Tensor query, Tensor key, Tensor value, Tensor allowed, bool causal, float scale) -> Tensor");
   m.def("invariant_attention_shared(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale, "
-        "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group) -> Tensor");
+        "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group, Tensor? shared_tiles=None) -> Tensor");
+  m.def("shared_prefix_tiles(Tensor shared_key, Tensor shared_value, Tensor shared_length) -> Tensor");
   m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
   m.def("set_decode_prefetch(bool on) -> bool", &set_decode_prefetch);
   m.def("vector_bits() -> int", &vector_bits);
@@ -1205,6 +1280,7 @@ TORCH_LIBRARY(autobucket, m) {
 TORCH_LIBRARY_IMPL(autobucket, CPU, m) {
   m.impl("invariant_attention", &invariant_attention);
   m.impl("invariant_attention_shared", &invariant_attention_shared);
+  m.impl("shared_prefix_tiles", &shared_prefix_tiles);
   m.impl("blocked_linear", &blocked_linear);
 }
 
