@@ -52,7 +52,8 @@ class CascadeLayout:
     calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
     # per layer: the invariant kernel's tiles of keys[l] (`shared_prefix_tiles`), made at their first read and
     # kept with the stacked keys while the groups stay (every step read them transposed anew: ~26% of the
-    # cascade's attention, 64 rows over 8 prompts, Intel Xeon); None: not kept (made per call)
+    # cascade's attention, 64 rows over 8 prompts, Intel Xeon); None: not kept (made per call). They hold
+    # the shared keys once more in fp32 (bf16: keys and values), beside the n - 1 copies the cascade saves
     tiles: list[torch.Tensor | None] | None = None
 
     def shared_tiles(self, layer: int) -> torch.Tensor | None:

@@ -138,8 +138,9 @@ def invariant_attention_shared(
 
 
 def shared_prefix_tiles(shared_key: torch.Tensor, shared_value: torch.Tensor, shared_length: torch.Tensor) -> torch.Tensor:
-    """The invariant kernel's tiles of a cascade's shared keys and their fp32 values ([groups, kv_heads,
-    2 * shared * D] fp32; empty where the build reads none), made once for the steps that read them."""
+    """The invariant kernel's tiles of a cascade's shared keys ([groups, kv_heads, shared * D] fp32; bf16 keys:
+    2 * shared * D, their values widened after the tiles; empty where the build reads none), made once for
+    the steps that read them."""
     load_invariant_kernels()
     return torch.ops.autobucket.shared_prefix_tiles(shared_key, shared_value, shared_length)
 

@@ -855,9 +855,15 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
       }
       const float* tiles = nullptr;
       const float* const* value_fp32 = nullptr;
-      if (cached_tiles != nullptr) {  // the tiles and fp32 values made once for these keys (shared_prefix_tiles)
+      if (cached_tiles != nullptr) {  // the tiles (and bf16 values widened) made once for these keys
         tiles = cached_tiles + (g * kv_heads + kv_head) * cached_stride;
-        for (int64_t j = 0; j < whole; ++j) cached_values[j] = tiles + cached_stride / 2 + j * head_dim;
+        for (int64_t j = 0; j < whole; ++j) {
+          if constexpr (std::is_same_v<T, float>) {
+            cached_values[j] = value_ptrs[j];  // fp32 values are read where they are
+          } else {
+            cached_values[j] = tiles + shared.key->size(2) * head_dim + j * head_dim;
+          }
+        }
         value_fp32 = cached_values.data();
       } else {
         list.take(key_ptrs, value_ptrs, whole, head_dim);
@@ -885,9 +891,9 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
 
 // The tiles shared_prefix_states makes of each (group, K/V head)'s shared keys, made once for a decode
 // call's steps instead of in every step and layer (the keys stay the same while the groups do):
-// [groups, kv_heads, 2 * shared * head_dim] fp32, per pair the whole blocks' keys transposed into tiles
-// (transpose_into_tiles), then their values as fp32 vectors (a bf16 list widened: exact), unused space
-// zero. The same values the per-step copy holds, so the same bits (tested). Empty where this build walks
+// [groups, kv_heads, shared * head_dim] fp32, per pair the whole blocks' keys transposed into tiles
+// (transpose_into_tiles); bf16 keys [groups, kv_heads, 2 * shared * head_dim], the tiles followed by the
+// values widened to fp32 vectors (exact; fp32 values are read in place); unused space zero. The same values the per-step copy holds, so the same bits (tested). Empty where this build walks
 // the prefix in place or has no vector form, where no tiles are read.
 at::Tensor shared_prefix_tiles(const at::Tensor& shared_key, const at::Tensor& shared_value,
                                const at::Tensor& shared_length) {
@@ -902,7 +908,8 @@ at::Tensor shared_prefix_tiles(const at::Tensor& shared_key, const at::Tensor& s
 #if defined(AUTOBUCKET_ATTENTION_VECTORS)
   const bool fp32 = shared_key.scalar_type() == at::kFloat;
   if ((kCascadePrefixInPlace && fp32) || tiled_kernel_for(head_dim) == nullptr) return empty;
-  auto tiles = at::zeros({groups, kv_heads, 2 * shared * head_dim}, shared_key.options().dtype(at::kFloat));
+  const int64_t per_pair = (fp32 ? 1 : 2) * shared * head_dim;
+  auto tiles = at::zeros({groups, kv_heads, per_pair}, shared_key.options().dtype(at::kFloat));
   const int64_t* lengths = shared_length.data_ptr<int64_t>();
   const auto fill = [&](auto typed) {
     using T = decltype(typed);
@@ -912,13 +919,14 @@ at::Tensor shared_prefix_tiles(const at::Tensor& shared_key, const at::Tensor& s
       TORCH_CHECK(lengths[g] >= 0 && lengths[g] <= shared, "shared_length out of range");
       const int64_t whole = lengths[g] / kBlockKeys * kBlockKeys;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        float* pair = tiles.data_ptr<float>() + (g * kv_heads + h) * 2 * shared * head_dim;
+        float* pair = tiles.data_ptr<float>() + (g * kv_heads + h) * per_pair;
         const T* sk = shared_key.data_ptr<T>() + g * sks.row + h * sks.head;
         const T* sv = shared_value.data_ptr<T>() + g * svs.row + h * svs.head;
         for (int64_t j = 0; j < whole; ++j) keys[j] = sk + j * sks.token;
         if (whole > 0) transpose_into_tiles(keys.data(), whole, head_dim, pair);
-        for (int64_t j = 0; j < whole; ++j)
-          for (int64_t d = 0; d < head_dim; ++d) pair[shared * head_dim + j * head_dim + d] = as_float(sv[j * svs.token + d]);
+        if constexpr (!std::is_same_v<T, float>)
+          for (int64_t j = 0; j < whole; ++j)
+            for (int64_t d = 0; d < head_dim; ++d) pair[shared * head_dim + j * head_dim + d] = as_float(sv[j * svs.token + d]);
       }
     }
   };
@@ -1193,7 +1201,8 @@ at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor&
   if (shared_tiles.has_value() && shared_tiles->numel() > 0) {
     TORCH_CHECK(shared_tiles->scalar_type() == at::kFloat && shared_tiles->is_contiguous() && shared_tiles->dim() == 3 &&
                     shared_tiles->size(0) == shared_key.size(0) && shared_tiles->size(1) == shared_key.size(1) &&
-                    shared_tiles->size(2) == 2 * shared_key.size(2) * shared_key.size(3),
+                    shared_tiles->size(2) ==
+                        (shared_key.scalar_type() == at::kFloat ? 1 : 2) * shared_key.size(2) * shared_key.size(3),
                 "shared_tiles must be shared_prefix_tiles' output for these shared keys");
     tiles = &*shared_tiles;
   }
