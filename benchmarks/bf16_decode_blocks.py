@@ -20,19 +20,16 @@ there is nothing to compare (it says so and exits 0). Medians, per-round ratios 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
-from interleave import abba_rounds, write_rounds
+from interleave import grpo_switch_rounds
 
 import autobucket.engine.kernels.packed_matmul as packed_matmul
-from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.kernels.onednn_probes import DECODE_BLOCKS, bf16_large_block_agrees, native_bf16_gemm
 from autobucket.models import build_tiny_model
-from autobucket.prompts import random_prompts
-from autobucket.tools.workloads import sharegpt_like_lengths
 
 # (K, N, bias): bench-qwen2's fused q/k/v, o, fused gate/up, down and head; SmolLM2's q/k/v, MLP and head
 SHAPES = [(256, 512, True), (256, 256, False), (256, 2048, False), (1024, 256, False), (256, 32000, False),
@@ -85,37 +82,17 @@ def main() -> None:
     shapes = shape_table(args.shape_repeats)
 
     model = build_tiny_model("bench-qwen2").to(torch.bfloat16)
-    rollout = Rollout(model, config=RolloutConfig(route="auto", kernels="invariant"))
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0,
-                              logprobs=True, continuous_batch_size=args.prompts * args.n)  # fmt: skip
-    with_blocks = packed_matmul.decode_block_for
+    probed = packed_matmul.decode_block_for
 
-    def call(blocks_on: bool):
-        def run(prompts, seed):
-            packed_matmul.decode_block_for = with_blocks if blocks_on else (lambda *shape: None)
-            try:
-                result = rollout.generate(prompts, dataclasses.replace(sampling, seed=seed))
-            finally:
-                packed_matmul.decode_block_for = with_blocks
-            return result.tokens, result.logprobs  # nested lists of ints and floats: compared with ==
-        return run
+    @contextmanager
+    def decode_blocks(on: bool):
+        packed_matmul.decode_block_for = probed if on else (lambda *shape: None)
+        try:
+            yield
+        finally:
+            packed_matmul.decode_block_for = probed
 
-    def round_input(seed: int):
-        return random_prompts(sharegpt_like_lengths(args.prompts, seed=seed), model.config.vocab_size, seed=seed)
-
-    calls = {"decode blocks": call(True), "32-row blocks": call(False)}
-    for function in calls.values():  # warm-up: packs, probes, kernel library
-        function(round_input(1000), 1000)
-    rounds = abba_rounds(calls, round_input, range(args.rounds))
-    medians = rounds["medians_ms"]
-    print(f"GRPO-like bf16 call ({args.prompts} x n = {args.n}, {args.new_tokens} new tokens): decode blocks "
-          f"{medians['decode blocks']:.0f} ms, 32-row blocks {medians['32-row blocks']:.0f} ms, ratio "
-          f"{rounds['median_round_ratio']:.3f} (rounds {min(rounds['round_ratios']):.3f}-{max(rounds['round_ratios']):.3f}); "
-          f"tokens and logprobs bitwise equal: {rounds['outputs_equal']}")  # fmt: skip
-    write_rounds(args.out, args, rounds, shapes=shapes)
-    if not rounds["outputs_equal"]:
-        raise SystemExit("decode blocks changed a token or a logprob: a probe passed a size it should not have")
-
+    grpo_switch_rounds(model, args, ("decode blocks", "32-row blocks"), decode_blocks, shapes=shapes)
 
 if __name__ == "__main__":
     main()

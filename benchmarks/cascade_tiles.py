@@ -13,16 +13,13 @@ run the same code. Medians, per-round ratios and raw samples to JSON."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
+from contextlib import contextmanager
 
 import torch
-from interleave import abba_rounds, write_rounds
+from interleave import grpo_switch_rounds
 
-from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.kernels.cascade_attention import CascadeLayout
 from autobucket.models import build_tiny_model
-from autobucket.prompts import random_prompts
-from autobucket.tools.workloads import sharegpt_like_lengths
 
 
 def main() -> None:
@@ -36,37 +33,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_tiny_model("bench-qwen2").to(getattr(torch, args.dtype))
-    rollout = Rollout(model, config=RolloutConfig(route="auto", kernels="invariant"))
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0,
-                              logprobs=True, continuous_batch_size=args.prompts * args.n)  # fmt: skip
     kept = CascadeLayout.shared_tiles
 
-    def call(keep: bool):
-        def run(prompts, seed):
-            CascadeLayout.shared_tiles = kept if keep else (lambda self, layer: None)
-            try:
-                result = rollout.generate(prompts, dataclasses.replace(sampling, seed=seed))
-            finally:
-                CascadeLayout.shared_tiles = kept
-            return result.tokens, result.logprobs  # nested lists of ints and floats: compared with ==
-        return run
+    @contextmanager
+    def tiles_kept(on: bool):
+        CascadeLayout.shared_tiles = kept if on else (lambda self, layer: None)
+        try:
+            yield
+        finally:
+            CascadeLayout.shared_tiles = kept
 
-    def round_input(seed: int):
-        return random_prompts(sharegpt_like_lengths(args.prompts, seed=seed), model.config.vocab_size, seed=seed)
-
-    calls = {"tiles kept": call(True), "tiles per step": call(False)}
-    for function in calls.values():  # warm-up: packs, probes, kernel library
-        function(round_input(1000), 1000)
-    rounds = abba_rounds(calls, round_input, range(args.rounds))
-    medians = rounds["medians_ms"]
-    print(f"GRPO-like {args.dtype} call ({args.prompts} x n = {args.n}, {args.new_tokens} new tokens): tiles kept "
-          f"{medians['tiles kept']:.0f} ms, per step {medians['tiles per step']:.0f} ms, ratio "
-          f"{rounds['median_round_ratio']:.3f} (rounds {min(rounds['round_ratios']):.3f}-{max(rounds['round_ratios']):.3f}); "
-          f"tokens and logprobs bitwise equal: {rounds['outputs_equal']}")  # fmt: skip
-    write_rounds(args.out, args, rounds)
-    if not rounds["outputs_equal"]:
-        raise SystemExit("kept tiles changed a token or a logprob")
-
+    grpo_switch_rounds(model, args, ("tiles kept", "tiles per step"), tiles_kept)
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ calls in turn, `interleaved`; whole calls over rounds of fresh inputs in ABBA or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -77,3 +78,41 @@ def write_rounds(out: str, args: Any, rounds: dict[str, Any], **extra: Any) -> N
               "samples_ms": rounds["samples_ms"]}  # fmt: skip
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1))
+
+
+def grpo_switch_rounds(model: Any, args: Any, names: tuple[str, str], switch: Callable[[bool], Any], **extra: Any) -> None:
+    """A switch of the engine on and off on the GRPO-like call (`args.prompts` ShareGPT-like prompts x
+    `args.n` samples, `args.new_tokens` new tokens, T = 1, EOS off, logprobs; `kernels="invariant"`), ABBA
+    rounds of fresh prompts in one process (`args.rounds`). `switch(on)` is a context manager that holds
+    the switch on or off around one call; `names` label on and off. Prints the medians and round ratios,
+    writes them to `args.out` (with `extra`), and fails where a round's tokens or logprobs differ bitwise."""
+    from autobucket import Rollout, RolloutConfig, SamplingConfig
+    from autobucket.prompts import random_prompts
+    from autobucket.tools.workloads import sharegpt_like_lengths
+
+    rollout = Rollout(model, config=RolloutConfig(route="auto", kernels="invariant"))
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n, temperature=1.0,
+                              logprobs=True, continuous_batch_size=args.prompts * args.n)  # fmt: skip
+
+    def call(on: bool) -> Callable[[Any, int], object]:
+        def run(prompts: Any, seed: int) -> object:
+            with switch(on):
+                result = rollout.generate(prompts, dataclasses.replace(sampling, seed=seed))
+            return result.tokens, result.logprobs  # nested lists of ints and floats: compared with ==
+        return run
+
+    def round_input(seed: int) -> list[list[int]]:
+        return random_prompts(sharegpt_like_lengths(args.prompts, seed=seed), model.config.vocab_size, seed=seed)
+
+    calls = {names[0]: call(True), names[1]: call(False)}
+    for function in calls.values():  # warm-up: packs, probes, kernel library
+        function(round_input(1000), 1000)
+    rounds = abba_rounds(calls, round_input, range(args.rounds))
+    medians = rounds["medians_ms"]
+    print(f"GRPO-like {model.dtype} call ({args.prompts} x n = {args.n}, {args.new_tokens} new tokens): {names[0]} "
+          f"{medians[names[0]]:.0f} ms, {names[1]} {medians[names[1]]:.0f} ms, ratio {rounds['median_round_ratio']:.3f} "
+          f"(rounds {min(rounds['round_ratios']):.3f}-{max(rounds['round_ratios']):.3f}); "
+          f"tokens and logprobs bitwise equal: {rounds['outputs_equal']}")  # fmt: skip
+    write_rounds(args.out, args, rounds, **extra)
+    if not rounds["outputs_equal"]:
+        raise SystemExit(f"{names[0]} changed a token or a logprob against {names[1]}")
