@@ -92,8 +92,9 @@ def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
     if not native_bf16_gemm():
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 100_003 + out_features)
-    rounds = probe_rounds(ROW_BLOCK // 2 * out_features)
-    for kept in [(1, ROW_BLOCK // 2, ROW_BLOCK - 1)[index % 3] for index in range(max(3, rounds))]:
+    kept_counts = (1, ROW_BLOCK // 2, ROW_BLOCK - 1)  # rows of the block placed among fresh ones, in turn
+    for index in range(max(3, probe_rounds(ROW_BLOCK // 2 * out_features))):
+        kept = kept_counts[index % 3]
         rows = _probe_rows(generator, in_features)
         reference = onednn_linear(rows, packed, None)
         places = torch.randperm(ROW_BLOCK, generator=generator)[:kept]
@@ -176,7 +177,6 @@ def bf16_large_block_agrees(in_features: int, out_features: int, rows_count: int
         if not torch.equal(onednn_linear(rows, packed, bias), torch.cat(blocks)):
             return False
     return True
-
 
 
 def _probe_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Generator, torch.Tensor]:

@@ -831,7 +831,8 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   autobucket_parallel::parallel_for_balanced(pairs * slices, cost, [&](int64_t begin, int64_t end) {
     TiledList<T> list;
     std::vector<const T*> key_ptrs, value_ptrs;
-    std::vector<const float*> cached_values(static_cast<size_t>(cached_tiles != nullptr ? shared.key->size(2) : 0));
+    std::vector<const float*> cached_values(  // a bf16 list's widened values in the kept tiles' tensor
+        static_cast<size_t>(cached_tiles != nullptr && !std::is_same_v<T, float> ? shared.key->size(2) : 0));
     std::vector<float> tile_q(static_cast<size_t>(kQueryTile * group * head_dim)), tile_out(tile_q.size());
     std::vector<int64_t> counts(kQueryTile);
     std::vector<Lanes> states(static_cast<size_t>(kQueryTile * group * per_head));
@@ -864,14 +865,12 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
       const float* const* value_fp32 = nullptr;
       if (cached_tiles != nullptr) {  // the tiles (and bf16 values widened) made once for these keys
         tiles = cached_tiles + (g * kv_heads + kv_head) * cached_stride;
-        for (int64_t j = 0; j < whole; ++j) {
-          if constexpr (std::is_same_v<T, float>) {
-            cached_values[j] = value_ptrs[j];  // fp32 values are read where they are
-          } else {
-            cached_values[j] = tiles + shared.key->size(2) * head_dim + j * head_dim;
-          }
+        if constexpr (std::is_same_v<T, float>) {
+          value_fp32 = value_ptrs.data();  // fp32 values are read where they are
+        } else {
+          for (int64_t j = 0; j < whole; ++j) cached_values[j] = tiles + shared.key->size(2) * head_dim + j * head_dim;
+          value_fp32 = cached_values.data();
         }
-        value_fp32 = cached_values.data();
       } else {
         list.take(key_ptrs, value_ptrs, whole, head_dim);
         tiles = list.tiles.data(), value_fp32 = list.value_fp32.data();
@@ -900,8 +899,9 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
 // call's steps instead of in every step and layer (the keys stay the same while the groups do):
 // [groups, kv_heads, shared * head_dim] fp32, per pair the whole blocks' keys transposed into tiles
 // (transpose_into_tiles); bf16 keys [groups, kv_heads, 2 * shared * head_dim], the tiles followed by the
-// values widened to fp32 vectors (exact; fp32 values are read in place); unused space zero. The same values the per-step copy holds, so the same bits (tested). Empty where this build walks
-// the prefix in place or has no vector form, where no tiles are read.
+// values widened to fp32 vectors (exact; fp32 values are read in place); unused space zero. The same
+// values the per-step copy holds, so the same bits (tested). Empty where this build walks the prefix in
+// place or has no vector form, where no tiles are read.
 at::Tensor shared_prefix_tiles(const at::Tensor& shared_key, const at::Tensor& shared_value,
                                const at::Tensor& shared_length) {
   TORCH_CHECK(shared_key.dim() == 4 && shared_key.sizes() == shared_value.sizes() && shared_key.stride(3) == 1 &&
