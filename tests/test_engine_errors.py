@@ -172,8 +172,8 @@ def test_generate_padded_takes_numpy_arrays(model):
 
 UNSUPPORTED = [
     ("num_beams", 2),
-    ("no_repeat_ngram_size", 3),
-    ("min_length", 12),  # counts the prompt: no route implements it (min_new_tokens is SamplingConfig's)
+    ("forced_eos_token_id", 3),  # forces EOS at HF's batch-wide max_length, which no per-request budget has
+    ("guidance_scale", 1.5),
     ("output_scores", True),
     ("return_dict_in_generate", True),
     ("token_healing", True),  # HF rewrites the prompt's last tokens: generating without it would differ

@@ -342,12 +342,24 @@ def test_unsupported_generation_option_is_rejected(tmp_path, eos_id):
         )
 
 
-@pytest.mark.parametrize(
-    "option", [{"no_repeat_ngram_size": 2}, {"min_length": 30}, {"suppress_tokens": [5]}, {"bad_words_ids": [[7]]}]
-)
+@pytest.mark.parametrize("name", ["no_repeat_ngram_size", "suppress_tokens", "bad_words_ids"])
+def test_generation_kwargs_logits_processors_match_the_stock_trainer(stock_greedy, tmp_path, eos_id, name):
+    """generation_kwargs the stock trainer's `generate` applies through logits processors (refused before):
+    autobucket applies them per sequence, with the same completions; each value is taken from the stock
+    trainer's own greedy completions, so it changes them (else the test could not fail)."""
+    first = stock_greedy.completions[0]
+    value = {"no_repeat_ngram_size": 1, "suppress_tokens": [first[0][0]], "bad_words_ids": [[first[-1][1]]]}[name]
+    overrides = {"generation_kwargs": {"do_sample": False, name: value}, "max_steps": 1}
+    stock = run_grpo(GRPOTrainer, tmp_path / "stock", eos_id, config_overrides=overrides)
+    ours = run_grpo(AutobucketGRPOTrainer, tmp_path / "ours", eos_id, config_overrides=overrides)
+    assert ours.completions == stock.completions != stock_greedy.completions[:1]
+
+
+@pytest.mark.parametrize("option", [{"min_length": 30}, {"forced_eos_token_id": 7}])
 def test_generation_kwargs_autobucket_cannot_apply_are_refused_not_ignored(tmp_path, eos_id, option):
     """The stock trainer's `generate` applies these; generating without them would silently give other
-    completions (each ran, ignored, before), so both ways in refuse them by name."""
+    completions (each ran, ignored, before), so both ways in refuse them by name (min_length: the stock
+    trainer counts each prompt's left padding toward it)."""
     (name, value), = option.items()
     config = grpo_config(tmp_path, greedy=True, generation_kwargs={"do_sample": False, **option})
     message = rf"generation option {name}={re.escape(repr(value))} \(GRPOConfig.generation_kwargs\) is not supported"

@@ -20,6 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from autobucket.config import SamplingConfig, checked_stop_strings
+from autobucket.engine.sampling.row_processors import PROCESSOR_KEYWORDS, RowProcessors, row_processors
 
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
 _SAMPLING_KEYS = (
@@ -59,25 +60,20 @@ def _is_set(value: Any) -> bool:
     return value not in (None, 0, 0.0, False, [], (), {})
 
 
-# option -> predicate on the resolved value that means "active, and we cannot honour it"
+# option -> predicate on the resolved value that means "active, and we cannot honour it" (the options HF
+# applies through per-sequence logits processors are applied by `sampling/row_processors.py`)
 _UNSUPPORTED: dict[str, Any] = {
     "num_beams": lambda v: v is not None and v > 1,
     "num_beam_groups": lambda v: v is not None and v > 1,
     "num_return_sequences": lambda v: v is not None and v > 1,
     "penalty_alpha": _is_set,
     "diversity_penalty": _is_set,
-    "no_repeat_ngram_size": _is_set,
     "encoder_no_repeat_ngram_size": _is_set,
     "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
-    "bad_words_ids": _is_set,
     "force_words_ids": _is_set,
     "constraints": _is_set,
-    "min_length": _is_set,
     "forced_bos_token_id": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,
-    "suppress_tokens": _is_set,
-    "begin_suppress_tokens": _is_set,
-    "sequence_bias": _is_set,
     "exponential_decay_length_penalty": _is_set,
     "guidance_scale": lambda v: v is not None and v != 1.0,
     "watermarking_config": _is_set,
@@ -103,12 +99,17 @@ class ResolvedGeneration:
     stop_strings: tuple[str, ...]  # empty: none (HF's matching: `autobucket.engine.finished.StopStrings`)
     min_new_tokens: int  # EOS suppressed before this many new tokens (0: off; applied by `Selection`)
     generation_config: Any  # the resolved transformers GenerationConfig (for the ordinary route)
+    # per-sequence logits processors (generation options, prefix_allowed_tokens_fn, the caller's own), or None
+    row_processors: RowProcessors | None = None
 
 
 def resolve_generation(
     model: torch.nn.Module, sampling: SamplingConfig, overrides: dict[str, Any], vocab_size: int
 ) -> ResolvedGeneration:
-    """Merge model defaults, caller overrides and `sampling`; reject what no route can honour."""
+    """Merge model defaults, caller overrides and `sampling`; reject what no route can honour. `overrides`
+    may hold generate()'s processor keywords (`logits_processor`, `prefix_allowed_tokens_fn`)."""
+    processor_keywords = {key: overrides[key] for key in PROCESSOR_KEYWORDS if key in overrides}
+    overrides = {key: value for key, value in overrides.items() if key not in PROCESSOR_KEYWORDS}
     _reject_sampling_overrides(overrides)
     config = copy.deepcopy(model.generation_config)
     config.__class__ = EngineGenerationConfig  # the same fields and values; only its fills differ
@@ -135,7 +136,11 @@ def resolve_generation(
     config.pad_token_id = pad
     stops = _stop_strings(sampling.stop_strings if sampling.stop_strings is not None else config.stop_strings)
     config.stop_strings = None  # the ordinary route checks them itself, over each prompt's own ids
-    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, min_new_tokens, config)
+    processors = row_processors(
+        config, processor_keywords.get("logits_processor"), processor_keywords.get("prefix_allowed_tokens_fn"),
+        eos, vocab_size, next(model.parameters()).device,
+    )  # fmt: skip
+    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, min_new_tokens, config, processors)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

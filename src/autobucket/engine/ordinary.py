@@ -73,8 +73,12 @@ class _EngineSelection:
         seen = None
         if self.selection.uses_penalty:
             seen = seen_in_left_padded(input_ids, self.pad_lengths.to(input_ids.device), scores.shape[-1])
+        histories = []
+        if self.selection.needs_histories:  # each row's own ids, without its left padding
+            histories = [row_ids[pad:] for row_ids, pad in zip(input_ids, self.pad_lengths.tolist(), strict=True)]
         tokens, logprobs = self.selection.choose(
-            scores.float(), seen, [p for p, _ in self.items], [s for _, s in self.items], [step] * len(self.items)
+            scores.float(), seen, [p for p, _ in self.items], [s for _, s in self.items], [step] * len(self.items),
+            histories,
         )
         if logprobs is not None:
             self.logprobs.append(logprobs)

@@ -180,6 +180,7 @@ class Rollout:
             _sampler_settings(sampling, len(prompts)), generation.repetition_penalty, sampling.logprobs,
             sampling.logprobs_mode, next(self.model.parameters()).dtype,
             eos_token_ids=generation.eos_token_ids, min_new_tokens=generation.min_new_tokens,
+            row_processors=generation.row_processors,
         )  # fmt: skip
         call = RouteCall(
             self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,

@@ -1,4 +1,5 @@
-"""Token selection for every route: repetition penalty, then greedy or route-invariant sampling.
+"""Token selection for every route: per-sequence logits processors and the repetition penalty, then greedy
+or route-invariant sampling.
 
 Greedy takes each row's first argmax (`sampling/argmax.py`). Sampling warps the logits with HF's warpers
 in HF's order (`sampling/warpers.py`) and draws by inverse CDF (`sampling/inverse_cdf.py`) with one
@@ -7,7 +8,9 @@ request's tokens do not depend on its batch, route or refill order.
 
 The repetition penalty follows HF's `RepetitionPenaltyLogitsProcessor` exactly (negative logits
 multiplied, positive divided, in fp32), but over a `seen` mask `[rows, vocab]` of the prompt's and
-generated tokens, never of padding: a row's history does not depend on who it was batched with."""
+generated tokens, never of padding: a row's history does not depend on who it was batched with. The
+generation options HF applies through logits processors, `prefix_allowed_tokens_fn` and a caller's own
+processors run on each row's own ids (`sampling/row_processors.py`), in HF's order around the penalty."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from autobucket.engine.kernels.trainer_reductions import log_softmax_at_widened
 from autobucket.engine.sampling.argmax import first_argmax
 from autobucket.engine.sampling.inverse_cdf import UnsamplableRows, sample_inverse_cdf
+from autobucket.engine.sampling.row_processors import RowProcessors
 from autobucket.engine.sampling.streams import stream_uniforms
 from autobucket.engine.sampling.warpers import warp_logits
 from autobucket.engine.trainer_logprobs import trainer_logprobs
@@ -110,6 +114,7 @@ class Selection:
     logits_dtype: torch.dtype = torch.float32  # the model's dtype: trainer logprobs are computed in it
     eos_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0  # EOS suppressed for rows with fewer new tokens (HF's MinNewTokensLength)
+    row_processors: RowProcessors | None = None  # per-sequence logits processors (`sampling/row_processors.py`)
 
     @property
     def suppresses_early_eos(self) -> bool:
@@ -117,8 +122,14 @@ class Selection:
 
     @property
     def needs_steps(self) -> bool:
-        """Whether `choose` reads each row's step: sampling's stream keys, or the EOS suppression."""
-        return not self.sampler.greedy or self.suppresses_early_eos
+        """Whether `choose` reads each row's (prompt, sample, step): sampling's stream keys, the EOS
+        suppression, or per-sequence processors."""
+        return not self.sampler.greedy or self.suppresses_early_eos or self.row_processors is not None
+
+    @property
+    def needs_histories(self) -> bool:
+        """Whether `choose` reads each row's token history (prompt and generated ids)."""
+        return self.row_processors is not None
 
     @property
     def uses_penalty(self) -> bool:
@@ -131,13 +142,20 @@ class Selection:
         prompts: Sequence[int],
         samples: Sequence[int],
         steps: Sequence[int],
+        histories: Sequence[Sequence[int] | torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [rows, vocab] fp32, seen [rows, vocab] bool | None -> (tokens [rows], logprobs [rows] | None)."""
+        """logits [rows, vocab] fp32, seen [rows, vocab] bool | None -> (tokens [rows], logprobs [rows] | None).
+        `histories`: each row's prompt and generated ids where `needs_histories`."""
         raw = logits
+        processors = self.row_processors
+        if processors is not None:
+            logits = processors.apply_first(logits, histories, prompts)
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
         if self.suppresses_early_eos:
             logits = self._without_early_eos(logits, steps, in_place=logits is not raw)
+        if processors is not None:
+            logits = processors.apply_rest(logits, histories, prompts, steps)
         processed = self.want_logprobs and self.logprobs_mode == "processed"
         tokens, logprobs = select_tokens(logits, self.sampler, prompts, samples, steps, processed)
         if self.want_logprobs and not processed:

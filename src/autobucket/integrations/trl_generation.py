@@ -20,6 +20,7 @@ from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.generation_setup import first_unsupported_option
+from autobucket.engine.sampling.row_processors import ROW_PROCESSOR_OPTIONS
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
@@ -71,14 +72,21 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         generation_config, "generation option",
         "unset it ({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer",
     )  # fmt: skip
-    # Options transformers would apply and autobucket cannot (no_repeat_ngram_size, min_length,
-    # suppress_tokens, ...): refused, never generated without.
+    # Options transformers would apply and autobucket cannot (num_beams, forced_eos_token_id, ...): refused,
+    # never generated without.
     found = first_unsupported_option(generation_config)
     if found is not None:
         option, value = found
         raise ValueError(
             f"generation option {option}={value!r} (GRPOConfig.generation_kwargs) is not supported by autobucket: "
             "remove it from generation_kwargs, or use the stock GRPOTrainer"
+        )
+    if (generation_config.min_length or 0) > 0:
+        raise ValueError(
+            f"generation option min_length={generation_config.min_length!r} (GRPOConfig.generation_kwargs) is not "
+            "supported by the autobucket trainer: the stock trainer's batched generate counts each prompt's left "
+            "padding toward it, autobucket each sequence's own length, so completions would differ; use "
+            "min_new_tokens (the completion's own minimum) instead"
         )
     _check_eos_agrees(generation_config, eos_token_ids)
     max_new_tokens = generation_config.max_new_tokens
@@ -95,6 +103,14 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         min_new_tokens=getattr(generation_config, "min_new_tokens", None),
         **_warping(generation_config),
     )
+
+
+def processor_options(generation_config: Any) -> dict[str, Any]:
+    """The trainer's generation options that logits processors apply (suppress_tokens, bad_words_ids,
+    no_repeat_ngram_size, ...; min_length is refused above), as `Rollout.generate` overrides: autobucket
+    applies them to each sequence as the stock trainer's `generate` does to its rows."""
+    options = {option: getattr(generation_config, option, None) for option in ROW_PROCESSOR_OPTIONS if option != "min_length"}
+    return {option: value for option, value in options.items() if value is not None}
 
 
 def _check_eos_agrees(generation_config: Any, eos_token_ids: Sequence[int]) -> None:
@@ -216,7 +232,7 @@ def generate_completions(
             check_prompt_context(prompt_ids, base.max_new_tokens, model)
             budgets = [base.max_new_tokens] * len(runs)
         rollout = _rollout_for(trainer, model, config)
-        samples, results = _generate_runs(rollout, runs, seeds, budgets, base)
+        samples, results = _generate_runs(rollout, runs, seeds, budgets, base, processor_options(trainer.generation_config))
     trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
     trainer.autobucket_profiles = [r.profile for r in results]
     completions = [tokens for tokens, _ in samples]
@@ -236,17 +252,18 @@ def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
 
 
 def _generate_runs(
-    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], budgets: list[int], base: SamplingConfig
+    rollout: Rollout, runs: list[tuple[list[int], int]], seeds: list[int], budgets: list[int], base: SamplingConfig,
+    options: dict[str, Any],
 ) -> tuple[list[tuple[list[int], list[float] | None]], list[Any]]:
     """One `generate` per distinct run length (normally one: every run is num_generations long), each run
-    with its own token budget; returns (tokens, logprobs) per completion in the input's row order, and the
-    results (route, profile) of the calls that ran."""
+    with its own token budget and the generation `options` (`processor_options`); returns (tokens, logprobs)
+    per completion in the input's row order, and the results (route, profile) of the calls that ran."""
     per_run: dict[int, list[tuple[list[int], list[float] | None]]] = {}
     results = []
     for n in sorted({count for _, count in runs}):
         members = [r for r, (_, count) in enumerate(runs) if count == n]
         sampling = replace(base, n=n, max_new_tokens=[budgets[r] for r in members], seed=[seeds[r] for r in members])
-        result = rollout.generate([runs[r][0] for r in members], sampling)
+        result = rollout.generate([runs[r][0] for r in members], sampling, **options)
         results.append(result)
         for position, r in enumerate(members):
             per_run[r] = _run_samples(result, position, n)

@@ -161,8 +161,10 @@ class ContinuousBatcher:
         seen = torch.stack([sources[p].seen for p, _ in items]) if self.runner.seen is not None else None
         with self.timer.phase("prefill_ms"):
             index = torch.tensor(source_rows, dtype=torch.long, device=self.runner.device)
+            histories = [prompts[p] for p, _ in items] if self.selection.needs_histories else ()
             tokens, logprobs = self.selection.choose(
-                output.last_logits[index], seen, [p for p, _ in items], [s for _, s in items], [0] * len(items)
+                output.last_logits[index], seen, [p for p, _ in items], [s for _, s in items], [0] * len(items),
+                histories,
             )
         tokens_host = tokens.tolist()
         logprobs_host = logprobs.tolist() if logprobs is not None else [None] * len(items)
@@ -204,7 +206,7 @@ class ContinuousBatcher:
         attended = self.runner.store.front + 1  # the columns this step's forward attends over
         with self.timer.phase("decode_ms"):
             logits = self.runner.decode_logits()
-            tokens, logprobs = self.selection.choose(logits, self.runner.seen, *self._stream_keys())
+            tokens, logprobs = self.selection.choose(logits, self.runner.seen, *self._stream_keys(), self._histories())
             tokens_host = tokens.tolist()  # the one host sync of the step
             logprobs_host = logprobs.tolist() if logprobs is not None else None
         self.profile.decode_forwards += 1
@@ -240,6 +242,12 @@ class ContinuousBatcher:
             return [], [], []
         rows = self.rows
         return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
+
+    def _histories(self) -> list[list[int]]:
+        """Each row's prompt and generated ids, where the selection's per-sequence processors read them."""
+        if not self.selection.needs_histories:
+            return []
+        return [[*self.prompts[row.prompt], *row.tokens] for row in self.rows]
 
     def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> None:
         row = self.rows[r]
