@@ -155,7 +155,7 @@ class Selection:
         if self.suppresses_early_eos:
             logits = self._without_early_eos(logits, steps, in_place=logits is not raw)
         if processors is not None:
-            logits = processors.apply_rest(logits, histories, prompts, steps)
+            logits = processors.apply_rest(logits, histories, prompts, steps, in_place=logits is not raw)
         processed = self.want_logprobs and self.logprobs_mode == "processed"
         tokens, logprobs = select_tokens(logits, self.sampler, prompts, samples, steps, processed)
         if self.want_logprobs and not processed:

@@ -47,6 +47,8 @@ class RowProcessors:
 
     first: tuple[Processor, ...]  # before the repetition penalty (sequence_bias)
     rest: tuple[Processor, ...]  # after it: the built-in masks in HF's order, then the caller's
+    # built-in masks that read no ids (suppress_tokens): one call on all rows, the same values elementwise
+    every_row: tuple[Processor, ...] = ()
     begin_suppress: SuppressTokensAtBeginLogitsProcessor | None = None  # at each sequence's first new token
     allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None  # prefix_allowed_tokens_fn
 
@@ -57,9 +59,14 @@ class RowProcessors:
         return self._each_row(logits, histories, lambda row, ids, scores: _run(self.first, ids, scores))
 
     def apply_rest(
-        self, logits: torch.Tensor, histories: Sequence[Any], prompts: Sequence[int], steps: Sequence[int]
+        self, logits: torch.Tensor, histories: Sequence[Any], prompts: Sequence[int], steps: Sequence[int],
+        in_place: bool = False,
     ) -> torch.Tensor:
-        """logits [rows, vocab] fp32 -> a processed copy (every processor after the penalty)."""
+        """logits [rows, vocab] fp32 -> processed (every processor after the penalty): a copy, or `logits`
+        itself written where `in_place` (the penalty's or the EOS mask's copy already)."""
+        if self.every_row:
+            # masks first: they commute with the per-row ones (all only set -inf), and the caller's stay last
+            logits, in_place = _run(self.every_row, torch.empty(len(histories), 0, dtype=torch.long), logits), True
 
         def rest(row: int, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if self.allowed_tokens_fn is not None:
@@ -72,13 +79,16 @@ class RowProcessors:
                 scores = self.begin_suppress(ids, scores)
             return _run(self.rest, ids, scores)
 
-        return self._each_row(logits, histories, rest)
+        if not (self.rest or self.begin_suppress or self.allowed_tokens_fn):
+            return logits
+        return self._each_row(logits, histories, rest, in_place)
 
     @staticmethod
-    def _each_row(logits: torch.Tensor, histories: Sequence[Any], process) -> torch.Tensor:
+    def _each_row(logits: torch.Tensor, histories: Sequence[Any], process, in_place: bool = False) -> torch.Tensor:
         """`process(row, ids [1, length], scores [1, vocab])` on each row of a copy of `logits` (a processor
-        that writes in place then writes the copy, never the raw logits trainer logprobs are read from)."""
-        processed = logits.clone()
+        that writes in place then writes the copy, never the raw logits trainer logprobs are read from), or
+        of `logits` itself where `in_place`."""
+        processed = logits if in_place else logits.clone()
         for row, history in enumerate(histories):
             ids = torch.as_tensor(history, dtype=torch.long, device=logits.device)[None]
             scores = process(row, ids, processed[row : row + 1])
@@ -143,7 +153,9 @@ def row_processors(
         begin = None  # the caller's own (with its own begin_index) runs among theirs
     if not (first or built or callers or begin or allowed_tokens_fn):
         return None
-    return RowProcessors(tuple(first), (*built, *callers), begin, allowed_tokens_fn)
+    every_row = tuple(p for p in built if type(p) is SuppressTokensLogitsProcessor)
+    per_row = tuple(p for p in built if type(p) is not SuppressTokensLogitsProcessor)
+    return RowProcessors(tuple(first), (*per_row, *callers), every_row, begin_suppress=begin, allowed_tokens_fn=allowed_tokens_fn)
 
 
 def _caller_processors(custom: Any) -> list[Processor]:
