@@ -129,7 +129,7 @@ class Selection:
     @property
     def needs_histories(self) -> bool:
         """Whether `choose` reads each row's token history (prompt and generated ids)."""
-        return self.row_processors is not None
+        return self.row_processors is not None and self.row_processors.reads_histories
 
     @property
     def uses_penalty(self) -> bool:

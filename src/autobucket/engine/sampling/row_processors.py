@@ -52,6 +52,11 @@ class RowProcessors:
     begin_suppress: SuppressTokensAtBeginLogitsProcessor | None = None  # at each sequence's first new token
     allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None  # prefix_allowed_tokens_fn
 
+    @property
+    def reads_histories(self) -> bool:
+        """Whether any processor reads a sequence's ids (the every-row masks do not)."""
+        return bool(self.first or self.rest or self.begin_suppress or self.allowed_tokens_fn)
+
     def apply_first(self, logits: torch.Tensor, histories: Sequence[Any], prompts: Sequence[int]) -> torch.Tensor:
         """logits [rows, vocab] fp32 -> a processed copy (the processors before the penalty), or `logits`."""
         if not self.first:
@@ -66,7 +71,7 @@ class RowProcessors:
         itself written where `in_place` (the penalty's or the EOS mask's copy already)."""
         if self.every_row:
             # masks first: they commute with the per-row ones (all only set -inf), and the caller's stay last
-            logits, in_place = _run(self.every_row, torch.empty(len(histories), 0, dtype=torch.long), logits), True
+            logits, in_place = _run(self.every_row, torch.empty(logits.shape[0], 0, dtype=torch.long), logits), True
 
         def rest(row: int, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if self.allowed_tokens_fn is not None:
@@ -80,7 +85,7 @@ class RowProcessors:
             return _run(self.rest, ids, scores)
 
         if not (self.rest or self.begin_suppress or self.allowed_tokens_fn):
-            return logits
+            return logits  # every-row masks only
         return self._each_row(logits, histories, rest, in_place)
 
     @staticmethod
