@@ -321,6 +321,16 @@ def hf_greedy(model, prompts, max_new_tokens: int, **options) -> list[list[int]]
     return rows
 
 
+def teacher_forced_logprobs(model, prompt: Sequence[int], tokens: Sequence[int]):
+    """[len(tokens)] fp32: each generated token's log-softmax under one forward of the whole sequence (the
+    trainer's view of a sample: what trainer-mode logprobs must equal)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, *tokens]])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(list(tokens))]
+
+
 def forget_oracle(model) -> None:
     """Drop `model`'s cached oracle answers (after its weights changed)."""
     _ORACLE_CACHE.pop(model, None)

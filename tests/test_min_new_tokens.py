@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, oracle_batch, oracle_generate, random_prompts
+from conftest import ARCHS, oracle_batch, oracle_generate, random_prompts, teacher_forced_logprobs
 from transformers import MinNewTokensLengthLogitsProcessor
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -113,9 +113,7 @@ def test_sampled_requests_keep_the_minimum_and_do_not_depend_on_their_batch(tiny
         alone = rollout.generate([prompt], SamplingConfig(seed=[seeds[i]], min_new_tokens=4, **common))
         assert (kept.tokens[i], kept.logprobs[i]) == (alone.tokens[0], alone.logprobs[0]), f"prompt {i}"
     tokens, logprobs = kept.tokens[0][0], kept.logprobs[0][0]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1 : -1].float()
-    forced = logits.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+    forced = teacher_forced_logprobs(model, prompts[0], tokens)
     torch.testing.assert_close(torch.tensor(logprobs), forced, rtol=0, atol=1e-5)
 
 

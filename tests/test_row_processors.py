@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts, teacher_forced_logprobs
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
@@ -118,9 +118,7 @@ def test_sampled_requests_with_processors_do_not_depend_on_their_batch(tiny_mode
         alone = rollout.generate([prompt], SamplingConfig(seed=[seeds[i]], **common), **options)
         assert (batch.tokens[i], batch.logprobs[i]) == (alone.tokens[0], alone.logprobs[0]), f"prompt {i}"
     tokens, logprobs = batch.tokens[0][1], batch.logprobs[0][1]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1 : -1].float()
-    forced = logits.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+    forced = teacher_forced_logprobs(model, prompts[0], tokens)
     torch.testing.assert_close(torch.tensor(logprobs), forced, rtol=0, atol=1e-5)
     processed = rollout.generate(prompts, SamplingConfig(seed=seeds, logprobs_mode="processed", **common), **options)
     assert processed.tokens == batch.tokens
