@@ -72,6 +72,8 @@ class RowProcessors:
         if self.every_row:
             # masks first: they commute with the per-row ones (all only set -inf), and the caller's stay last
             logits, in_place = _run(self.every_row, torch.empty(logits.shape[0], 0, dtype=torch.long), logits), True
+        if not (self.rest or self.begin_suppress or self.allowed_tokens_fn):
+            return logits  # nothing after the penalty reads ids (every-row masks only, or none)
 
         def rest(row: int, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if self.allowed_tokens_fn is not None:
@@ -84,8 +86,6 @@ class RowProcessors:
                 scores = self.begin_suppress(ids, scores)
             return _run(self.rest, ids, scores)
 
-        if not (self.rest or self.begin_suppress or self.allowed_tokens_fn):
-            return logits  # every-row masks only
         return self._each_row(logits, histories, rest, in_place)
 
     @staticmethod
