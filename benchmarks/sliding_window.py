@@ -3,22 +3,34 @@ such a call until the continuous-batching routes applied windows) against auto o
 
     quiet-run -- python benchmarks/sliding_window.py --out results/sliding_window.json
     # smoke: --prompts 4 --new-tokens 8 --rounds 2 --out /tmp/sliding_window.json
+    quiet-run -- python benchmarks/sliding_window.py --n 8 --prompts 8 --kernels invariant --out results/sliding_window_n8.json
 
 The model is bench-qwen2's geometry (hidden 256, 4 layers, 32,000 ids, random weights) as a Mistral with
 a `--window`-token sliding window on every layer (Mistral 7B v0.1's design; Gemma 3 windows five layers
 of six). Each round: `--prompts` fresh ShareGPT-like prompts, greedy, EOS off, `--new-tokens` each, so
 the longer sequences outgrow the window. One warm-up call each, then rounds in ABBA order; the tokens
-must agree (both equal HF generate, by the tests). One thread (pin the process with taskset/quiet-run)."""
+must agree (both equal HF generate, by the tests). One thread (pin the process with taskset/quiet-run).
+
+`--n` > 1 (a GRPO-like call past the window: n samples a prompt at temperature 1, the round's seed):
+the contenders are auto with a prompt's samples reading one shared copy of its K/V (cascade decode,
+each sliding layer's row reading the shared keys its window covers) and the same Rollout settings
+with per-row copies (`routes.SHARED_MIN_SAVED_COLUMNS`, which the engine reads at every call, set past
+any call around that contender's calls). Both sample the same tokens (bitwise under either kernel
+set, by tests/test_model_limits.py)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+from contextlib import contextmanager
 
 import torch
 import transformers
 from interleave import abba_rounds, write_rounds
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine import routes
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import sharegpt_like_lengths
 
@@ -33,25 +45,50 @@ def windowed_bench_model(window: int) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+@contextmanager
+def per_row_copies():
+    """A prompt's samples keep per-row copies of its K/V for the calls inside (the threshold the engine reads)."""
+    saved = routes.SHARED_MIN_SAVED_COLUMNS
+    routes.SHARED_MIN_SAVED_COLUMNS = sys.maxsize
+    try:
+        yield
+    finally:
+        routes.SHARED_MIN_SAVED_COLUMNS = saved
+
+
+def contenders(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, tuple[Rollout, bool]]:
+    """name -> (its Rollout, whether its calls keep per-row copies of a prompt's K/V)."""
+    config = RolloutConfig(route="auto", kernels=args.kernels)
+    if args.n == 1:
+        return {"ordinary generate": (Rollout(model, config=RolloutConfig(route="ordinary", kernels=args.kernels)), False),
+                "auto (continuous batching)": (Rollout(model, config=config), False)}  # fmt: skip
+    return {"auto, per-row copies": (Rollout(model, config=config), True),
+            "auto, shared prompt K/V": (Rollout(model, config=config), False)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--n", type=int, default=1, help="samples a prompt (> 1: shared K/V against copies)")
+    parser.add_argument("--kernels", choices=("hf", "invariant"), default="hf")
     parser.add_argument("--out", default="results/sliding_window.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = windowed_bench_model(args.window)
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[])
-    rollouts = {"ordinary generate": Rollout(model, config=RolloutConfig(route="ordinary")),
-                "auto (continuous batching)": Rollout(model, config=RolloutConfig(route="auto"))}  # fmt: skip
-    routes: list[str] = []
+    rollouts = contenders(model, args)
+    runs: list[str] = []
 
     def call(name: str):
         def run(prompts, seed):
-            result = rollouts[name].generate(prompts, sampling)
-            routes.append(f"{name}: {result.route}")
+            rollout, copies = rollouts[name]
+            sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n,
+                                      temperature=1.0 if args.n > 1 else 0.0, seed=seed)  # fmt: skip
+            with per_row_copies() if copies else contextlib.nullcontext():
+                result = rollout.generate(prompts, sampling)
+            runs.append(f"{name}: {result.route}, shared_kv_rows {result.profile.shared_kv_rows}")
             return result.tokens
         return run
 
@@ -64,12 +101,12 @@ def main() -> None:
     outgrowing = sum(len(p) + args.new_tokens > args.window for p in round_input(0))
     print(f"window {args.window}: {outgrowing} of {args.prompts} sequences of round 0 outgrow it")
     rounds = abba_rounds({name: call(name) for name in rollouts}, round_input, range(args.rounds))
-    print("| contender | median ms | / ordinary |")
-    ordinary = rounds["medians_ms"]["ordinary generate"]
+    first = next(iter(rollouts))
+    print(f"| contender | median ms | / {first} |")
     for name, median in rounds["medians_ms"].items():
-        print(f"| {name} | {median:,.0f} | {median / ordinary:.2f} |")
-    print(f"tokens equal every round: {rounds['outputs_equal']}; routes run: {sorted(set(routes))}")
-    write_rounds(args.out, args, rounds, routes=sorted(set(routes)))
+        print(f"| {name} | {median:,.0f} | {median / rounds['medians_ms'][first]:.2f} |")
+    print(f"tokens equal every round: {rounds['outputs_equal']}; runs: {sorted(set(runs))}")
+    write_rounds(args.out, args, rounds, routes=sorted(set(runs)))
 
 
 if __name__ == "__main__":

@@ -312,6 +312,72 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
     torch.testing.assert_close(together[-1:].float(), want, **tolerance)
 
 
+# Sliding windows against SHARED_GROUPS' prompts and rows of 18-23 own keys: one key; the own keys only (every
+# shared key outside); 90 and 172, each covering one group's whole prompt for that group's shorter rows only
+# (the 70- and 150-key groups: some rows read every shared key and take the group's tile of whole blocks, the
+# others start inside the prompt) and ending inside the longer prompts; and one wider than every sequence.
+WINDOWS = (1, 20, 90, 172, 400)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("dim", (64, 40), ids=("vector 64", "portable 40"))
+def test_windowed_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, window):
+    """A sliding layer's cascade decode (`window`): each row's own mask narrowed to the window as the
+    dispatcher narrows it (`within_window`), the kernel reading only the shared keys the window still
+    covers. The oracle is each row holding [prompt | own keys] with the window over that whole sequence,
+    in a call of its own, bitwise. Control: the same narrowed own masks without the window argument read
+    every shared key, and differ from the oracle wherever the window ends inside a prompt."""
+    from autobucket.engine.model_access.attention import within_window
+
+    load_invariant_kernels()
+    generator = torch.Generator().manual_seed(dim + window)
+    heads, kv_heads, own = 6, 2, 23
+    longest = max(length for length, _ in SHARED_GROUPS)
+    shared_key, shared_value = (
+        torch.randn(len(SHARED_GROUPS), kv_heads, longest, dim, generator=generator).to(dtype) for _ in range(2)
+    )
+    shared_length = torch.tensor([length for length, _ in SHARED_GROUPS])
+    row_group = torch.tensor([g for g, (_, count) in enumerate(SHARED_GROUPS) for _ in range(count)] + [-1, -1])
+    rows = row_group.numel()
+    query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(rows, kv_heads, own, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
+    for row in range(rows):
+        mask[row, :, :, : row % 6] = False
+    narrowed = within_window(mask, window, 1, own, mask.device)
+    scale = dim**-0.5
+    with torch.inference_mode():
+        shared_call = (shared_key, shared_value, shared_length, row_group)
+        windowed = invariant_attention_shared(query, key, value, narrowed, scale, *shared_call, None, window)
+        unwindowed = invariant_attention_shared(query, key, value, narrowed, scale, *shared_call)
+        inside = 0  # rows whose window ends inside their prompt
+        for row in range(rows):
+            group = int(row_group[row])
+            length = int(shared_length[group]) if group >= 0 else 0
+            columns = mask[row, 0, 0].nonzero().flatten()
+            whole_key = torch.cat([shared_key[max(group, 0), :, :length], key[row][:, columns]], 1)
+            whole_value = torch.cat([shared_value[max(group, 0), :, :length], value[row][:, columns]], 1)
+            sequence = whole_key.shape[1]
+            last_keys = torch.arange(sequence) >= sequence - window  # the window over the whole sequence
+            alone = invariant_attention(query[row : row + 1], whole_key[None], whole_value[None],
+                                        last_keys[None, None, None], scale, False)  # fmt: skip
+            assert torch.equal(windowed[row : row + 1], alone), f"row {row} (group {group}) differs"
+            if length > 0 and sequence > window:
+                inside += 1
+                assert not torch.equal(unwindowed[row : row + 1], alone), f"control: row {row} unchanged"
+    assert inside > 0 or window == 400
+
+
+def test_a_windowed_cascade_refuses_own_keys_past_the_window():
+    load_invariant_kernels()
+    query, key = torch.randn(1, 2, 1, 64), torch.randn(1, 1, 8, 64)
+    shared = torch.randn(1, 1, 4, 64)
+    with pytest.raises(RuntimeError, match="allows 8 of its own keys, more than the window of 5"):
+        invariant_attention_shared(query, key, key, None, 0.125, shared, shared, torch.tensor([4]),
+                                   torch.tensor([0]), None, 5)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_decode_with_and_without_its_kv_prefetch_gives_the_same_bits(dtype):
     """Decode prefetches K/V ahead (a few keys on Intel CPUs, a block on AMD ones with the eight-key

@@ -2,8 +2,9 @@
 
 1. Sliding attention windows (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`, Phi-3). When a sequence
    of a call outgrows the window, the continuous-batching routes narrow each sliding layer's attention to
-   it (the dispatcher windows the masks the engine builds; prefill K/V kept whole; dense packing; no
-   cascade or compiled step). The oracle is single-request HF `generate`, which applies the window; a
+   it (the dispatcher windows the masks the engine builds; prefill K/V kept whole; dense packing; a
+   prompt's samples share one copy of its K/V, each row reading the shared keys its window covers; no
+   compiled step). The oracle is single-request HF `generate`, which applies the window; a
    control (the same weights with the window off) shows that the sequences do outgrow it, and another
    (the windows not applied) that the oracle catches a route that ignores them. Every CB route and
    prefill form (padded, per-prompt, chunked, packed), n > 1, the prefix cache across turns, both kernel
@@ -151,6 +152,66 @@ def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
     assert "sliding" not in result.profile.decision_reason
     if result.route == "bucketed":  # the compiled step does not narrow attention to the window
         assert "sliding window: decodes eagerly" in result.profile.compile_decision
+
+
+@pytest.fixture
+def always_share(monkeypatch):
+    """Share every multi-sample prompt's K/V (the default starts only when the copies saved are large)."""
+    from autobucket.engine import routes
+    from autobucket.engine.batching import model_runner
+
+    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
+    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
+
+
+# how a shared prompt's decode attention runs: the invariant kernels; the default kernels on the engine's
+# kernel; the default kernels' two flash parts merged (where the kernel cannot take the call)
+CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf"}
+SAMPLED = dataclasses.replace(SAMPLING, n=3, temperature=1.0, seed=[5, 6, 7, 8], logprobs=True)
+
+
+@pytest.mark.parametrize("decode", sorted(CASCADE_DECODES))
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, always_share, monkeypatch):
+    """A prompt's n samples keep one copy of its K/V past the window too (cascade decode): a sliding
+    layer's row reads the shared keys its window still covers, then its own. The 21- and 30-token prompts
+    start past the 16-token window, the 5- and 9-token ones outgrow it while decoding. Greedy: every sample
+    is the oracle's answer. Sampled: tokens and logprobs equal the same call with per-row copies, bitwise
+    on the engine's kernel (the rows read the same keys in the same blocks), within 1e-5 as flash parts."""
+    from autobucket.engine import routes
+
+    if decode == "flash parts":
+        monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
+    model = windowed_model(name)
+    config = RolloutConfig(route="aligned", compile=False, kernels=CASCADE_DECODES[decode])
+    greedy = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
+    assert greedy.profile.shared_kv_rows > 0
+    assert greedy.tokens == [[answer] * 3 for answer in oracle(model, LONG)]
+    shared = Rollout(model, None, config).generate(LONG, SAMPLED)
+    monkeypatch.setattr(routes, "_cascade_allowed", lambda call: False)
+    copies = Rollout(model, None, config).generate(LONG, SAMPLED)
+    assert (shared.profile.shared_kv_rows > 0, copies.profile.shared_kv_rows) == (True, 0)
+    assert shared.tokens == copies.tokens
+    flat = [(a, b) for p, q in zip(shared.logprobs, copies.logprobs, strict=True)
+            for s, c in zip(p, q, strict=True) for a, b in zip(s, c, strict=True)]  # fmt: skip
+    if decode == "flash parts":
+        assert max(abs(a - b) for a, b in flat) < 1e-5
+    else:
+        assert all(a == b for a, b in flat)
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_control_a_cascade_reading_every_shared_key_fails_the_oracle(kernels, always_share, monkeypatch):
+    """Negative control: the shared part read whole (the window not passed to the cascade) while each
+    row's own keys stay windowed: the 21- and 30-token prompts' samples then attend past the window."""
+    from autobucket.engine.kernels import cascade_attention
+
+    monkeypatch.setattr(cascade_attention, "windows_applied", lambda: False)
+    model = windowed_model("mistral")
+    config = RolloutConfig(route="aligned", compile=False, kernels=kernels)
+    result = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
+    assert result.profile.shared_kv_rows > 0
+    assert [samples[0] for samples in result.tokens] != oracle(model, LONG)
 
 
 def test_the_prefix_cache_serves_a_conversation_past_the_window():

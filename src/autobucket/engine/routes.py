@@ -225,8 +225,10 @@ def _cascade_allowed(call: RouteCall) -> bool:
     """Rows may read one shared copy of K/V (cascade decode) when attention goes through transformers'
     interface (where the engine's decode attention is called); with `kernels="invariant"` the invariant
     kernel reads the shared keys as part of the row's own sequence (bitwise a per-row copy's). A prefix
-    shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`)."""
-    return dispatches(call.model) and call.outgrown_window is None  # its tiles read every shared key
+    shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`). A
+    call past the model's sliding window shares too: a sliding layer's rows read the shared keys their
+    window still covers (`CascadeAttention`)."""
+    return dispatches(call.model)
 
 
 def _shares_samples_kv(call: RouteCall) -> bool:

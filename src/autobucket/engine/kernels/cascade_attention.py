@@ -31,6 +31,7 @@ from autobucket.engine.kernels.invariant_attention import (
     kernel_takes,
     shared_prefix_tiles,
 )
+from autobucket.engine.model_access.attention import windows_applied
 from autobucket.engine.model_access.function_routes import dropout_suppressed
 
 
@@ -82,13 +83,16 @@ class CascadeAttention:
             raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
         layout, layer = self.layout, module.layer_idx
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        # A sliding layer of a call past its window: the dispatcher narrowed the mask of the row's own keys
+        # to the window; the shared keys the window still covers are the prompt's last (window - own).
+        window = int(kwargs.get("sliding_window") or 0) if windows_applied() else 0
         if self.invariant or (self.own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
             output = invariant_attention_shared(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
-                layout.shared_length, layout.row_group, layout.shared_tiles(layer),
+                layout.shared_length, layout.row_group, layout.shared_tiles(layer), window,
             )  # fmt: skip
         else:
-            output = _attend(query, key, value, attention_mask, scale, layout, layer)
+            output = _attend(query, key, value, attention_mask, scale, layout, layer, window)
         layout.calls += 1
         return output, None
 
@@ -96,12 +100,14 @@ class CascadeAttention:
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, logsumexp), CPU
 
 
-def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int) -> torch.Tensor:
+def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int,
+            window: int = 0) -> torch.Tensor:  # fmt: skip
     """query [rows, heads, 1, head_dim]; key, value [rows, kv_heads, own, head_dim] (each row's own
     columns, masked by `attention_mask`) -> [rows, 1, heads, head_dim] in the query's dtype.
 
     Both parts run SDPA's flash kernel, which also returns each query's logsumexp: the merge weights
-    are exp(lse_part - lse_total)."""
+    are exp(lse_part - lse_total). window > 0: the mask already holds the row's own keys inside the
+    window; the shared part reads only the prompt's last (window - own) keys."""
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     per_kv = heads // kv_heads
@@ -114,25 +120,50 @@ def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayo
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
         mask = mask.to(query.dtype)
     own_out, own_lse = _FLASH(q, key, value, attn_mask=mask, scale=scale)
-    shared_out, shared_lse = _shared_part(q, scale, layout, layer)
+    first_shared = None
+    if window:
+        own = _own_keys_allowed(attention_mask, rows, key.shape[2]).to(layout.shared_length.device)
+        lengths = layout.shared_length[layout.row_group.clamp(min=0)]
+        first_shared = (lengths - (window - own)).clamp(min=0)  # [rows]: the first shared key in the window
+    shared_out, shared_lse = _shared_part(q, scale, layout, layer, first_shared)
     total = torch.logaddexp(own_lse, shared_lse)  # [rows, kv_heads, per_kv]
     output = torch.exp(own_lse - total)[..., None] * own_out.float()
     output = output + torch.exp(shared_lse - total)[..., None] * shared_out
     return output.reshape(rows, heads, head_dim)[:, None].to(query.dtype)
 
 
-def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_keys_allowed(attention_mask: torch.Tensor | None, rows: int, columns: int) -> torch.Tensor:
+    """[rows] long: the own columns each row's decode query may attend (its mask's last query row, the
+    first head's: bool True or additive 0 / above dtype-min / 2 allowed; no mask: every column)."""
+    if attention_mask is None:
+        return torch.full((rows,), columns, dtype=torch.long)
+    last = attention_mask[:, 0, -1, :columns]  # [rows | 1, columns]
+    allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    return allowed.sum(-1).expand(rows)
+
+
+def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: int,
+                 first_shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per row: attention output (fp32) and logsumexp over its group's shared keys, [rows, kv_heads,
-    per_kv, head_dim] and [rows, kv_heads, per_kv]; 0 and -inf for a row without a group."""
+    per_kv, head_dim] and [rows, kv_heads, per_kv]; 0 and -inf for a row without a group, or whose
+    window (first_shared [rows]: the first shared key a row reads; None: all) holds none of them."""
     rows, kv_heads, per_kv, head_dim = q.shape
-    groups = layout.keys[layer].shape[0]
+    groups, shared = layout.keys[layer].shape[0], layout.keys[layer].shape[2]
     grouped = layout.row_group >= 0
+    if first_shared is not None:
+        grouped = grouped & (first_shared < layout.shared_length[layout.row_group.clamp(min=0)])
     where = (layout.row_group[grouped], layout.row_slot[grouped])
     # queries gathered per group: [groups, slots, kv_heads, per_kv, head_dim] -> [groups, kv_heads, slots * per_kv, head_dim]
     by_group = q.new_zeros((groups, layout.slots, kv_heads, per_kv, head_dim))
     by_group[where] = q[grouped]
     by_group = by_group.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, layout.slots * per_kv, head_dim)
     mask = layout.shared_mask[:, None, None, :].to(q.dtype)  # [groups, 1, 1, shared]: padding keys off
+    if first_shared is not None:  # each slot's window: [groups, 1, slots * per_kv, shared]
+        start = torch.zeros((groups, layout.slots), dtype=torch.long, device=q.device)
+        start[where] = first_shared[grouped]
+        before = torch.arange(shared, device=q.device) < start[..., None]  # [groups, slots, shared]
+        before = before.repeat_interleave(per_kv, dim=1)[:, None]
+        mask = mask.masked_fill(before, float("-inf"))
     out, lse = _FLASH(by_group, layout.keys[layer], layout.values[layer], attn_mask=mask, scale=scale)
     out = out.reshape(groups, kv_heads, layout.slots, per_kv, head_dim).transpose(1, 2)
     lse = lse.reshape(groups, kv_heads, layout.slots, per_kv).transpose(1, 2)

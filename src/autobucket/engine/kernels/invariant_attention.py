@@ -123,17 +123,21 @@ def invariant_attention_shared(
     shared_length: torch.Tensor,
     row_group: torch.Tensor,
     shared_tiles: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`invariant_attention` of decode queries whose rows first read a shared prompt's keys (cascade
     decode): row r of group g = row_group[r] >= 0 sees shared_key[g, :, :shared_length[g]] and then its
     own allowed columns, in the same blocks and order as one sequence, so its output is bitwise that of
     a row holding the whole prompt itself. shared_key, shared_value [groups, kv_heads, shared, D];
-    shared_tiles: `shared_prefix_tiles` of them, kept across a call's steps (None: made in each call)."""
+    shared_tiles: `shared_prefix_tiles` of them, kept across a call's steps (None: made in each call).
+    window > 0: a sliding layer's window (attention_mask already narrowed to it): a row reads only the
+    shared keys its window still covers, the window's newest keys of [shared | own] as one sequence."""
     load_invariant_kernels()
     rows, columns = query.shape[0], key.shape[2]
     allowed = _EMPTY if attention_mask is None else allowed_keys(attention_mask, rows, columns)
     return torch.ops.autobucket.invariant_attention_shared(
-        query, key, value, allowed, float(scale), shared_key, shared_value, shared_length, row_group, shared_tiles
+        query, key, value, allowed, float(scale), shared_key, shared_value, shared_length, row_group, shared_tiles,
+        int(window),
     )
 
 

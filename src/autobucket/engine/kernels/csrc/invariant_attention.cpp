@@ -632,6 +632,11 @@ struct Shared {
   const int64_t* length = nullptr;  // [groups]
   const int64_t* group = nullptr;   // [rows], -1: no shared keys
   const at::Tensor* tiles = nullptr;  // shared_prefix_tiles' output for these keys, or null: transposed per call
+  // [rows] or null: the shared keys a row does not read, its first ones (a sliding window that ends inside the
+  // shared prompt: the row reads keys [skip, length), then its own, the window's keys in their order)
+  const int64_t* skip = nullptr;
+
+  int64_t skipped(int64_t row) const { return skip != nullptr ? skip[row] : 0; }
 };
 
 // Queries of one (row, K/V head) handled by one work item: a prefill's queries share one transposed copy
@@ -794,8 +799,8 @@ PrefixStates shared_prefix_states(const T* q, Strides qs, const Shared& shared, 
   out.lanes_per_head = head_dim / 16 + 1;
   out.keys.assign(static_cast<size_t>(rows), 0);
   std::vector<std::vector<int64_t>> members(static_cast<size_t>(shared.key->size(0)));
-  for (int64_t r = 0; r < rows; ++r)
-    if (shared.group[r] >= 0) members[shared.group[r]].push_back(r);
+  for (int64_t r = 0; r < rows; ++r)  // a row whose window starts inside the prefix reads its blocks on its own
+    if (shared.group[r] >= 0 && shared.skipped(r) == 0) members[shared.group[r]].push_back(r);
   std::vector<int64_t> taken;  // groups run as tiles
   for (int64_t g = 0; g < static_cast<int64_t>(members.size()); ++g) {
     const int64_t whole = shared.length[g] / kBlockKeys * kBlockKeys;
@@ -982,7 +987,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     const int64_t row = item / (kv_heads * chunks), chunk = item % chunks;
     const int64_t first_query = chunk * kQueryChunk, end_query = std::min(queries, first_query + kQueryChunk);
     const int64_t g = shared.group != nullptr ? shared.group[row] : -1;
-    int64_t keys = g >= 0 ? shared.length[g] : 0;
+    int64_t keys = g >= 0 ? shared.length[g] - shared.skipped(row) : 0;
 #if defined(AUTOBUCKET_ATTENTION_VECTORS)
     if (!prefix.keys.empty()) keys -= prefix.keys[row];  // already read by the group's tile
 #endif
@@ -1024,11 +1029,11 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
         sk = shared.key->data_ptr<T>() + g * sks.row + kv_head * sks.head;
         sv = shared.value->data_ptr<T>() + g * svs.row + kv_head * svs.head;
       }
-      // query qi's keys in order (a cascade's shared keys first, from shared key `skip` on) into key_ptrs /
-      // value_ptrs; their count
+      // query qi's keys in order (a cascade's shared keys first, from shared key `skip` on, or from the
+      // row's window's first) into key_ptrs / value_ptrs; their count
       const auto list_keys = [&](int64_t qi, int64_t skip = 0) {
         int64_t count = 0;
-        for (int64_t j = skip; j < shared_count; ++j, ++count) {
+        for (int64_t j = std::max(skip, shared.skipped(row)); j < shared_count; ++j, ++count) {
           key_ptrs[count] = sk + j * sks.token;
           value_ptrs[count] = sv + j * svs.token;
         }
@@ -1181,12 +1186,32 @@ at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key, c
   return run(query, key, value, allowed, causal, scale, Shared{});
 }
 
+// A windowed cascade's per-row count of shared keys left out (`Shared::skip`): a decode query sees the
+// `window` newest keys of [shared | own allowed], so when its own allowed keys (already narrowed to the
+// window by the caller's mask) number `own`, it reads the shared prompt's last window - own keys.
+std::vector<int64_t> shared_keys_outside_window(const at::Tensor& allowed, int64_t columns, const int64_t* lengths,
+                                                const int64_t* groups, int64_t rows, int64_t window) {
+  std::vector<int64_t> skip(static_cast<size_t>(rows), 0);
+  const bool* mask = allowed.numel() > 0 ? allowed.data_ptr<bool>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (groups[r] < 0) continue;
+    const int64_t own = mask != nullptr ? std::count(mask + r * columns, mask + (r + 1) * columns, true) : columns;
+    TORCH_CHECK(own <= window, "a windowed cascade's row allows ", own, " of its own keys, more than the window of ",
+                window, ": narrow its mask to the window first");
+    skip[r] = std::max<int64_t>(0, lengths[groups[r]] - (window - own));
+  }
+  return skip;
+}
+
 // The same, each row first reading its group's shared keys (cascade decode): shared_key, shared_value
 // [groups, kv_heads, shared, head_dim], shared_length [groups] and row_group [rows] int64 (-1: none).
+// window > 0: the layer attends in a sliding window of that many keys (one decode query per row, its own
+// keys' mask already narrowed to the window); each row reads the shared keys its window still covers.
 at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& allowed, double scale, const at::Tensor& shared_key,
                                       const at::Tensor& shared_value, const at::Tensor& shared_length,
-                                      const at::Tensor& row_group, const c10::optional<at::Tensor>& shared_tiles) {
+                                      const at::Tensor& row_group, const c10::optional<at::Tensor>& shared_tiles,
+                                      int64_t window) {
   check_inputs(query, key, value, allowed);
   TORCH_CHECK(shared_key.dim() == 4 && shared_key.sizes() == shared_value.sizes() &&
                   shared_key.scalar_type() == query.scalar_type() && shared_value.scalar_type() == query.scalar_type(),
@@ -1213,7 +1238,14 @@ at::Tensor invariant_attention_shared(const at::Tensor& query, const at::Tensor&
                 "shared_tiles must be shared_prefix_tiles' output for these shared keys");
     tiles = &*shared_tiles;
   }
-  return run(query, key, value, allowed, false, scale, Shared{&shared_key, &shared_value, lengths, groups, tiles});
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  std::vector<int64_t> skip;
+  if (window > 0) {
+    TORCH_CHECK(query.size(2) == 1, "a windowed cascade takes one decode query per row");
+    skip = shared_keys_outside_window(allowed, key.size(2), lengths, groups, query.size(0), window);
+  }
+  return run(query, key, value, allowed, false, scale,
+             Shared{&shared_key, &shared_value, lengths, groups, tiles, skip.empty() ? nullptr : skip.data()});
 }
 
 // rows [M, K] through oneDNN's packed linear in calls of exactly `block` rows (the last zero-padded), so
@@ -1285,7 +1317,8 @@ bool set_decode_prefetch(bool on) {
 TORCH_LIBRARY(autobucket, m) {
   m.def("invariant_attention(Tensor query, Tensor key, Tensor value, Tensor allowed, bool causal, float scale) -> Tensor");
   m.def("invariant_attention_shared(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale, "
-        "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group, Tensor? shared_tiles=None) -> Tensor");
+        "Tensor shared_key, Tensor shared_value, Tensor shared_length, Tensor row_group, Tensor? shared_tiles=None, "
+        "int window=0) -> Tensor");
   m.def("shared_prefix_tiles(Tensor shared_key, Tensor shared_value, Tensor shared_length) -> Tensor");
   m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
   m.def("set_decode_prefetch(bool on) -> bool", &set_decode_prefetch);
