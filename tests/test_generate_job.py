@@ -8,7 +8,7 @@ import io
 import json
 
 import pytest
-from conftest import oracle_batch, random_prompts
+from conftest import hf_greedy, oracle_batch, random_prompts
 
 from autobucket import Rollout
 from autobucket.cli import main
@@ -226,6 +226,47 @@ def test_cli_sampling_flags_reach_the_rows(tiny_models, tmp_path, capsys, single
     assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] != [r["tokens"] for r in rows]
 
 
+def test_cli_processor_flags_give_single_request_generates_tokens(tiny_models, tmp_path, capsys):
+    """--no-repeat-ngram-size, --suppress-tokens, --bad-words-ids and --generation-option sequence_bias (HF's
+    processors, per prompt) against the model's own greedy `generate` with the same options, one prompt at a
+    time; the options' values come from the unconstrained answers, so each bites (control: they change them).
+    --generation-option eos_token_id=[] goes to the sampling config (a SamplingConfig field)."""
+    model = tiny_models(MODEL)
+    prompts = random_prompts([4, 11, 7], seed=8)
+    free = hf_greedy(model, prompts, 6)
+    options = {"no_repeat_ngram_size": 2, "suppress_tokens": [free[0][0]], "bad_words_ids": [[free[1][0], free[1][1]]],
+               "sequence_bias": [[[free[2][2]], -4.0]]}  # fmt: skip
+    expected = hf_greedy(model, prompts, 6, **options)
+    assert expected != free
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": p} for p in prompts])
+    flags = ["--no-repeat-ngram-size", "2", "--suppress-tokens", str(free[0][0]),
+             "--bad-words-ids", f"{free[1][0]},{free[1][1]}",
+             "--generation-option", f"sequence_bias=[[[{free[2][2]}], -4.0]]", "--generation-option", "eos_token_id=[]"]  # fmt: skip
+    argv = ["generate", "--model", MODEL, "--prompts", str(path), "--max-new-tokens", "6", "--quiet", *flags]
+    assert main(argv) == 0
+    assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] == expected
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--suppress-tokens", "a,3"], "argument --suppress-tokens: expected comma-separated token ids >= 0"),
+    (["--bad-words-ids", "4,-1"], "argument --bad-words-ids: expected comma-separated token ids >= 0"),
+    (["--suppress-tokens", "5,99999"], "--suppress-tokens holds 99999, which is not a token id of this model"),
+    (["--generation-option", "=3"], "argument --generation-option: expected KEY=VALUE"),
+    (["--generation-option", "foo=1"], "unknown generate option(s) ['foo']"),
+    (["--generation-option", "temperature=0.5"], "--generation-option sets --temperature, a flag of its own"),
+    (["--no-repeat-ngram-size", "2", "--generation-option", "no_repeat_ngram_size=3"],
+     "--generation-option sets --no-repeat-ngram-size, a flag of its own: pass --no-repeat-ngram-size instead"),
+    (["--generation-option", "min_p=0.1", "--generation-option", "min_p=0.2"], "sets 'min_p' twice"),
+    (["--temperature", "1", "--generation-option", "min_p=7"], "min_p=7 is invalid: it must be in [0, 1]"),
+])  # fmt: skip
+def test_bad_processor_flags_are_named(tmp_path, capsys, flags, message):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": [3, 4]}])
+    assert main(["generate", "--model", MODEL, "--prompts", str(path), "--max-new-tokens", "2", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--seed", "-1", "argument --seed: expected an integer in [0, 2**64), got '-1'"),
     ("--top-p", "2", "--top-p 2.0 is invalid: it must be in (0, 1]"),
@@ -284,7 +325,7 @@ def test_output_folder_must_exist_before_the_model_loads(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("field", "value"), [("chunk_prompts", 0), ("chunk_prompts", True), ("chat", "yes"),
-                                              ("input_format", "csv")])  # fmt: skip
+                                              ("input_format", "csv"), ("generation_options", "x")])  # fmt: skip
 def test_bad_job_fields_are_named(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
         GenerateJob(prompts="-", **{field: value})

@@ -5,6 +5,7 @@ the translation of library error text into the command's own flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -60,6 +61,30 @@ def seed_argument(text: str) -> int:
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
     return value
+
+
+def token_ids_argument(text: str) -> list[int]:
+    """--suppress-tokens / --bad-words-ids: comma-separated token ids ("17,42")."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = [-1]
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids >= 0 (e.g. 17,42), got {text!r}")
+    return ids
+
+
+def generation_option_argument(text: str) -> tuple[str, Any]:
+    """--generation-option: KEY=VALUE, VALUE as JSON (a bare word that is not JSON is taken as a string)."""
+    key, equals, raw = text.partition("=")
+    if not equals or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE with a GenerationConfig field as KEY (e.g. no_repeat_ngram_size=3), got {text!r}"
+        )
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
 
 
 def costs_argument(text: str) -> str | Path:

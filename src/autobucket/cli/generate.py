@@ -6,6 +6,7 @@ torch and transformers are imported only by the handler, so registering this com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from autobucket.config import KERNELS, ROUTES
@@ -16,9 +17,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         add_model_arguments,
         costs_argument,
         finish_parser,
+        generation_option_argument,
         non_negative_int,
         positive_int,
         seed_argument,
+        token_ids_argument,
     )
 
     parser = subparsers.add_parser(
@@ -64,6 +67,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sampling.add_argument("--logprobs", action="store_true",
                           help="write each token's log-probability, log_softmax(logits / T) as an RL trainer "
                           "computes it")  # fmt: skip
+    processors = parser.add_argument_group(
+        "logits processors (HF's own, each applied to one prompt's ids as a single-request generate applies it)")
+    processors.add_argument("--no-repeat-ngram-size", type=positive_int, metavar="N",
+                            help="no N-gram of the prompt and completion occurs twice")  # fmt: skip
+    processors.add_argument("--suppress-tokens", type=token_ids_argument, metavar="IDS",
+                            help="token ids never generated, comma-separated (e.g. 17,42)")  # fmt: skip
+    processors.add_argument("--bad-words-ids", dest="bad_words_ids", action="append", type=token_ids_argument,
+                            metavar="IDS", help="a token sequence never completed (its last id banned after the "
+                            "others), comma-separated; repeat for several")  # fmt: skip
+    processors.add_argument("--generation-option", dest="generation_options", action="append",
+                            type=generation_option_argument, metavar="KEY=VALUE",
+                            help="any other GenerationConfig field for every call, VALUE as JSON (e.g. "
+                            "'sequence_bias=[[[17], -5.0]]', begin_suppress_tokens=[2]); repeat for several")  # fmt: skip
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
@@ -78,7 +94,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from autobucket.config import RolloutConfig, SamplingConfig
     from autobucket.tools.generate_job import GenerateJob, run_generate_job
 
+    sampling_options, generation_options = _generation_options(
+        args, {field.name for field in dataclasses.fields(SamplingConfig)})
     sampling = SamplingConfig(
+        **sampling_options,
         max_new_tokens=args.max_new_tokens,
         continuous_batch_size=args.continuous_batch_size,
         repetition_penalty=args.repetition_penalty,
@@ -100,6 +119,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         **model_arguments(args),  # the --model group, named as `autobucket.load_model` takes it
         rollout=RolloutConfig(route=args.route, costs=args.costs, kernels=args.kernels),
         sampling=sampling,
+        generation_options=generation_options,
     )
     if args.quiet:
         run_generate_job(job)
@@ -107,6 +127,29 @@ def _run_generate(args: argparse.Namespace) -> int:
     summary = _run_with_progress(job)
     _print_summary(summary)
     return 0
+
+
+# flag -> the GenerationConfig field it sets
+_PROCESSOR_FLAGS = {"--no-repeat-ngram-size": "no_repeat_ngram_size", "--suppress-tokens": "suppress_tokens",
+                    "--bad-words-ids": "bad_words_ids"}  # fmt: skip
+
+
+def _generation_options(args: argparse.Namespace, sampling_fields: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(SamplingConfig fields, GenerationConfig overrides of every call) from the processor flags and the
+    --generation-option pairs: a pair naming a SamplingConfig field without a flag here (min_p, typical_p,
+    eos_token_id, ...) goes to the sampling config; one naming a field this command has a flag for
+    (--temperature, --no-repeat-ngram-size, ...) is refused with that flag, as is a field given twice."""
+    overrides = {field: getattr(args, field) for field in _PROCESSOR_FLAGS.values() if getattr(args, field) is not None}
+    pairs: dict[str, Any] = {}
+    for key, value in args.generation_options or ():
+        flag = args.cli_words.get(key)
+        if flag is not None:
+            raise ValueError(f"--generation-option sets {flag}, a flag of its own: pass {flag} instead")
+        if key in pairs:
+            raise ValueError(f"--generation-option sets {key!r} twice: give it once")
+        pairs[key] = value
+    sampling = {key: value for key, value in pairs.items() if key in sampling_fields}
+    return sampling, {**overrides, **{key: value for key, value in pairs.items() if key not in sampling_fields}}
 
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:

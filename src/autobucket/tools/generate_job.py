@@ -65,6 +65,9 @@ class GenerateJob:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(route="auto"))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chunk_prompts: int | None = None  # prompts per generate call (None: CHUNK_BATCHES continuous batches)
+    # GenerationConfig fields for every call (`Rollout.generate`'s overrides: logits processors such as
+    # no_repeat_ngram_size, suppress_tokens, bad_words_ids, sequence_bias), validated by the first call
+    generation_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.input_format not in INPUT_FORMATS:
@@ -72,6 +75,9 @@ class GenerateJob:
         optional_int("chunk_prompts", self.chunk_prompts, fix="use None for a few continuous batches per call")
         require_bool("chat", self.chat)
         require_bool("trust_remote_code", self.trust_remote_code)
+        if not isinstance(self.generation_options, dict) or not all(isinstance(k, str) for k in self.generation_options):
+            raise ValueError(f"generation_options={self.generation_options!r} is invalid: expected a dict of "
+                             "GenerationConfig field names to values")  # fmt: skip
 
 
 # ------------------------------------------------------------------ input
@@ -212,7 +218,8 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
     chunk = job.chunk_prompts or CHUNK_BATCHES * job.sampling.continuous_batch_size
     started = time.perf_counter()
-    results = generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress)
+    results = generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress,
+                                 job.generation_options)  # fmt: skip
     generate_s = time.perf_counter() - started
     samples = prompt_samples(results, job.sampling.n)
     write_jsonl(output_rows(records, samples, tokenizer), job.out)
@@ -220,11 +227,13 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
 
 
 def generate_in_chunks(
-    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None
-) -> list[Any]:
-    """One `rollout.generate` per `chunk` prompts (input order); `on_progress` after each. Each chunk
-    gets its prompts' stream keys and budgets from the whole file's (`subset_sampling`), so a sampled prompt
-    draws what one call over every prompt would draw for it, whatever the chunk size."""
+    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None,
+    generation_options: dict[str, Any] | None = None,
+) -> list[Any]:  # fmt: skip
+    """One `rollout.generate` per `chunk` prompts (input order), each with `generation_options` as its
+    overrides; `on_progress` after each. Each chunk gets its prompts' stream keys and budgets from the whole
+    file's (`subset_sampling`), so a sampled prompt draws what one call over every prompt would draw for
+    it, whatever the chunk size (per-sequence logits processors see one prompt's ids only)."""
     from autobucket.engine.sampling.streams import subset_sampling
 
     results = []
@@ -232,7 +241,8 @@ def generate_in_chunks(
         on_progress(0, len(prompts))
     for start in range(0, len(prompts), chunk):
         indices = range(start, min(start + chunk, len(prompts)))
-        results.append(rollout.generate(prompts[start : start + chunk], subset_sampling(sampling, indices, len(prompts))))
+        chunk_sampling = subset_sampling(sampling, indices, len(prompts))
+        results.append(rollout.generate(prompts[start : start + chunk], chunk_sampling, **(generation_options or {})))
         if on_progress is not None:
             on_progress(min(start + chunk, len(prompts)), len(prompts))
     return results
