@@ -145,6 +145,36 @@ def test_per_prompt_budgets_follow_their_prompts_into_the_shards(rr) -> None:
     assert [len(t) for t in result.tokens] == budgets
 
 
+def parity_of_the_prompt(batch_id: int, ids) -> list[int]:
+    """prefix_allowed_tokens_fn: even ids for even prompt indices of the call, odd ones for odd."""
+    return list(range(3 + (batch_id + 1) % 2, 1000, 2))
+
+
+class BanEveryFifth:
+    """A caller's logits processor: ids divisible by 5 never generated."""
+
+    def __call__(self, input_ids, scores):
+        scores[:, ::5] = float("-inf")
+        return scores
+
+
+def test_logits_processors_reach_the_shards_with_the_calls_prompt_indices(rr) -> None:
+    """Processor options and a caller's processor travel to the workers (by value); prefix_allowed_tokens_fn
+    gets each prompt's index in the whole call, not in its shard: the tokens equal one process's call.
+    Control: the same prompts at other indices (what shard-local batch ids would give) get other tokens."""
+    from transformers import LogitsProcessorList
+
+    options = {"no_repeat_ngram_size": 2, "suppress_tokens": [7, 11], "prefix_allowed_tokens_fn": parity_of_the_prompt,
+               "logits_processor": LogitsProcessorList([BanEveryFifth()])}  # fmt: skip
+    model, _ = marked_model()
+    want = Rollout(model, config=CONFIG).generate(PROMPTS, SAMPLING, **options)
+    result = rr.generate(PROMPTS, SAMPLING, **options)
+    assert result.tokens == want.tokens
+    assert all(t % 5 != 0 and t not in (7, 11) and t % 2 == i % 2 for i, tokens in enumerate(want.tokens) for t in tokens)
+    shifted = Rollout(model, config=CONFIG).generate(PROMPTS[1:], SAMPLING, **options)
+    assert shifted.tokens != want.tokens[1:]
+
+
 def test_a_worker_error_propagates_with_its_type_and_the_next_call_works(rr, expected) -> None:
     marked = [list(p) for p in PROMPTS]
     marked[0][0] = RAISE_TOKEN  # first prompt of its shard: that worker fails at its first prefill

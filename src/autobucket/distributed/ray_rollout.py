@@ -208,14 +208,16 @@ class RayRollout:
     ) -> dict[int, RolloutResult]:
         """Run every non-empty shard at once; on the first failure cancel the rest, heal, re-raise. Each
         shard's prompts keep the stream keys and budgets of the caller's single call (`subset_sampling`),
-        so sampled tokens do not depend on the sharding."""
+        and their indices in it (a `prefix_allowed_tokens_fn`'s batch id), so sampled tokens do not depend
+        on the sharding. Logits processors travel by value (cloudpickle): a stateful one's state stays
+        in its worker's copy."""
         from autobucket.engine.sampling.streams import subset_sampling
 
         owner = {}
         for worker, shard in enumerate(plan.shards):
             if shard:
                 shard_sampling = subset_sampling(sampling, shard, len(prompts))
-                ref = self._actors[worker].generate.remote([prompts[i] for i in shard], shard_sampling, overrides)
+                ref = self._actors[worker].generate.remote([prompts[i] for i in shard], shard_sampling, overrides, shard)
                 owner[ref] = worker
         results: dict[int, RolloutResult] = {}
         pending = list(owner)

@@ -58,13 +58,32 @@ class Worker:
         rollout = self._rollout()
         return normalize_prompts(prompts, rollout.tokenizer, rollout.vocab_size)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, overrides: dict) -> RolloutResult:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, overrides: dict, call_indices: Sequence[int]
+    ) -> RolloutResult:
+        """The shard's call; `call_indices[i]`: shard prompt i's index in the caller's whole call, which a
+        `prefix_allowed_tokens_fn` is given (as one process's call would give it), not its shard index."""
+        allowed = overrides.get("prefix_allowed_tokens_fn")
+        if callable(allowed):
+            overrides = {**overrides, "prefix_allowed_tokens_fn": CallIndexed(allowed, list(call_indices))}
         return self._rollout().generate(prompts, sampling, **overrides)
 
     def _rollout(self) -> Any:
         if self.rollout is None:
             raise RuntimeError("this worker has no model: its factory failed; pass a working one to update_weights")
         return self.rollout
+
+
+@dataclass(frozen=True)
+class CallIndexed:
+    """A caller's `prefix_allowed_tokens_fn(batch_id, ids)` inside a shard: batch ids mapped back to the
+    whole call's prompt indices."""
+
+    function: Callable[[int, torch.Tensor], Any]
+    call_indices: list[int]
+
+    def __call__(self, batch_id: int, ids: torch.Tensor) -> Any:
+        return self.function(self.call_indices[batch_id], ids)
 
 
 def build_model(factory: ModelFactory) -> tuple[Any, Any]:
