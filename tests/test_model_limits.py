@@ -229,10 +229,19 @@ def test_the_prefix_cache_serves_a_conversation_past_the_window():
         conversation = conversation + result.tokens[0] + [7, 8, 9]
 
 
+@pytest.mark.parametrize("cascade", [False, True], ids=["copies", "cascade"])
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
-def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels):
+def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels, cascade, monkeypatch):
     """A 40-token header shared by six prompts (2.5 windows): prefilled once, each prompt continued over
-    it, with n = 1 and n = 4 (greedy: every sample is the one answer)."""
+    it, with n = 1 and n = 4 (greedy: every sample is the one answer). `cascade`: every row decodes over
+    one shared copy of the header's K/V (its own columns hold its tail and answer; a sliding layer reads
+    the header's keys its window still covers), else each row holds a copy."""
+    if cascade:
+        from autobucket.engine import routes
+        from autobucket.engine.batching import model_runner
+
+        monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
+        monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
     model = windowed_model("gemma3")
     header = random_prompts([40], seed=21)[0]
     prompts = [header + tail for tail in random_prompts([3, 7, 5, 9, 2, 4], seed=22)]
@@ -245,6 +254,7 @@ def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels):
         assert all(form == "continued" for admission in result.profile.prefill_forms for form in admission), n
         tails = [len(p) - len(header) for p in prompts]  # continuations: at most one padded forward's worth
         assert len(header) < result.profile.prefill_tokens <= len(header) + len(prompts) * max(tails), n
+        assert (result.profile.shared_kv_rows > 0) == cascade, n
 
 
 @pytest.mark.parametrize("route", ["equal_width", "aligned", "bucketed"])
