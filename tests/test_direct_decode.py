@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import transformers
-from conftest import random_prompts
+from conftest import random_prompts, windowed_model
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
@@ -22,6 +22,7 @@ from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access import direct_decode
+from autobucket.engine.model_access.attention import sliding_windows_applied
 from autobucket.engine.model_access.direct_decode import DirectDecode, ineligible_reason
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
@@ -89,6 +90,27 @@ def test_the_direct_step_is_bitwise_the_models_forward(tiny_models, name, dtype,
     # a copy: a bf16 round trip of the shared model would leave its fp32 weights rounded for later tests
     model = copy.deepcopy(tiny_models(name)).to(dtype)
     assert_direct_equals_forward(model, PADDED_LENGTHS, kernels)
+
+
+@needs_direct_step
+@pytest.mark.parametrize("kernels", ["hf", "invariant", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_the_direct_step_past_a_sliding_window_is_bitwise_the_models_forward(name, dtype, kernels):
+    """A call past the model's 16-token window (rows of 19 and 30 tokens; every Mistral layer windowed,
+    one of Qwen2's two): the step hands each layer's window to the dispatcher as the model's attention
+    does (Mistral's from its config, Qwen2's from the layer), which narrows that layer's mask. Control:
+    without the windows applied the model's own step gives other logits (the window bites)."""
+    model = copy.deepcopy(windowed_model(name)).to(dtype)
+    with sliding_windows_applied():
+        assert_direct_equals_forward(model, PADDED_LENGTHS, kernels)
+    windowed, whole = (filled_runner(model, PADDED_LENGTHS) for _ in range(2))
+    with torch.inference_mode():
+        with sliding_windows_applied():
+            windowed.prepare_decode()
+            narrowed = windowed.decode_logits()
+        whole.prepare_decode()
+        assert not torch.equal(narrowed, whole.decode_logits())
 
 
 @needs_direct_step

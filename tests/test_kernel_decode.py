@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 import transformers
-from conftest import random_prompts
+from conftest import random_prompts, windowed_model
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.kernels import kernel_decode
@@ -21,6 +21,7 @@ from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access import direct_decode
+from autobucket.engine.model_access.attention import sliding_windows_applied
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 
@@ -155,6 +156,22 @@ def test_a_cascade_step_is_bitwise_the_direct_step(tiny_models, name, monkeypatc
     runner = shared_runner(model)
     counter = Taken(monkeypatch)
     with engine_scope(model, PackedLinears()):
+        pack_in_a_direct_step(runner)
+        assert_kernel_step_equals_direct(runner)
+    assert counter.taken == STEPS and counter.declined == 1
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["own rows", "cascade"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+@pytest.mark.usefixtures("kernels_built")
+def test_a_step_past_a_sliding_window_is_bitwise_the_direct_step(name, cascade, monkeypatch):
+    """A call past the model's 16-token window: each sliding layer's allowed keys narrowed as the
+    dispatcher narrows the direct step's mask (Mistral: every layer; Qwen2: the first of two), and in a
+    cascade step its rows read the shared prompt's keys their window covers (prompts of 19-70 tokens)."""
+    model = windowed_model(name)
+    runner = shared_runner(model) if cascade else filled_runner(model)
+    counter = Taken(monkeypatch)
+    with engine_scope(model, PackedLinears()), sliding_windows_applied():
         pack_in_a_direct_step(runner)
         assert_kernel_step_equals_direct(runner)
     assert counter.taken == STEPS and counter.declined == 1

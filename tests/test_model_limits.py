@@ -31,40 +31,24 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import oracle_generate, random_prompts
+from conftest import (
+    SLIDING_WINDOW,
+    WINDOWED_BASE,
+    WINDOWED_CONFIGS,
+    oracle_generate,
+    random_prompts,
+    windowed_model,
+)
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.planning.costs import CostCoefficients
 
 pytestmark = pytest.mark.engine
 
-WINDOW = 16
+WINDOW = SLIDING_WINDOW
+_BASE = WINDOWED_BASE
 NEW_TOKENS = 12
-_BASE = {
-    "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2, "max_position_embeddings": 2048,
-}  # fmt: skip
-# name -> (config class, its window keywords): every layer windowed, or one of two (Gemma 3, Qwen2).
-WINDOWED = {
-    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW,
-                                    "layer_types": ["sliding_attention", "full_attention"]}),
-    "qwen2": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
-}  # fmt: skip
-_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
-
-
-def windowed_model(name: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    if (name, attn_implementation) not in _MODELS:
-        import transformers
-
-        class_name, window = WINDOWED[name]
-        config = getattr(transformers, class_name)(**_BASE, **window)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-        _MODELS[name, attn_implementation] = model.eval()
-    return _MODELS[name, attn_implementation]
+WINDOWED = WINDOWED_CONFIGS
 
 
 def without_window(model: torch.nn.Module) -> torch.nn.Module:
@@ -186,6 +170,7 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
     config = RolloutConfig(route="aligned", compile=False, kernels=CASCADE_DECODES[decode])
     greedy = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
     assert greedy.profile.shared_kv_rows > 0
+    assert greedy.profile.decode_forward == ("model" if name == "gemma3" else "direct")  # Llama family: the direct step
     assert greedy.tokens == [[answer] * 3 for answer in oracle(model, LONG)]
     shared = Rollout(model, None, config).generate(LONG, SAMPLED)
     monkeypatch.setattr(routes, "_cascade_allowed", lambda call: False)
@@ -203,10 +188,13 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
 def test_control_a_cascade_reading_every_shared_key_fails_the_oracle(kernels, always_share, monkeypatch):
     """Negative control: the shared part read whole (the window not passed to the cascade) while each
-    row's own keys stay windowed: the 21- and 30-token prompts' samples then attend past the window."""
+    row's own keys stay windowed: the 21- and 30-token prompts' samples then attend past the window. The
+    model's own forward runs each step (the kernel step would call the cascade's kernel itself)."""
     from autobucket.engine.kernels import cascade_attention
+    from autobucket.engine.model_access.direct_decode import DirectDecode
 
     monkeypatch.setattr(cascade_attention, "windows_applied", lambda: False)
+    monkeypatch.setattr(DirectDecode, "of", classmethod(lambda cls, model: None))
     model = windowed_model("mistral")
     config = RolloutConfig(route="aligned", compile=False, kernels=kernels)
     result = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))

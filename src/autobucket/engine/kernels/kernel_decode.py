@@ -14,6 +14,10 @@ attention is the cascade's own invariant call, `invariant_attention_shared` on t
 call runs every step so; with the direct step it took 1.07x the time on 2 threads and level on one (Zen 3,
 benchmarks/cascade_kernel_step.py): the step's Python weighs more as the kernels split among threads.
 
+A call past the model's sliding window (Mistral, Qwen2/3 with `use_sliding_window`) is taken too: each
+sliding layer's allowed keys are narrowed as the dispatcher narrows the direct step's mask
+(`within_window`, once per window and step), and a cascade step passes the window to the cascade's kernel.
+
 It takes a step only where nothing can tell the difference: the thread runs the invariant kernels (the
 packed linears' route, the invariant attention or the invariant cascade, the fused elementwise routers in
 place), the model is fp32, every bypassed module is the plain one with no hooks (`call_unobserved`), no
@@ -22,6 +26,7 @@ repacks), and no attention dropout. Otherwise `step` returns None and the caller
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +38,7 @@ from autobucket.engine.kernels.invariant_attention import allowed_for, invariant
 from autobucket.engine.kernels.library import kernel_library_builds
 from autobucket.engine.kernels.packed_linear import current_packs
 from autobucket.engine.kernels.packed_matmul import fixed_order_op
-from autobucket.engine.model_access.attention import chosen_attention
+from autobucket.engine.model_access.attention import chosen_attention, windows_applied, within_window
 from autobucket.engine.model_access.direct_decode import DirectDecode, KeyValueWrite
 from autobucket.engine.model_access.function_routes import call_unobserved, dropout_suppressed
 
@@ -86,7 +91,7 @@ class KernelDecode:
             return None
         hidden = self.inner.embed_tokens(input_ids)  # [rows, 1, hidden]
         cos, sin = self.inner.rotary_emb(hidden, position_ids)
-        calls = _Calls(self.linears, panels, attention_mask, cascade)
+        calls = _Calls(self.linears, panels, attention_mask, cascade, self.direct.layer_window if windows_applied() else None)
         for index, layer in enumerate(self.layers):
             residual = hidden
             attended = calls.attention(index, layer.self_attn, _norm(layer.input_layernorm, hidden), cos, sin, write)
@@ -126,7 +131,9 @@ def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 class _Calls:
     """One step's kernel calls: the linears in the model's order on their ready panels, the attention on
-    the mask's allowed keys (made once per step), after the shared prompts' keys in a cascade step."""
+    the mask's allowed keys (made once per step and window), after the shared prompts' keys in a cascade
+    step. `layer_window`: in a call past the model's sliding window, a layer's window (None: full
+    attention), which narrows its allowed keys as the dispatcher narrows the mask; None: no windows."""
 
     def __init__(
         self,
@@ -134,10 +141,12 @@ class _Calls:
         panels: list[torch.Tensor | None],
         mask: torch.Tensor | None,
         cascade: CascadeLayout | None,
+        layer_window: Callable[[Any], int | None] | None = None,
     ) -> None:
         self.linears, self.panels, self.mask, self.cascade = linears, panels, mask, cascade
+        self.layer_window = layer_window
         self.next = 0  # the next linear, in the model's order
-        self.allowed: torch.Tensor | None = None
+        self.allowed: dict[int, torch.Tensor] = {}  # window (0: none) -> the step's allowed keys
         self.fixed_order = fixed_order_op()
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,22 +172,25 @@ class _Calls:
             return None
         query, key = rotary.fused_rotary_embedding(query, key, cos, sin)
         key, value = write(attention.layer_idx, key, value)
-        if self.allowed is None:
-            self.allowed = allowed_for(self.mask, rows, key.shape[2])
-        output = self._attend(attention, query, key, value)
+        window = (self.layer_window(attention) or 0) if self.layer_window is not None else 0
+        if window not in self.allowed:
+            mask = within_window(self.mask, window, 1, key.shape[2], key.device) if window else self.mask
+            self.allowed[window] = allowed_for(mask, rows, key.shape[2])
+        output = self._attend(attention, query, key, value, self.allowed[window], window)
         return self.linear(output.reshape(rows, 1, -1).contiguous())  # o_proj
 
-    def _attend(self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _attend(self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                allowed: torch.Tensor, window: int) -> torch.Tensor:  # fmt: skip
         """The invariant kernel the step's attention function calls: over each row's allowed keys, or in a
-        cascade step over its group's shared keys first (`CascadeAttention`'s invariant call, counted as
-        the runner checks)."""
+        cascade step over its group's shared keys first, those its window covers (`CascadeAttention`'s
+        invariant call, counted as the runner checks)."""
         scale = float(attention.scaling)
         if self.cascade is None:
-            return torch.ops.autobucket.invariant_attention(query, key, value, self.allowed, False, scale)
+            return torch.ops.autobucket.invariant_attention(query, key, value, allowed, False, scale)
         layout, layer = self.cascade, attention.layer_idx
         output = torch.ops.autobucket.invariant_attention_shared(
-            query, key, value, self.allowed, scale, layout.keys[layer], layout.values[layer], layout.shared_length,
-            layout.row_group, layout.shared_tiles(layer),
+            query, key, value, allowed, scale, layout.keys[layer], layout.values[layer], layout.shared_length,
+            layout.row_group, layout.shared_tiles(layer), window,
         )  # fmt: skip
         layout.calls += 1
         return output

@@ -20,9 +20,11 @@ kernels dominate.
 What it skips must not matter, so it is used only where nothing can observe the difference: the model's
 exact classes from transformers (a subclass may override a forward) with their own forwards (not replaced
 on the instance or the class, as instrumentation and kernel libraries do), `"sdpa"` attention (the
-dispatcher), no sliding window, and no forward hooks on the modules it bypasses (FSDP2 unshards, a
+dispatcher), and no forward hooks on the modules it bypasses (FSDP2 unshards, a
 distributed worker's cancel hook, a trainer's probes all live there) nor global ones. Anything else runs
-the model's own forward. Nothing of the model is changed."""
+the model's own forward. Nothing of the model is changed. A sliding window is handed to the dispatcher
+as the model's attention hands it (Mistral: its config's; Qwen2/3: each layer's own, None on a full
+layer), so a call past the window is narrowed there exactly as in the model's forward."""
 
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ import torch
 
 from autobucket.engine.model_access.attention import dispatch_sdpa, dispatches
 from autobucket.engine.model_access.function_routes import builtin_behind, call_linear
-from autobucket.engine.model_access.hf_compat import sliding_window_limit
 
 # Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
 # (pre-norm attention and gated MLP with residuals). Qwen3 adds per-head q/k RMSNorms before RoPE.
@@ -60,8 +61,12 @@ class DirectDecode:
         self.qk_norm = qk_norm
         # The keywords the model's attention hands its attention function besides the mask (transformers
         # 4.57 and 5.x alike: the decoder layer's `position_ids` and `use_cache`; Qwen2/3 and Mistral add
-        # their window, always None here).
-        self.window_keyword = [hasattr(layer.self_attn, "sliding_window") for layer in self.layers]
+        # their window: Mistral its config's, Qwen2/3 the layer's own, None on a full-attention layer).
+        # Through it the dispatcher narrows a sliding layer's mask when a call outgrows the window.
+        self.window_from_config = type(model).__name__ == "MistralForCausalLM"
+        self.window_keyword = [
+            self.window_from_config or hasattr(layer.self_attn, "sliding_window") for layer in self.layers
+        ]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> DirectDecode | None:
@@ -108,6 +113,12 @@ class DirectDecode:
         hidden = inner.norm(hidden)
         return call_linear(self.model.lm_head, hidden[:, 0:, :])  # the model slices `logits_to_keep=0` the same way
 
+    def layer_window(self, attention: Any) -> int | None:
+        """The sliding window this layer's attention hands its attention function, as the model's reads it."""
+        if self.window_from_config:
+            return getattr(attention.config, "sliding_window", None)
+        return getattr(attention, "sliding_window", None)
+
     def _attention(
         self,
         index: int,
@@ -133,7 +144,7 @@ class DirectDecode:
         key, value = write(attention.layer_idx, key, value)
         keywords: dict[str, Any] = {"position_ids": position_ids, "use_cache": True}
         if self.window_keyword[index]:
-            keywords["sliding_window"] = attention.sliding_window
+            keywords["sliding_window"] = self.layer_window(attention)
         output, _ = dispatch_sdpa(
             attention, query, key, value, attention_mask,
             dropout=0.0 if not attention.training else attention.attention_dropout,
@@ -178,8 +189,6 @@ def ineligible_reason(model: torch.nn.Module) -> str | None:
         return f"{type(model).__name__} is not a transformers Llama, Qwen2, Qwen3 or Mistral causal LM"
     if not dispatches(model):
         return "its attention is not transformers' 'sdpa' (the engine's dispatcher)"
-    if sliding_window_limit(model.config) is not None:
-        return "it attends in a sliding window"
     modeling = sys.modules[module_name]
     expected = {
         "model": getattr(modeling, f"{family}Model", None),
