@@ -16,7 +16,8 @@ the contenders are auto with a prompt's samples reading one shared copy of its K
 each sliding layer's row reading the shared keys its window covers) and the same Rollout settings
 with per-row copies (`routes.SHARED_MIN_SAVED_COLUMNS`, which the engine reads at every call, set past
 any call around that contender's calls). Both sample the same tokens (bitwise under either kernel
-set, by tests/test_model_limits.py)."""
+set, by tests/test_model_limits.py). `--model-forward-contender` adds auto with every decode step through
+the model's own forward instead of the direct (and, under `kernels="invariant"`, kernel) step."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from interleave import abba_rounds, write_rounds
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
+from autobucket.engine.batching import model_runner
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import sharegpt_like_lengths
 
@@ -56,14 +58,29 @@ def per_row_copies():
         routes.SHARED_MIN_SAVED_COLUMNS = saved
 
 
-def contenders(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, tuple[Rollout, bool]]:
-    """name -> (its Rollout, whether its calls keep per-row copies of a prompt's K/V)."""
+@contextmanager
+def model_forward_steps():
+    """Every decode step through the model's own forward (no direct or kernel step) for the calls inside."""
+    saved = model_runner.DirectDecode.of
+    model_runner.DirectDecode.of = classmethod(lambda cls, model: None)
+    try:
+        yield
+    finally:
+        model_runner.DirectDecode.of = saved
+
+
+def contenders(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, tuple[Rollout, list]]:
+    """name -> (its Rollout, the context managers its calls run in)."""
     config = RolloutConfig(route="auto", kernels=args.kernels)
     if args.n == 1:
-        return {"ordinary generate": (Rollout(model, config=RolloutConfig(route="ordinary", kernels=args.kernels)), False),
-                "auto (continuous batching)": (Rollout(model, config=config), False)}  # fmt: skip
-    return {"auto, per-row copies": (Rollout(model, config=config), True),
-            "auto, shared prompt K/V": (Rollout(model, config=config), False)}  # fmt: skip
+        named = {"ordinary generate": (Rollout(model, config=RolloutConfig(route="ordinary", kernels=args.kernels)), []),
+                 "auto (continuous batching)": (Rollout(model, config=config), [])}  # fmt: skip
+    else:
+        named = {"auto, per-row copies": (Rollout(model, config=config), [per_row_copies]),
+                 "auto, shared prompt K/V": (Rollout(model, config=config), [])}  # fmt: skip
+    if args.model_forward_contender:
+        named["auto, the model's forward each step"] = (Rollout(model, config=config), [model_forward_steps])
+    return named
 
 
 def main() -> None:
@@ -74,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--n", type=int, default=1, help="samples a prompt (> 1: shared K/V against copies)")
     parser.add_argument("--kernels", choices=("hf", "invariant"), default="hf")
+    parser.add_argument("--model-forward-contender", action="store_true",
+                        help="add auto with every decode step through the model's own forward (no direct step)")  # fmt: skip
     parser.add_argument("--out", default="results/sliding_window.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -83,12 +102,15 @@ def main() -> None:
 
     def call(name: str):
         def run(prompts, seed):
-            rollout, copies = rollouts[name]
+            rollout, scopes = rollouts[name]
             sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_id=[], n=args.n,
                                       temperature=1.0 if args.n > 1 else 0.0, seed=seed)  # fmt: skip
-            with per_row_copies() if copies else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                for scope in scopes:
+                    stack.enter_context(scope())
                 result = rollout.generate(prompts, sampling)
-            runs.append(f"{name}: {result.route}, shared_kv_rows {result.profile.shared_kv_rows}")
+            runs.append(f"{name}: {result.route}, shared_kv_rows {result.profile.shared_kv_rows}, "
+                        f"decode_forward {result.profile.decode_forward}")  # fmt: skip
             return result.tokens
         return run
 
