@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from contextlib import contextmanager
 
 import torch
 import transformers
 from interleave import abba_rounds, write_rounds
+from shared_decode import per_row_copies
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import routes
 from autobucket.engine.batching import model_runner
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import sharegpt_like_lengths
@@ -45,17 +44,6 @@ def windowed_bench_model(window: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-@contextmanager
-def per_row_copies():
-    """A prompt's samples keep per-row copies of its K/V for the calls inside (the threshold the engine reads)."""
-    saved = routes.SHARED_MIN_SAVED_COLUMNS
-    routes.SHARED_MIN_SAVED_COLUMNS = sys.maxsize
-    try:
-        yield
-    finally:
-        routes.SHARED_MIN_SAVED_COLUMNS = saved
 
 
 @contextmanager

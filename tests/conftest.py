@@ -215,6 +215,17 @@ def windowed_model(name: str, attn_implementation: str = "sdpa"):
     return _WINDOWED_MODELS[name, attn_implementation]
 
 
+@pytest.fixture
+def always_share(monkeypatch):
+    """Every multi-sample prompt and shared prefix decodes over one copy of its K/V (cascade decode; by
+    default it starts only when the copies saved are large, `SHARED_MIN_SAVED_COLUMNS`)."""
+    from autobucket.engine import routes
+    from autobucket.engine.batching import model_runner
+
+    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
+    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
+
+
 def random_prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
     """Prompts of the given lengths with token ids drawn from [3, vocab) (0-2 are pad/bos/eos ids)."""
     rng = random.Random(seed)

@@ -13,7 +13,6 @@ from conftest import ARCHS, oracle_generate, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
-from autobucket.engine.batching import model_runner
 from autobucket.engine.batching.static_cache import StaticKVCache
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
@@ -21,13 +20,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 BUDGET = 8
 SAMPLING = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperature=1.0, seed=4, logprobs=True,
                           continuous_batch_size=5)  # 15 rows on 5: samples of a prompt split over admissions  # fmt: skip
-
-
-@pytest.fixture
-def always_share(monkeypatch):
-    """Share every multi-sample prompt (the default starts only when the copies saved are large)."""
-    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
-    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
 
 
 def _without_sharing(monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -253,6 +254,55 @@ def test_queries_run_together_get_each_querys_alone_result(layout, dim, dtype, t
 SHARED_GROUPS = ((150, 3), (64, 2), (40, 2), (70, 17), (200, 1))
 
 
+@dataclasses.dataclass
+class CascadeCase:
+    """SHARED_GROUPS' prompts as a cascade step's inputs: shared_key / shared_value [groups, 2, longest, dim],
+    rows of 6 query heads with 23 own columns each (the first `row % gap` masked: rows of different
+    lengths, right-aligned as in the static cache), and two rows without a group."""
+
+    shared_key: torch.Tensor
+    shared_value: torch.Tensor
+    shared_length: torch.Tensor
+    row_group: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def make(cls, dtype: torch.dtype, dim: int, seed: int, gap: int) -> CascadeCase:
+        generator = torch.Generator().manual_seed(seed)
+        heads, kv_heads, own = 6, 2, 23
+        longest = max(length for length, _ in SHARED_GROUPS)
+        shared_key, shared_value = (
+            torch.randn(len(SHARED_GROUPS), kv_heads, longest, dim, generator=generator).to(dtype) for _ in range(2)
+        )
+        row_group = torch.tensor([g for g, (_, count) in enumerate(SHARED_GROUPS) for _ in range(count)] + [-1, -1])
+        rows = row_group.numel()
+        query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+        key, value = (torch.randn(rows, kv_heads, own, dim, generator=generator).to(dtype) for _ in range(2))
+        mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
+        for row in range(rows):
+            mask[row, :, :, : row % gap] = False
+        shared_length = torch.tensor([length for length, _ in SHARED_GROUPS])
+        return cls(shared_key, shared_value, shared_length, row_group, query, key, value, mask)
+
+    @property
+    def shared(self) -> tuple[torch.Tensor, ...]:
+        """`invariant_attention_shared`'s shared_key, shared_value, shared_length and row_group."""
+        return self.shared_key, self.shared_value, self.shared_length, self.row_group
+
+    def row_holding_its_prompt(self, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Row `row`'s [prompt | own allowed keys] as one sequence (keys, values [kv_heads, L, dim]) and its
+        prompt's length (0 without a group)."""
+        group = int(self.row_group[row])
+        length = int(self.shared_length[group]) if group >= 0 else 0
+        columns = self.mask[row, 0, 0].nonzero().flatten()
+        whole_key = torch.cat([self.shared_key[max(group, 0), :, :length], self.key[row][:, columns]], 1)
+        whole_value = torch.cat([self.shared_value[max(group, 0), :, :length], self.value[row][:, columns]], 1)
+        return whole_key, whole_value, length
+
+
 @pytest.mark.parametrize("threads", (1, 2, 8))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("dim", (64, 128, 40), ids=("vector 64", "vector 128", "portable 40"))
@@ -269,44 +319,23 @@ def test_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, dim, thre
     1 + 1, 8 + 9 rows), each its own tile. The same with the tiles made once (`shared_prefix_tiles`, what
     a call's steps keep), bitwise; where the build reads tiles, tiles of other keys change the rows (control)."""
     load_invariant_kernels()
-    generator = torch.Generator().manual_seed(dim)
-    heads, kv_heads, own = 6, 2, 23
-    longest = max(length for length, _ in SHARED_GROUPS)
-    shared_key, shared_value = (
-        torch.randn(len(SHARED_GROUPS), kv_heads, longest, dim, generator=generator).to(dtype) for _ in range(2)
-    )
-    shared_length = torch.tensor([length for length, _ in SHARED_GROUPS])
-    row_group = torch.tensor([g for g, (_, count) in enumerate(SHARED_GROUPS) for _ in range(count)] + [-1, -1])
-    rows = row_group.numel()
-    query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
-    key, value = (torch.randn(rows, kv_heads, own, dim, generator=generator).to(dtype) for _ in range(2))
-    mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
-    for row in range(rows):  # rows of different lengths, right-aligned, as in the static cache
-        mask[row, :, :, : row % 5] = False
+    case = CascadeCase.make(dtype, dim, seed=dim, gap=5)
+    query, key, value, mask = case.query, case.key, case.value, case.mask
     scale = dim**-0.5
     with torch.inference_mode():
-        tiles = shared_prefix_tiles(shared_key, shared_value, shared_length)  # a call's steps keep these
+        tiles = shared_prefix_tiles(case.shared_key, case.shared_value, case.shared_length)  # a call's steps keep these
         with on_threads(threads):
-            together = invariant_attention_shared(
-                query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group
-            )
-            from_kept_tiles = invariant_attention_shared(
-                query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group, tiles
-            )
+            together = invariant_attention_shared(query, key, value, mask, scale, *case.shared)
+            from_kept_tiles = invariant_attention_shared(query, key, value, mask, scale, *case.shared, tiles)
             if tiles.numel() > 0:  # control: the kept tiles are what is read (tiles of other keys change rows)
-                others = shared_prefix_tiles(shared_key.flip(2), shared_value, shared_length)
-                assert not torch.equal(invariant_attention_shared(
-                    query, key, value, mask, scale, shared_key, shared_value, shared_length, row_group, others
-                ), together)  # fmt: skip
+                others = shared_prefix_tiles(case.shared_key.flip(2), case.shared_value, case.shared_length)
+                assert not torch.equal(invariant_attention_shared(query, key, value, mask, scale, *case.shared, others),
+                                       together)  # fmt: skip
         assert torch.equal(from_kept_tiles, together)
-        for row in range(rows):
-            group = int(row_group[row])
-            length = int(shared_length[group]) if group >= 0 else 0  # no group: an empty prompt
-            columns = mask[row, 0, 0].nonzero().flatten()
-            whole_key = torch.cat([shared_key[max(group, 0), :, :length], key[row][:, columns]], 1)
-            whole_value = torch.cat([shared_value[max(group, 0), :, :length], value[row][:, columns]], 1)
+        for row in range(query.shape[0]):
+            whole_key, whole_value, _ = case.row_holding_its_prompt(row)
             alone = invariant_attention(query[row : row + 1], whole_key[None], whole_value[None], None, scale, False)
-            assert torch.equal(together[row : row + 1], alone), f"row {row} (group {group}) differs"
+            assert torch.equal(together[row : row + 1], alone), f"row {row} (group {int(case.row_group[row])}) differs"
     want = sdpa(query[-1:].float(), key[-1:].float(), value[-1:].float(), mask[-1:], False)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
     torch.testing.assert_close(together[-1:].float(), want, **tolerance)
@@ -331,38 +360,21 @@ def test_windowed_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, 
     from autobucket.engine.model_access.attention import within_window
 
     load_invariant_kernels()
-    generator = torch.Generator().manual_seed(dim + window)
-    heads, kv_heads, own = 6, 2, 23
-    longest = max(length for length, _ in SHARED_GROUPS)
-    shared_key, shared_value = (
-        torch.randn(len(SHARED_GROUPS), kv_heads, longest, dim, generator=generator).to(dtype) for _ in range(2)
-    )
-    shared_length = torch.tensor([length for length, _ in SHARED_GROUPS])
-    row_group = torch.tensor([g for g, (_, count) in enumerate(SHARED_GROUPS) for _ in range(count)] + [-1, -1])
-    rows = row_group.numel()
-    query = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
-    key, value = (torch.randn(rows, kv_heads, own, dim, generator=generator).to(dtype) for _ in range(2))
-    mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
-    for row in range(rows):
-        mask[row, :, :, : row % 6] = False
-    narrowed = within_window(mask, window, 1, own, mask.device)
+    case = CascadeCase.make(dtype, dim, seed=dim + window, gap=6)
+    query, key, value = case.query, case.key, case.value
+    narrowed = within_window(case.mask, window, 1, key.shape[2], key.device)
     scale = dim**-0.5
     with torch.inference_mode():
-        shared_call = (shared_key, shared_value, shared_length, row_group)
-        windowed = invariant_attention_shared(query, key, value, narrowed, scale, *shared_call, None, window)
-        unwindowed = invariant_attention_shared(query, key, value, narrowed, scale, *shared_call)
+        windowed = invariant_attention_shared(query, key, value, narrowed, scale, *case.shared, None, window)
+        unwindowed = invariant_attention_shared(query, key, value, narrowed, scale, *case.shared)
         inside = 0  # rows whose window ends inside their prompt
-        for row in range(rows):
-            group = int(row_group[row])
-            length = int(shared_length[group]) if group >= 0 else 0
-            columns = mask[row, 0, 0].nonzero().flatten()
-            whole_key = torch.cat([shared_key[max(group, 0), :, :length], key[row][:, columns]], 1)
-            whole_value = torch.cat([shared_value[max(group, 0), :, :length], value[row][:, columns]], 1)
+        for row in range(query.shape[0]):
+            whole_key, whole_value, length = case.row_holding_its_prompt(row)
             sequence = whole_key.shape[1]
             last_keys = torch.arange(sequence) >= sequence - window  # the window over the whole sequence
             alone = invariant_attention(query[row : row + 1], whole_key[None], whole_value[None],
                                         last_keys[None, None, None], scale, False)  # fmt: skip
-            assert torch.equal(windowed[row : row + 1], alone), f"row {row} (group {group}) differs"
+            assert torch.equal(windowed[row : row + 1], alone), f"row {row} differs"
             if length > 0 and sequence > window:
                 inside += 1
                 assert not torch.equal(unwindowed[row : row + 1], alone), f"control: row {row} unchanged"

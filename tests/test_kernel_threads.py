@@ -15,8 +15,6 @@ import torch
 from conftest import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine import routes
-from autobucket.engine.batching import model_runner
 from autobucket.engine.kernels.library import kernel_library_builds
 
 pytestmark = [pytest.mark.engine]
@@ -39,9 +37,8 @@ def test_the_library_splits_its_loops_on_torchs_openmp_runtime(library):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.usefixtures("always_share")  # cascade decode for every n > 1 prompt
 def test_a_rollout_on_two_threads_is_bitwise_the_one_thread_rollout(library, dtype, tiny_models, monkeypatch):
-    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)  # cascade decode for every n > 1 prompt
-    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
     model = copy.deepcopy(tiny_models("tiny-qwen2")).to(dtype)  # the shared fixture stays fp32
     prompts = random_prompts([70, 130, 9, 200, 33], seed=8)  # shared prompts with whole 64-key blocks
     sampling = SamplingConfig(max_new_tokens=6, eos_token_id=[], n=3, temperature=1.0, seed=5, logprobs=True,

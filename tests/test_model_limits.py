@@ -138,16 +138,6 @@ def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
         assert "sliding window: decodes eagerly" in result.profile.compile_decision
 
 
-@pytest.fixture
-def always_share(monkeypatch):
-    """Share every multi-sample prompt's K/V (the default starts only when the copies saved are large)."""
-    from autobucket.engine import routes
-    from autobucket.engine.batching import model_runner
-
-    monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
-    monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
-
-
 # how a shared prompt's decode attention runs: the invariant kernels; the default kernels on the engine's
 # kernel; the default kernels' two flash parts merged (where the kernel cannot take the call)
 CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf"}
@@ -219,17 +209,13 @@ def test_the_prefix_cache_serves_a_conversation_past_the_window():
 
 @pytest.mark.parametrize("cascade", [False, True], ids=["copies", "cascade"])
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
-def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels, cascade, monkeypatch):
+def test_a_shared_prompt_longer_than_the_window_is_prefilled_once(kernels, cascade, request):
     """A 40-token header shared by six prompts (2.5 windows): prefilled once, each prompt continued over
     it, with n = 1 and n = 4 (greedy: every sample is the one answer). `cascade`: every row decodes over
     one shared copy of the header's K/V (its own columns hold its tail and answer; a sliding layer reads
     the header's keys its window still covers), else each row holds a copy."""
     if cascade:
-        from autobucket.engine import routes
-        from autobucket.engine.batching import model_runner
-
-        monkeypatch.setattr(routes, "SHARED_MIN_SAVED_COLUMNS", 0)
-        monkeypatch.setattr(model_runner, "SHARED_MIN_SAVED_COLUMNS", 0)
+        request.getfixturevalue("always_share")
     model = windowed_model("gemma3")
     header = random_prompts([40], seed=21)[0]
     prompts = [header + tail for tail in random_prompts([3, 7, 5, 9, 2, 4], seed=22)]
