@@ -248,6 +248,25 @@ def test_cli_processor_flags_give_single_request_generates_tokens(tiny_models, t
     assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] == expected
 
 
+def test_cli_prefix_cache_serves_a_shared_header_across_the_runs_calls(tiny_models, tmp_path, capsys):
+    """Twelve prompts behind one 40-token header, run as two calls of 8 (4 continuous batches of 2): with
+    --prefix-cache-mb the second call's prompts take the header's K/V from the first's (the summary counts
+    them) and the completions equal the model's own greedy generate; without it nothing is cached."""
+    model = tiny_models(MODEL)
+    header = random_prompts([40], seed=30)[0]
+    prompts = [header + tail for tail in random_prompts([3, 5, 2, 7, 4, 6, 3, 5, 8, 2, 4, 3], seed=31)]
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"prompt_ids": p} for p in prompts])
+    base = ["generate", "--model", MODEL, "--prompts", str(path), "--max-new-tokens", "4", "--continuous-batch-size",
+            "2", "--route", "aligned", "--generation-option", "eos_token_id=[]"]  # fmt: skip
+    expected = hf_greedy(model, prompts, 4)
+    for cache_mb, cached in (("8", True), ("0", False)):
+        assert main([*base, "--prefix-cache-mb", cache_mb]) == 0
+        captured = capsys.readouterr()
+        assert [json.loads(line)["tokens"] for line in captured.out.splitlines()] == expected
+        assert ("prompt tokens from the prefix cache" in captured.err) == cached, captured.err
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--suppress-tokens", "a,3"], "argument --suppress-tokens: expected comma-separated token ids >= 0"),
     (["--bad-words-ids", "4,-1"], "argument --bad-words-ids: expected comma-separated token ids >= 0"),
@@ -259,6 +278,9 @@ def test_cli_processor_flags_give_single_request_generates_tokens(tiny_models, t
      "--generation-option sets --no-repeat-ngram-size, a flag of its own: pass --no-repeat-ngram-size instead"),
     (["--generation-option", "min_p=0.1", "--generation-option", "min_p=0.2"], "sets 'min_p' twice"),
     (["--temperature", "1", "--generation-option", "min_p=7"], "min_p=7 is invalid: it must be in [0, 1]"),
+    (["--prefix-cache-mb", "-1"], "argument --prefix-cache-mb: expected a finite number >= 0"),
+    (["--compile", "yes"], "argument --compile: invalid choice: 'yes'"),
+    (["--prefill-max-tokens", "0"], "argument --prefill-max-tokens: expected a positive integer"),
 ])  # fmt: skip
 def test_bad_processor_flags_are_named(tmp_path, capsys, flags, message):
     path = tmp_path / "prompts.jsonl"

@@ -10,6 +10,9 @@ import dataclasses
 from typing import Any
 
 from autobucket.config import KERNELS, ROUTES
+from autobucket.planning.planner import DEFAULT_PREFILL_MAX_TOKENS
+
+_COMPILE = {"off": False, "auto": "auto", "on": True}  # --compile -> RolloutConfig.compile
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,6 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         costs_argument,
         finish_parser,
         generation_option_argument,
+        non_negative_float,
         non_negative_int,
         positive_int,
         seed_argument,
@@ -56,6 +60,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
                         "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
+    engine = parser.add_argument_group("engine (RolloutConfig)")
+    engine.add_argument("--prefix-cache-mb", type=non_negative_float, default=0.0, metavar="MB",
+                        help="keep prompts' and completions' K/V up to MB across the run's calls (a few "
+                        "continuous batches each), so a later prompt sharing a prefix (a system prompt, a "
+                        "few-shot header) prefills only the rest; 0 (default): off")  # fmt: skip
+    engine.add_argument("--prefill-max-tokens", type=positive_int, default=DEFAULT_PREFILL_MAX_TOKENS, metavar="N",
+                        help="token positions per prefill forward; a longer prompt is prefilled in chunks "
+                        f"(default {DEFAULT_PREFILL_MAX_TOKENS})")  # fmt: skip
+    engine.add_argument("--compile", choices=tuple(_COMPILE), default="off",
+                        help="the decode step under torch.compile: off (default), auto (where the predicted "
+                        "saving repays compiling), on")  # fmt: skip
+    engine.add_argument("--packed-weights-mb", type=non_negative_float, default=None, metavar="MB",
+                        help="--kernels invariant: most MB of packed weight copies (default: no limit); a "
+                        "weight past it is read where it is")  # fmt: skip
     parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
     sampling = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
@@ -117,7 +135,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         input_format=args.input_format,
         chat=args.chat,
         **model_arguments(args),  # the --model group, named as `autobucket.load_model` takes it
-        rollout=RolloutConfig(route=args.route, costs=args.costs, kernels=args.kernels),
+        rollout=RolloutConfig(route=args.route, costs=args.costs, kernels=args.kernels,
+                              prefix_cache_mb=args.prefix_cache_mb, prefill_max_tokens=args.prefill_max_tokens,
+                              compile=_COMPILE[args.compile], packed_weights_mb=args.packed_weights_mb),
         sampling=sampling,
         generation_options=generation_options,
     )
@@ -201,8 +221,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"model load {summary['load_s']:.1f} s"
     )
     console.print(f"route {summary['route']} ran {routes}; {buckets}")
+    cached = summary["cached_prompt_tokens"]
     console.print(
-        f"{summary['prefill_forwards']} prefill forwards ({summary['prefill_tokens']} padded tokens), "
+        f"{summary['prefill_forwards']} prefill forwards ({summary['prefill_tokens']} padded tokens"
+        f"{f', {cached} prompt tokens from the prefix cache' if cached else ''}), "
         f"{summary['decode_forwards']} decode forwards; finish: {reasons}; out: {summary['out']}"
     )
     console.print(cost_model_line(summary))

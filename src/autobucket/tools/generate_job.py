@@ -279,6 +279,7 @@ def summarize(
         "decode_forwards": sum(p.decode_forwards for p in profiles),
         "prompt_tokens": sum(len(p) for p in prompts),
         "prefill_tokens": sum(p.prefill_tokens for p in profiles),
+        "cached_prompt_tokens": sum(p.cached_prompt_tokens for p in profiles),
         "output_tokens": output_tokens,
         "finish_reasons": dict(reasons),
         "load_s": load_s,
