@@ -85,9 +85,13 @@ FORMS = {
 }
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["copies", "cascade"])
 @pytest.mark.parametrize("kernels", ["hf", "invariant"])
 @pytest.mark.parametrize("name", sorted(WINDOWED))
-def test_every_form_attends_within_the_window(name, kernels):
+def test_every_form_attends_within_the_window(name, kernels, share, request):
+    """Every prefill form, n = 1 and 3; `share`: a prompt's samples decode over one shared copy of its K/V."""
+    if share:
+        request.getfixturevalue("always_share")
     model = windowed_model(name)
     expected = oracle(model, LONG)
     for form, keywords in FORMS.items():
@@ -98,6 +102,7 @@ def test_every_form_attends_within_the_window(name, kernels):
             assert rows == expected, f"{form} n={n}"
             if n > 1:  # greedy: every sample of a prompt is its one answer
                 assert all(samples == [samples[0]] * n for samples in result.tokens), f"{form} n={n}"
+                assert (result.profile.shared_kv_rows > 0) == share, f"{form} n={n}"
             if form == "packed":
                 assert ["packed"] in result.profile.prefill_forms
 
@@ -192,14 +197,19 @@ def test_control_a_cascade_reading_every_shared_key_fails_the_oracle(kernels, al
     assert [samples[0] for samples in result.tokens] != oracle(model, LONG)
 
 
-def test_the_prefix_cache_serves_a_conversation_past_the_window():
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_prefix_cache_serves_a_conversation_past_the_window(n, always_share):
     """Three turns, the second and third past the window: each equals the oracle over the whole
-    conversation and prefills only its new tokens (the cached K/V is kept whole, windowed when read)."""
+    conversation and prefills only its new tokens (the cached K/V is kept whole, windowed when read);
+    with n = 3 the samples of each turn decode over one shared copy of the continued conversation."""
     model = windowed_model("mistral")
     rollout = Rollout(model, None, RolloutConfig(route="auto", prefix_cache_mb=8))
     conversation, previous = list(LONG[2]), 0
     for turn in range(3):
-        result = rollout.generate([conversation], SAMPLING)
+        result = rollout.generate([conversation], dataclasses.replace(SAMPLING, n=n))
+        if n > 1:
+            assert result.profile.shared_kv_rows > 0 and result.tokens[0] == [result.tokens[0][0]] * n, turn
+            result.tokens[0] = result.tokens[0][0]  # greedy: every sample is the one answer
         assert result.tokens == oracle(model, [conversation]), turn
         cached = result.profile.cached_prompt_tokens
         assert cached >= previous and result.profile.prefill_tokens == len(conversation) - cached, turn
