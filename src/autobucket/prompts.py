@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,8 @@ import torch
 
 def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token-id lists from lists/tuples of ints (numpy's included), 1-D integer tensors or numpy arrays,
-    or strings (with a tokenizer)."""
+    strings (with a tokenizer), or chat messages (with a tokenizer that has a chat template:
+    `conversation_ids`)."""
     if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 2:
         raise ValueError(
             f"prompts is a 2-D {type(prompts).__name__} of shape {tuple(prompts.shape)}: pass list(input_ids) "
@@ -20,7 +21,8 @@ def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -
         )
     if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or not isinstance(prompts, Sequence):
         raise ValueError(
-            f"prompts must be a list of prompts (token-id lists, 1-D tensors or strings), got {type(prompts).__name__}"
+            f"prompts must be a list of prompts (token-id lists, 1-D tensors, strings or chat message lists), got "
+            f"{type(prompts).__name__}"
         )
     return [_prompt_ids(index, prompt, tokenizer, vocab_size) for index, prompt in enumerate(prompts)]
 
@@ -47,8 +49,36 @@ def _starts_with_bos(text: str, tokenizer: Any) -> bool:
     return isinstance(bos, str) and bool(bos) and text.startswith(bos)
 
 
+def is_conversation(prompt: Any) -> bool:
+    """Whether `prompt` is chat messages (a non-empty list of {"role": ..., "content": ...} dicts)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
+
+
+def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], where: str = "the conversation") -> list[int]:
+    """Chat `messages` as token ids through the tokenizer's chat template: ready for the assistant's next
+    message (`add_generation_prompt`), or, when the last message is the assistant's, continuing it
+    (`continue_final_message`: a prefilled answer). The rendered text is tokenized without special
+    tokens (the template writes them), as TRL tokenizes conversational prompts."""
+    if tokenizer is None:
+        raise ValueError(f"{where} is chat messages but there is no tokenizer to apply a chat template: pass tokenizer=...")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{where} is chat messages but the tokenizer has no chat template: set tokenizer.chat_template "
+                         "or pass token ids")  # fmt: skip
+    for position, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"{where}: message {position} must have a \"role\" string and a \"content\", got {dict(message)!r}")
+    continues = messages[-1]["role"] == "assistant"
+    rendered = tokenizer.apply_chat_template(
+        [dict(message) for message in messages], tokenize=False, add_generation_prompt=not continues,
+        continue_final_message=continues,
+    )  # fmt: skip
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
 def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
-    if isinstance(prompt, str):
+    if is_conversation(prompt):
+        ids = conversation_ids(tokenizer, prompt, f"prompt {index}")
+    elif isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string but the Rollout has no tokenizer: pass tokenizer=...")
         ids = tokenizer(prompt, add_special_tokens=not _starts_with_bos(prompt, tokenizer))["input_ids"]
@@ -67,6 +97,9 @@ def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> lis
         ids = prompt.tolist()
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
+    elif isinstance(prompt, Mapping):
+        raise ValueError(f"prompt {index} is one chat message: pass each conversation as a list of messages, "
+                         "prompts=[[{'role': 'user', 'content': ...}], ...]")  # fmt: skip
     else:
         raise ValueError(f"prompt {index} has type {type(prompt).__name__}: pass token ids, a 1-D tensor or a string")
     if not ids:

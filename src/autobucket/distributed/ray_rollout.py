@@ -41,7 +41,7 @@ from autobucket.distributed.result import DistributedResult, merge_shard_results
 from autobucket.distributed.worker import ModelFactory, Worker, WorkerInfo
 from autobucket.planning.costs import CostCoefficients
 from autobucket.planning.sharding import STRATEGIES, ShardPlan, plan_shards, prompt_cost_ms
-from autobucket.prompts import check_context, normalize_prompts, unpad_left_padded
+from autobucket.prompts import check_context, is_conversation, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
 
 _CANCEL_WAIT_S = 60.0  # most time to wait for cancelled shards to stop before raising the first error
@@ -197,9 +197,10 @@ class RayRollout:
             raise RuntimeError("this RayRollout was shut down: create a new one")
 
     def _normalize(self, prompts: Sequence[Any], info: WorkerInfo) -> list[list[int]]:
-        """Token lists for the whole batch; strings are tokenised by worker 0, which holds the tokenizer."""
+        """Token lists for the whole batch; strings and chat messages are tokenised by worker 0, which holds
+        the tokenizer."""
         is_list = isinstance(prompts, Sequence) and not isinstance(prompts, (str, torch.Tensor))
-        if is_list and any(isinstance(prompt, str) for prompt in prompts):
+        if is_list and any(isinstance(prompt, str) or is_conversation(prompt) for prompt in prompts):
             return self._ray.get(self._actors[0].normalize.remote(list(prompts)))
         return normalize_prompts(prompts, None, info.vocab_size)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from autobucket.checks import optional_int, require_bool, require_int
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.prompts import conversation_ids, is_conversation
 from autobucket.tools.generate_output import (
     STDIO,
     Sample,
@@ -38,12 +39,13 @@ Progress = Callable[[int, int], None]  # (finished prompts, all prompts)
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One input prompt: text or token ids, and where it came from."""
+    """One input prompt: text, token ids or chat messages, and where it came from."""
 
     id: Any  # the line's "id", else the prompt's 0-based position
     line: int  # 1-based line number in the input
     text: str | None = None
     ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # a conversation, through the tokenizer's chat template
     max_new_tokens: int | None = None  # the line's own budget (None: the job's)
 
 
@@ -108,8 +110,9 @@ def _input_format(name: str, lines: Sequence[str], input_format: str) -> str:
 
 
 def parse_prompt_lines(lines: Iterable[str], input_format: str, name: str = "<prompts>") -> list[PromptRecord]:
-    """JSONL: one object per line with "prompt" (text) or "prompt_ids" (token ids), optional "id" and
-    "max_new_tokens" (that prompt's budget, in place of the job's).
+    """JSONL: one object per line with "prompt" (text), "prompt_ids" (token ids) or "messages" (a chat
+    conversation, [{"role": ..., "content": ...}, ...]), optional "id" and "max_new_tokens" (that prompt's
+    budget, in place of the job's).
     txt: one text prompt per line. Blank lines are skipped in both."""
     records: list[PromptRecord] = []
     for number, line in enumerate(lines, start=1):
@@ -131,16 +134,24 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
     except json.JSONDecodeError as exc:
         raise ValueError(
             f'{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be an object like '
-            '{"prompt": "..."} or {"prompt_ids": [1, 2, 3]}'
+            '{"prompt": "..."}, {"prompt_ids": [1, 2, 3]} or {"messages": [{"role": "user", "content": "..."}]}'
         ) from None
     if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected a JSON object with \"prompt\" or \"prompt_ids\", got {type(item).__name__}")
-    if ("prompt" in item) == ("prompt_ids" in item):
-        raise ValueError(f'{where}: give exactly one of "prompt" (text) or "prompt_ids" (token ids)')
+        raise ValueError(f"{where}: expected a JSON object with \"prompt\", \"prompt_ids\" or \"messages\", got "
+                         f"{type(item).__name__}")  # fmt: skip
+    if sum(field in item for field in ("prompt", "prompt_ids", "messages")) != 1:
+        raise ValueError(f'{where}: give exactly one of "prompt" (text), "prompt_ids" (token ids) or "messages" '
+                         "(a chat conversation)")  # fmt: skip
     record_id = item.get("id", position)
     budget = item.get("max_new_tokens")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
         raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1 (this prompt\'s budget), got {budget!r}')
+    if "messages" in item:
+        messages = item["messages"]
+        if not is_conversation(messages) or not all(isinstance(m.get("role"), str) and "content" in m for m in messages):
+            raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
+                             f"objects, got {messages!r}")  # fmt: skip
+        return PromptRecord(id=record_id, line=number, messages=messages, max_new_tokens=budget)
     if "prompt" in item:
         text = item["prompt"]
         if not isinstance(text, str) or not text:
@@ -164,9 +175,7 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """`text` as one user turn in the tokenizer's chat template, ready for the assistant's answer."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: drop --chat (the prompts are then used as plain text)")
-    messages = [{"role": "user", "content": text}]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return conversation_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def encode_prompts(
@@ -183,10 +192,13 @@ def encode_prompts(
                 )
             ids = record.ids
         elif tokenizer is None:
+            kind = "chat messages" if record.messages is not None else "a text prompt"
             raise ValueError(
-                f"line {record.line}: a text prompt, but {model_name} has no tokenizer: give token ids as "
+                f"line {record.line}: {kind}, but {model_name} has no tokenizer: give token ids as "
                 '{"prompt_ids": [...]}'
             )
+        elif record.messages is not None:  # templated whether or not --chat is given
+            ids = conversation_ids(tokenizer, record.messages, f"line {record.line}")
         else:
             assert record.text is not None, "read_prompts gives every record its ids or its text"
             ids = chat_prompt_ids(tokenizer, record.text) if chat else tokenizer(record.text)["input_ids"]

@@ -26,6 +26,8 @@ class InputPrompt(Protocol):
     def text(self) -> str | None: ...
     @property
     def ids(self) -> list[int] | None: ...
+    @property
+    def messages(self) -> list[dict[str, Any]] | None: ...
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,11 @@ def prompt_samples(results: Sequence[Any], n: int) -> list[list[Sample]]:
 
 def output_rows(records: Sequence[InputPrompt], samples: Sequence[list[Sample]], tokenizer: Any) -> list[dict[str, Any]]:
     """One JSON object per prompt and sample, prompt-major: id, "sample" (its index, when there are
-    several), prompt (text; decoded ids; else null), completion, tokens, finish_reason, and "logprobs"
+    several), prompt (text; the messages of a conversation; decoded ids; else null), completion, tokens, finish_reason, and "logprobs"
     when they were asked for."""
     rows = []
     for record, prompt_rows in zip(records, samples, strict=True):
-        prompt = record.text
+        prompt: Any = record.text if record.text is not None else record.messages  # a conversation as given
         if prompt is None and tokenizer is not None:
             prompt = tokenizer.decode(record.ids)
         for index, sample in enumerate(prompt_rows):
