@@ -635,6 +635,7 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
     from torch.utils import cpp_extension
 
     from autobucket.engine.kernels import library as module
+    from autobucket.engine.model_access.attention import within_window
 
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
@@ -669,6 +670,17 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
                 ours = torch.ops.autobucket.invariant_attention(query, key, value, empty, True, dim**-0.5)
                 theirs = other.invariant_attention(query, key, value, empty, True, dim**-0.5)
             assert torch.equal(ours, theirs), (dtype, queries, dim)
+        # a windowed cascade step: AVX2 walks an fp32 prefix's whole blocks in place, AVX-512 in tiles
+        case = CascadeCase.make(dtype, 64, seed=5, gap=6)
+        narrowed = within_window(case.mask, 90, 1, case.key.shape[2], case.key.device)
+        for window in (0, 90):
+            mask = narrowed if window else case.mask
+            with torch.inference_mode():
+                ours = torch.ops.autobucket.invariant_attention_shared(
+                    case.query, case.key, case.value, mask[:, 0], 0.125, *case.shared, None, window)
+                theirs = other.invariant_attention_shared(
+                    case.query, case.key, case.value, mask[:, 0], 0.125, *case.shared, None, window)
+            assert torch.equal(ours, theirs), (dtype, "cascade", window)
     scores = torch.randn(64, 32000, generator=generator) * 3
     scores[::5, 20000:] = float("-inf")
     uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
