@@ -146,7 +146,8 @@ def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
 # how a shared prompt's decode attention runs: the invariant kernels; the default kernels on the engine's
 # kernel; the default kernels' two flash parts merged (where the kernel cannot take the call)
 CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf"}
-SAMPLED = dataclasses.replace(SAMPLING, n=3, temperature=1.0, seed=[5, 6, 7, 8], logprobs=True)
+SAMPLED = dataclasses.replace(SAMPLING, n=3, temperature=1.0, seed=[5, 6, 7, 8], logprobs=True,
+                             continuous_batch_size=5)  # 12 rows on 5: a prompt's samples split over admissions, refilled
 
 
 @pytest.mark.parametrize("decode", sorted(CASCADE_DECODES))
