@@ -204,6 +204,23 @@ def test_bad_prompts_fail_on_the_driver_naming_the_input_index(rr) -> None:
     assert empty.tokens == [] and [w.prompts for w in empty.workers] == [0, 0]
 
 
+def test_chat_conversations_are_templated_on_a_worker_as_in_one_process(rr) -> None:
+    """The driver holds no tokenizer: chat messages go to worker 0 with the strings, and the call equals
+    one process's on the same model and chat template."""
+    from conftest import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}<assistant> "
+    conversations = [[{"role": "user", "content": "abc dab"}], [{"role": "system", "content": "be"},
+                                                               {"role": "user", "content": "hop lop"}]]  # fmt: skip
+    want = Rollout(marked_model()[0], tokenizer, config=CONFIG).generate(conversations, SAMPLING)
+    rr.update_weights(lambda: (marked_model()[0], tokenizer))
+    try:
+        assert rr.generate(conversations, SAMPLING).tokens == want.tokens
+    finally:
+        rr.update_weights(marked_model)
+
+
 def test_update_weights_matches_one_process_and_survives_a_dead_worker(rr, expected) -> None:
     state_dict = build_tiny_model("tiny-qwen2", seed=1).state_dict()
     want = single_process(state_dict=state_dict)
