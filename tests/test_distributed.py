@@ -207,9 +207,11 @@ def test_bad_prompts_fail_on_the_driver_naming_the_input_index(rr) -> None:
 def test_chat_conversations_are_templated_on_a_worker_as_in_one_process(rr) -> None:
     """The driver holds no tokenizer: chat messages go to worker 0 with the strings, and the call equals
     one process's on the same model and chat template."""
+    import copy
+
     from conftest import byte_bpe_tokenizer
 
-    tokenizer = byte_bpe_tokenizer()
+    tokenizer = copy.deepcopy(byte_bpe_tokenizer())  # the shared one must keep no chat template
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}<assistant> "
     conversations = [[{"role": "user", "content": "abc dab"}], [{"role": "system", "content": "be"},
                                                                {"role": "user", "content": "hop lop"}]]  # fmt: skip
