@@ -1,4 +1,4 @@
-"""Chat messages as prompts: `Rollout.generate([[{"role": ..., "content": ...}, ...], ...])` and JSONL
+"""Chat messages and a tokenizer's batch output as prompts: `Rollout.generate([[{"role": ..., "content": ...}, ...], ...])` and JSONL
 "messages" lines of `autobucket generate` go through the tokenizer's chat template. Oracle: the same call
 on the token ids transformers' own `apply_chat_template(..., tokenize=True)` gives (ready for the
 assistant's answer; or continuing a last assistant message). Control: the messages' text without the
@@ -103,3 +103,23 @@ def test_bad_messages_lines_name_their_line(tmp_path, capsys, line, message):
     path.write_text(json.dumps(line) + "\n")
     assert main(["generate", "--model", MODEL, "--prompts", str(path)]) == 2
     assert f"prompts.jsonl:1: {message}" in capsys.readouterr().err
+
+
+def test_a_tokenizers_left_padded_batch_output_is_its_unpadded_prompts(tiny_models, plain_tokenizer):
+    """`rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"))`, as `model.generate(**inputs)`
+    is called: the same call as the unpadded ids; without a mask the rows are taken whole; a right-padded
+    batch is refused naming the tokenizer setting."""
+    tokenizer = copy.deepcopy(plain_tokenizer)
+    tokenizer.padding_side = "left"
+    texts = ["abc dab fig hop", "lop", "cab nap pig bog"]
+    rollout = Rollout(tiny_models(MODEL), tokenizer, RolloutConfig(route="aligned"))
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    assert len({len(row) for row in ids}) > 1  # the batch output is padded
+    expected = rollout.generate(ids, SAMPLING).tokens
+    assert rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"), SAMPLING).tokens == expected
+    assert rollout.generate(tokenizer(texts, padding=True, return_tensors="np"), SAMPLING).tokens == expected
+    whole = {"input_ids": tokenizer(texts[:1], return_tensors="pt")["input_ids"]}
+    assert rollout.generate(whole, SAMPLING).tokens == expected[:1]
+    tokenizer.padding_side = "right"
+    with pytest.raises(ValueError, match=r"is right-padded \(ones, then zeros\): pad on the left"):
+        rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"), SAMPLING)

@@ -13,7 +13,13 @@ import torch
 def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token-id lists from lists/tuples of ints (numpy's included), 1-D integer tensors or numpy arrays,
     strings (with a tokenizer), or chat messages (with a tokenizer that has a chat template:
-    `conversation_ids`)."""
+    `conversation_ids`); or a tokenizer's batch output (a mapping with "input_ids" and, for a padded
+    batch, a left-padded "attention_mask": `tokenizer(texts, padding=True, return_tensors="pt")`)."""
+    if isinstance(prompts, Mapping) and "input_ids" in prompts:
+        if "attention_mask" in prompts:
+            prompts = unpad_left_padded(prompts["input_ids"], prompts["attention_mask"])
+        else:
+            prompts = list(prompts["input_ids"])  # no mask: every row is all prompt
     if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 2:
         raise ValueError(
             f"prompts is a 2-D {type(prompts).__name__} of shape {tuple(prompts.shape)}: pass list(input_ids) "
@@ -21,8 +27,8 @@ def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -
         )
     if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or not isinstance(prompts, Sequence):
         raise ValueError(
-            f"prompts must be a list of prompts (token-id lists, 1-D tensors, strings or chat message lists), got "
-            f"{type(prompts).__name__}"
+            f"prompts must be a list of prompts (token-id lists, 1-D tensors, strings or chat message lists) or a "
+            f'tokenizer\'s batch output with "input_ids", got {type(prompts).__name__}'
         )
     return [_prompt_ids(index, prompt, tokenizer, vocab_size) for index, prompt in enumerate(prompts)]
 
