@@ -14,6 +14,7 @@ from conftest import ARCHS, oracle_generate, random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
 from autobucket.engine.batching.static_cache import StaticKVCache
+from autobucket.engine.kernels import cascade_attention
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -30,17 +31,20 @@ def _flat(logprobs):
     return [value for samples in logprobs for sample in samples for value in sample]
 
 
-@pytest.mark.parametrize("decode", ["engine kernel", "flash parts"])
+@pytest.mark.parametrize("decode", ["engine kernel", "flash parts", "math parts"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, decode, always_share, monkeypatch):
     """The default kernels decode on the engine's kernel, which reads the shared copy as the first keys
-    of each row's sequence (bitwise the per-row copies); where it cannot take the call (a GPU, no
-    compiler) the shared part and the row's own run as two flash calls merged by logsumexp. The
-    bitwise case prefills each prompt alone (aligned): the default kernels' prefill is not batch-
-    invariant, and bucketed plans follow the costs learned online, which earlier calls move."""
+    of each row's sequence (bitwise the per-row copies); where it cannot take the call (no compiler, a
+    GPU) the shared part and the row's own run as two attention calls merged by logsumexp: SDPA's flash
+    kernel on a CPU, fp32 math elsewhere ("math parts": that form, run on the CPU). The bitwise case
+    prefills each prompt alone (aligned): the default kernels' prefill is not batch-invariant, and
+    bucketed plans follow the costs learned online, which earlier calls move."""
     route = "aligned" if decode == "engine kernel" else "bucketed"
-    if decode == "flash parts":
+    if decode != "engine kernel":
         monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
+    if decode == "math parts":
+        monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
     model = tiny_models(arch)
     prompts = random_prompts([40, 70, 12, 90, 35], seed=ARCHS.index(arch) + 50)
     shared = Rollout(model, config=RolloutConfig(route=route, compile=False)).generate(prompts, SAMPLING)

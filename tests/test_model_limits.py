@@ -145,7 +145,7 @@ def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
 
 # how a shared prompt's decode attention runs: the invariant kernels; the default kernels on the engine's
 # kernel; the default kernels' two flash parts merged (where the kernel cannot take the call)
-CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf"}
+CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf", "math parts": "hf"}
 SAMPLED = dataclasses.replace(SAMPLING, n=3, temperature=1.0, seed=[5, 6, 7, 8], logprobs=True,
                              continuous_batch_size=5)  # 12 rows on 5: a prompt's samples split over admissions, refilled
 
@@ -160,8 +160,12 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
     on the engine's kernel (the rows read the same keys in the same blocks), within 1e-5 as flash parts."""
     from autobucket.engine import routes
 
-    if decode == "flash parts":
+    if decode in ("flash parts", "math parts"):  # math parts: the form a GPU runs, here on the CPU
         monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
+    if decode == "math parts":
+        from autobucket.engine.kernels import cascade_attention
+
+        monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
     model = windowed_model(name)
     config = RolloutConfig(route="aligned", compile=False, kernels=CASCADE_DECODES[decode])
     greedy = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
@@ -175,7 +179,7 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
     assert shared.tokens == copies.tokens
     flat = [(a, b) for p, q in zip(shared.logprobs, copies.logprobs, strict=True)
             for s, c in zip(p, q, strict=True) for a, b in zip(s, c, strict=True)]  # fmt: skip
-    if decode == "flash parts":
+    if decode in ("flash parts", "math parts"):
         assert max(abs(a - b) for a, b in flat) < 1e-5
     else:
         assert all(a == b for a, b in flat)

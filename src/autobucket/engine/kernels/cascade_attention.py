@@ -100,12 +100,31 @@ class CascadeAttention:
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, logsumexp), CPU
 
 
+def _attention_part(query, key, value, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's attention output and its queries' logsumexp: query [B, H, Lq, D], key / value
+    [B, H, Lk, D], mask additive, broadcast to [B, H, Lq, Lk] -> ([B, H, Lq, D], [B, H, Lq] fp32). SDPA's
+    flash kernel on a CPU (it returns the logsumexp); elsewhere (a GPU: the default kernels' cascade runs
+    here) the same in fp32 math, a decode step's one query per row being small."""
+    if query.device.type == "cpu" and not _MATH_PARTS:
+        return _FLASH(query, key, value, attn_mask=mask, scale=scale)[:2]
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)  # a query with no key: all weights 0
+    return torch.matmul(weights, value.float()).to(query.dtype), lse
+
+
+_MATH_PARTS = False  # tests: run the math form on a CPU too
+
+
 def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int,
             window: int = 0) -> torch.Tensor:  # fmt: skip
     """query [rows, heads, 1, head_dim]; key, value [rows, kv_heads, own, head_dim] (each row's own
     columns, masked by `attention_mask`) -> [rows, 1, heads, head_dim] in the query's dtype.
 
-    Both parts run SDPA's flash kernel, which also returns each query's logsumexp: the merge weights
+    Both parts run SDPA's flash kernel on a CPU, fp32 math elsewhere (`_attention_part`), each also
+    giving its queries' logsumexp: the merge weights
     are exp(lse_part - lse_total). window > 0: the mask already holds the row's own keys inside the
     window; the shared part reads only the prompt's last (window - own) keys."""
     rows, heads, _, head_dim = query.shape
@@ -119,7 +138,7 @@ def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayo
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
         mask = mask.to(query.dtype)
-    own_out, own_lse = _FLASH(q, key, value, attn_mask=mask, scale=scale)
+    own_out, own_lse = _attention_part(q, key, value, mask, scale)
     first_shared = None
     if window:
         own = _own_keys_allowed(attention_mask, rows, key.shape[2]).to(layout.shared_length.device)
@@ -164,7 +183,7 @@ def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: in
         before = torch.arange(shared, device=q.device) < start[..., None]  # [groups, slots, shared]
         before = before.repeat_interleave(per_kv, dim=1)[:, None]
         mask = mask.masked_fill(before, float("-inf"))
-    out, lse = _FLASH(by_group, layout.keys[layer], layout.values[layer], attn_mask=mask, scale=scale)
+    out, lse = _attention_part(by_group, layout.keys[layer], layout.values[layer], mask, scale)
     out = out.reshape(groups, kv_heads, layout.slots, per_kv, head_dim).transpose(1, 2)
     lse = lse.reshape(groups, kv_heads, layout.slots, per_kv).transpose(1, 2)
     row_out = torch.zeros((rows, kv_heads, per_kv, head_dim), dtype=torch.float32, device=q.device)
