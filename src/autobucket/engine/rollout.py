@@ -73,6 +73,7 @@ class Rollout:
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
         parameter = next(self.model.parameters())
+        _check_kernels_device(self.config, parameter.device)
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
@@ -110,6 +111,7 @@ class Rollout:
         """After `model.to(torch.bfloat16)` (or a new device, thread count, attention) the planner's KV
         bytes and the learned costs are those of the model as it is now, not as it was handed over."""
         fingerprint = self._model_fingerprint()
+        _check_kernels_device(self.config, fingerprint[1])
         if fingerprint == self._fingerprint:
             return
         geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
@@ -267,6 +269,15 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
+
+
+def _check_kernels_device(config: RolloutConfig, device: torch.device) -> None:
+    """The engine's kernels are CPU kernels (their GPU form is designed, not built: docs/architecture.md)."""
+    if config.kernels == "invariant" and device.type != "cpu":
+        raise ValueError(
+            f"kernels='invariant' runs on CPU models only, and this model is on {device}: use "
+            "RolloutConfig(kernels='hf') there (the model's own forward), or move the model to the CPU"
+        )
 
 
 def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> None:
