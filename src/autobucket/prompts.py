@@ -60,6 +60,14 @@ def is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
 
 
+def message_problem(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """What is wrong with the first message that lacks a "role" string or a "content" (None: nothing)."""
+    for position, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            return f"message {position} must have a \"role\" string and a \"content\", got {dict(message)!r}"
+    return None
+
+
 def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], where: str = "the conversation") -> list[int]:
     """Chat `messages` as token ids through the tokenizer's chat template: ready for the assistant's next
     message (`add_generation_prompt`), or, when the last message is the assistant's, continuing it
@@ -70,9 +78,9 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wher
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{where} is chat messages but the tokenizer has no chat template: set tokenizer.chat_template "
                          "or pass token ids")  # fmt: skip
-    for position, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"{where}: message {position} must have a \"role\" string and a \"content\", got {dict(message)!r}")
+    problem = message_problem(messages)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
     continues = messages[-1]["role"] == "assistant"
     rendered = tokenizer.apply_chat_template(
         [dict(message) for message in messages], tokenize=False, add_generation_prompt=not continues,

@@ -21,7 +21,7 @@ from typing import Any
 
 from autobucket.checks import optional_int, require_bool, require_int
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.prompts import conversation_ids, is_conversation
+from autobucket.prompts import conversation_ids, is_conversation, message_problem
 from autobucket.tools.generate_output import (
     STDIO,
     Sample,
@@ -148,7 +148,7 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
         raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1 (this prompt\'s budget), got {budget!r}')
     if "messages" in item:
         messages = item["messages"]
-        if not is_conversation(messages) or not all(isinstance(m.get("role"), str) and "content" in m for m in messages):
+        if not is_conversation(messages) or message_problem(messages) is not None:
             raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
                              f"objects, got {messages!r}")  # fmt: skip
         return PromptRecord(id=record_id, line=number, messages=messages, max_new_tokens=budget)
