@@ -25,7 +25,8 @@ prompt + a distinct 16-64 token user part, 32 new tokens, one call.
 Contenders (episodes): autobucket route="auto" with `prefix_cache_mb=1024` ("prefix cache"), with 0
 ("re-prefill"), with `kernels="invariant"` with and without the cache (`--invariant`: each kernel set's
 cache against its own re-prefill is the like-for-like ratio); (system) autobucket with the
-cache off, sharing the system prompt inside the call (`share_prefixes=True`, the default) or not; and vLLM with `enable_prefix_caching=True`
+cache off, sharing the system prompt inside the call (`share_prefixes=True`, the default) or not, each
+also with `kernels="invariant"` under `--invariant`; and vLLM with `enable_prefix_caching=True`
 (`--vllm-python`; skipped with a note without it). A vLLM child inherits this process's core (taskset)
 and speaks JSON lines (`peers/vllm_worker.py`), which times `llm.generate` itself; autobucket calls are
 timed here around `generate`. vLLM's CPU platform caches whole blocks of 128 tokens (its default
@@ -64,6 +65,7 @@ PREFIX, REPREFILL, INVARIANT, VLLM = (
 )  # fmt: skip
 INVARIANT_REPREFILL = "autobucket invariant (re-prefill)"
 SHARED, UNSHARED = "autobucket (shared prefix)", "autobucket (no sharing)"
+INVARIANT_SHARED, INVARIANT_UNSHARED = "autobucket invariant (shared prefix)", "autobucket invariant (no sharing)"
 TURNS, EPISODE_PROMPT, TOOL_OUTPUT, EPISODE_NEW_TOKENS = 4, (64, 256), (32, 128), 64
 SYSTEM_TOKENS, USER_PART, SYSTEM_NEW_TOKENS = 512, (16, 64), 32
 COUNTERS = ("prefill_tokens", "cached_prompt_tokens", "prefix_cache_hits", "prefix_cache_evictions",
@@ -71,7 +73,8 @@ COUNTERS = ("prefill_tokens", "cached_prompt_tokens", "prefix_cache_hits", "pref
             "decode_ms", "cache_ms", "route")  # fmt: skip
 # (contender, baseline, ratio at most) per workload
 TARGETS = {"episodes": ((PREFIX, REPREFILL, 0.5), (PREFIX, VLLM, 1.0), (INVARIANT, INVARIANT_REPREFILL, 0.5),
-                        (INVARIANT, VLLM, 1.0)), "system": ((SHARED, UNSHARED, 0.5), (SHARED, VLLM, 1.0))}
+                        (INVARIANT, VLLM, 1.0)), "system": ((SHARED, UNSHARED, 0.5), (SHARED, VLLM, 1.0), (INVARIANT_SHARED, INVARIANT_UNSHARED, 0.5),
+                      (INVARIANT_SHARED, VLLM, 1.0))}
 
 
 @dataclass
@@ -268,7 +271,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--invariant", action="store_true", help='also autobucket kernels="invariant" with the cache and re-prefilling')
+    parser.add_argument("--invariant", action="store_true", help='also autobucket kernels="invariant" (episodes: with the cache and re-prefilling; system: sharing and not)')
     parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND for the vLLM child (run under taskset)")
     parser.add_argument("--out", default="results/multi_turn.json")
@@ -296,6 +299,9 @@ def run_workloads(args, model, vllm) -> dict:
         if args.invariant and workload == "episodes":
             contenders[INVARIANT] = AutobucketContender(model, 1024, kernels="invariant")
             contenders[INVARIANT_REPREFILL] = AutobucketContender(model, 0, kernels="invariant")
+        elif args.invariant:
+            contenders[INVARIANT_SHARED] = AutobucketContender(model, 0, kernels="invariant")
+            contenders[INVARIANT_UNSHARED] = AutobucketContender(model, 0, share_prefixes=False, kernels="invariant")
         if vllm is not None:
             contenders[VLLM] = vllm
         samples = measure(contenders, make_round, rounds, args.warmup, new_tokens)
