@@ -72,9 +72,10 @@ COUNTERS = ("prefill_tokens", "cached_prompt_tokens", "prefix_cache_hits", "pref
             "prefix_cache_bytes", "shared_prefixes", "shared_prompt_tokens", "shared_kv_rows", "prefill_ms",
             "decode_ms", "cache_ms", "route")  # fmt: skip
 # (contender, baseline, ratio at most) per workload
-TARGETS = {"episodes": ((PREFIX, REPREFILL, 0.5), (PREFIX, VLLM, 1.0), (INVARIANT, INVARIANT_REPREFILL, 0.5),
-                        (INVARIANT, VLLM, 1.0)), "system": ((SHARED, UNSHARED, 0.5), (SHARED, VLLM, 1.0), (INVARIANT_SHARED, INVARIANT_UNSHARED, 0.5),
-                      (INVARIANT_SHARED, VLLM, 1.0))}
+TARGETS = {
+    "episodes": ((PREFIX, REPREFILL, 0.5), (PREFIX, VLLM, 1.0), (INVARIANT, INVARIANT_REPREFILL, 0.5), (INVARIANT, VLLM, 1.0)),
+    "system": ((SHARED, UNSHARED, 0.5), (SHARED, VLLM, 1.0), (INVARIANT_SHARED, INVARIANT_UNSHARED, 0.5), (INVARIANT_SHARED, VLLM, 1.0)),
+}  # fmt: skip
 
 
 @dataclass
