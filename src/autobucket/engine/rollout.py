@@ -27,7 +27,12 @@ from autobucket.engine.generation_setup import ResolvedGeneration, resolve_gener
 from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_call_settings, check_invariant_model, invariant_kernels
+from autobucket.engine.kernels.scope import (
+    check_call_settings,
+    check_invariant_model,
+    check_kernel_device,
+    invariant_kernels,
+)
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.grad_mode import autograd_off_for
@@ -73,7 +78,8 @@ class Rollout:
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
         parameter = next(self.model.parameters())
-        _check_kernels_device(self.config, parameter.device)
+        if self.config.kernels == "invariant":
+            check_kernel_device(parameter.device)
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
         self.cost_source = CostSource(self.config, self.model, self.geometry)
@@ -111,7 +117,8 @@ class Rollout:
         """After `model.to(torch.bfloat16)` (or a new device, thread count, attention) the planner's KV
         bytes and the learned costs are those of the model as it is now, not as it was handed over."""
         fingerprint = self._model_fingerprint()
-        _check_kernels_device(self.config, fingerprint[1])
+        if self.config.kernels == "invariant":
+            check_kernel_device(fingerprint[1])
         if fingerprint == self._fingerprint:
             return
         geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
@@ -269,15 +276,6 @@ class Rollout:
     ) -> RolloutResult:
         """The RL-trainer layout: left-padded `[batch, width]` ids and mask (tensors or numpy arrays)."""
         return self.generate(unpad_left_padded(input_ids, attention_mask), sampling, **overrides)
-
-
-def _check_kernels_device(config: RolloutConfig, device: torch.device) -> None:
-    """The engine's kernels are CPU kernels (their GPU form is designed, not built: docs/architecture.md)."""
-    if config.kernels == "invariant" and device.type != "cpu":
-        raise ValueError(
-            f"kernels='invariant' runs on CPU models only, and this model is on {device}: use "
-            "RolloutConfig(kernels='hf') there (the model's own forward), or move the model to the CPU"
-        )
 
 
 def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> None:

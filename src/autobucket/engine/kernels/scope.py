@@ -46,6 +46,16 @@ def check_call_settings(model: torch.nn.Module) -> None:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def check_kernel_device(device: torch.device) -> None:
+    """The kernels are CPU kernels (their GPU form is designed, not built: docs/architecture.md). `Rollout`
+    checks the device it reads off the model at construction and before each call's other work."""
+    if device.type != "cpu":
+        raise ValueError(
+            f"kernels='invariant' runs on CPU models only, and this model is on {device}: use "
+            "RolloutConfig(kernels='hf') there (the model's own forward), or move the model to the CPU"
+        )
+
+
 def check_kernel_dtype(model: torch.nn.Module) -> None:
     """The kernels compute in fp32 and bf16 (the attention and the fixed-order linears have no fp16 form)."""
     dtype = next(model.parameters()).dtype
