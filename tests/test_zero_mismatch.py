@@ -142,6 +142,21 @@ def test_scope_refuses_eager_attention_models(tiny_models):
         pass
 
 
+def test_scope_refuses_a_model_off_the_cpu_naming_the_fix(tiny_models):
+    """The kernels are CPU kernels: a trainer's model on another device (a copy on 'meta' stands in for a
+    GPU here) is refused on entering the block, before anything is packed, with the fix named; the
+    scope still serves the CPU model afterwards."""
+    model = model_in("tiny-llama", torch.float32, tiny_models)
+    ids = torch.tensor([[3, 4, 5]])
+    with invariant(model):
+        expected = model(input_ids=ids).logits
+    message = r"runs on CPU models only, and this model is on meta: run its forward outside autobucket.invariant"
+    with pytest.raises(ValueError, match=message), invariant(copy.deepcopy(model).to("meta")) as packs:
+        pytest.fail(f"the block ran ({packs})")
+    with invariant(model):
+        assert torch.equal(model(input_ids=ids).logits, expected)
+
+
 def test_trainer_logprobs_is_trls_formula():
     """Oracle: TRL's own selective_log_softmax (CPU path) on the same logits, fp32 and bf16, T != 1."""
     trl_utils = pytest.importorskip("trl.trainer.utils")

@@ -46,13 +46,18 @@ def check_call_settings(model: torch.nn.Module) -> None:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_kernel_device(device: torch.device) -> None:
+ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='hf') there (the model's own forward)"
+TRAINER_SCOPE_DEVICE_FIX = "run its forward outside autobucket.invariant(...) there (the model's own kernels)"
+
+
+def check_kernel_device(device: torch.device, fix: str = ROLLOUT_DEVICE_FIX) -> None:
     """The kernels are CPU kernels (their GPU form is designed, not built: docs/architecture.md). `Rollout`
-    checks the device it reads off the model at construction and before each call's other work."""
+    checks the device it reads off the model at construction and before each call's other work, and
+    `autobucket.invariant` on entering its block (`fix` names what that caller should do instead)."""
     if device.type != "cpu":
         raise ValueError(
-            f"kernels='invariant' runs on CPU models only, and this model is on {device}: use "
-            "RolloutConfig(kernels='hf') there (the model's own forward), or move the model to the CPU"
+            f"kernels='invariant' runs on CPU models only, and this model is on {device}: {fix}, "
+            "or move the model to the CPU"
         )
 
 

@@ -23,7 +23,12 @@ import torch
 
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, invariant_kernels
+from autobucket.engine.kernels.scope import (
+    TRAINER_SCOPE_DEVICE_FIX,
+    check_invariant_model,
+    check_kernel_device,
+    invariant_kernels,
+)
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 from autobucket.engine.model_access.weight_versions import merged_adapters
@@ -47,11 +52,12 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
     DeepSpeed / compiled wrapper, as `Rollout` takes. `packed_weights_mb` bounds the packed copies as
     `RolloutConfig(packed_weights_mb=...)` does (None: every linear packed); the values do not depend on
-    it. Raises ValueError for models the kernels cannot reach (eager attention), for fp32 set to compute
+    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU), for fp32 set to compute
     in a lower precision, or for a negative budget."""
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
     inner = unwrap_model(model)
+    check_kernel_device(next(inner.parameters()).device, TRAINER_SCOPE_DEVICE_FIX)
     check_invariant_model(inner)
     packs = packs_for(inner)
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
