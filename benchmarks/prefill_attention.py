@@ -8,6 +8,12 @@ head_dim] keys), fp32 and bf16: `invariant` is `torch.ops.autobucket.invariant_a
 (what transformers' SDPA path runs). The benchmark also checks that the kernel's prefill equals its own
 decode of the last query bitwise (the invariance the speed must not cost). One thread; interleaved repeats
 after a warm-up; medians and ratios; raw samples to JSON.
+
+    perf record -o prefill.perf taskset -c 0 python benchmarks/prefill_attention.py --length 512 \
+        --shapes bench-qwen2 --dtypes float32 --profile-calls 1500   # the kernel alone, for a profiler
+
+`--profile-calls N` runs only the invariant kernel, N calls per shape and dtype, with no contest and no JSON,
+so a sampling profiler's samples are the kernel's parts (scores, softmax, P.V, key transpose).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +58,22 @@ def contenders(heads: int, kv_heads: int, head_dim: int, length: int, dtype: tor
     return {"invariant": invariant, "flash": flash}, agrees
 
 
+def profile_calls(args) -> None:
+    """The invariant kernel alone, `args.profile_calls` calls per shape and dtype, for a sampling profiler."""
+    with torch.inference_mode():
+        for name in args.shapes:
+            for dtype_name in args.dtypes:
+                heads, kv_heads, head_dim = SHAPES[name]
+                invariant = contenders(heads, kv_heads, head_dim, args.length, getattr(torch, dtype_name))[0]["invariant"]
+                start = time.perf_counter()
+                for _ in range(args.profile_calls):
+                    invariant()
+                per_call_s = (time.perf_counter() - start) / args.profile_calls
+                pairs = heads * args.length * (args.length + 1) / 2  # causal (query, key) pairs over all heads
+                print(f"{name} {dtype_name} L={args.length}: {per_call_s * 1e3:.3f} ms a call (mean of "
+                      f"{args.profile_calls}), {4 * head_dim * pairs / per_call_s / 1e9:.1f} GFLOPS")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -58,9 +81,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--out", default="results/prefill_attention.json")
+    parser.add_argument("--profile-calls", type=int, default=0, help="only run the invariant kernel this many times")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_invariant_kernels()
+    if args.profile_calls > 0:
+        profile_calls(args)
+        return
     report = []
     with torch.inference_mode():
         for name in args.shapes:
