@@ -144,8 +144,8 @@ def test_scope_refuses_eager_attention_models(tiny_models):
 
 def test_scope_refuses_a_model_off_the_cpu_naming_the_fix(tiny_models):
     """The kernels are CPU kernels: a trainer's model on another device (a copy on 'meta' stands in for a
-    GPU here) is refused on entering the block, before anything is packed, with the fix named; the
-    scope still serves the CPU model afterwards."""
+    GPU here) is refused on entering the block, with the fix named, and the block never runs; the scope
+    still serves the CPU model afterwards."""
     model = model_in("tiny-llama", torch.float32, tiny_models)
     ids = torch.tensor([[3, 4, 5]])
     with invariant(model):

@@ -52,8 +52,8 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
     DeepSpeed / compiled wrapper, as `Rollout` takes. `packed_weights_mb` bounds the packed copies as
     `RolloutConfig(packed_weights_mb=...)` does (None: every linear packed); the values do not depend on
-    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU), for fp32 set to compute
-    in a lower precision, or for a negative budget."""
+    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU), for fp32
+    set to compute in a lower precision, or for a negative budget."""
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
     inner = unwrap_model(model)
