@@ -63,8 +63,8 @@ def profile_calls(args) -> None:
     with torch.inference_mode():
         for name in args.shapes:
             for dtype_name in args.dtypes:
-                heads, kv_heads, head_dim = SHAPES[name]
-                invariant = contenders(heads, kv_heads, head_dim, args.length, getattr(torch, dtype_name))[0]["invariant"]
+                heads, _, head_dim = SHAPES[name]
+                invariant = contenders(*SHAPES[name], args.length, getattr(torch, dtype_name))[0]["invariant"]
                 start = time.perf_counter()
                 for _ in range(args.profile_calls):
                     invariant()

@@ -47,7 +47,6 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='hf') there (the model's own forward)"
-TRAINER_SCOPE_DEVICE_FIX = "run its forward outside autobucket.invariant(...) there (the model's own kernels)"
 
 
 def check_kernel_device(device: torch.device, fix: str = ROLLOUT_DEVICE_FIX) -> None:

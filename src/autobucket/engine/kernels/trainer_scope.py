@@ -23,15 +23,13 @@ import torch
 
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import (
-    TRAINER_SCOPE_DEVICE_FIX,
-    check_invariant_model,
-    check_kernel_device,
-    invariant_kernels,
-)
+from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, invariant_kernels
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 from autobucket.engine.model_access.weight_versions import merged_adapters
+
+# What a trainer with a model off the CPU should do instead (check_kernel_device names it)
+_DEVICE_FIX = "run its forward outside autobucket.invariant(...) there (the model's own kernels)"
 
 _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
@@ -57,7 +55,7 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
     inner = unwrap_model(model)
-    check_kernel_device(next(inner.parameters()).device, TRAINER_SCOPE_DEVICE_FIX)
+    check_kernel_device(next(inner.parameters()).device, _DEVICE_FIX)
     check_invariant_model(inner)
     packs = packs_for(inner)
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
