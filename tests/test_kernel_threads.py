@@ -81,3 +81,38 @@ def test_a_toolchain_without_openmp_gets_a_one_thread_build_and_a_warning(monkey
     monkeypatch.setattr(library, "_build_and_load", never)
     with pytest.raises(ValueError, match=r"build failed \(OSError: ninja not found\); install g\+\+ and ninja"):
         library.load_invariant_kernels.__wrapped__()
+
+
+def test_one_build_whatever_path_the_package_is_loaded_from(monkeypatch, tmp_path):
+    """Two installs of the same sources (a second checkout, a symlinked venv) hand the build the same
+    source paths, so ninja sees one build and does not rebuild in turn. Oracle: the arguments the build
+    receives from each install; a copy whose text differs gets another build."""
+    from torch.utils import cpp_extension
+
+    from autobucket.engine.kernels import library
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+
+    def install(folder: Path, edit: str = "") -> None:
+        for path in (*library._SOURCES, *library._HEADERS):
+            (folder / path.name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path.name).write_text(path.read_text() + edit)
+        monkeypatch.setattr(library, "_SOURCES", [folder / path.name for path in library._SOURCES])
+        monkeypatch.setattr(library, "_HEADERS", [folder / path.name for path in library._HEADERS])
+        library._build_and_load(library.PARALLEL_FLAGS)
+
+    originals = (list(library._SOURCES), list(library._HEADERS))
+    install(tmp_path / "checkout-a")
+    monkeypatch.setattr(library, "_SOURCES", originals[0])
+    monkeypatch.setattr(library, "_HEADERS", originals[1])
+    install(tmp_path / "checkout-b")
+    first, second = calls
+    assert first["name"] == second["name"] and first["sources"] == second["sources"]
+    assert all(str(tmp_path / "extensions") in source for source in first["sources"])
+    assert Path(first["sources"][0]).read_text() == originals[0][0].read_text()  # the copy builds the same text
+    monkeypatch.setattr(library, "_SOURCES", originals[0])
+    monkeypatch.setattr(library, "_HEADERS", originals[1])
+    install(tmp_path / "checkout-c", edit="\n// edited\n")
+    assert calls[2]["name"] != first["name"] and calls[2]["sources"] != first["sources"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import warnings
 from pathlib import Path
@@ -76,19 +77,37 @@ def load_invariant_kernels() -> None:
 
 
 def _build_and_load(parallel_flags: list[str]) -> None:
-    source = "".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
     flags = [*BUILD_FLAGS, *parallel_flags]
-    digest = hashlib.sha256(f"{source}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
+    sources = {path.name: path.read_text() for path in (*_SOURCES, *_HEADERS)}
+    digest = hashlib.sha256(f"{sorted(sources.items())}|{flags}|{torch.__version__}|{_cpu_flags()}".encode()).hexdigest()[:12]
+    name = f"autobucket_kernels_{digest}"
     from torch.utils import cpp_extension
 
+    # ninja's build file names the sources by path, so building from wherever this package is installed
+    # (a second checkout, a symlinked venv) would rebuild; a copy named by the digest is one path per build
+    source_dir = _copy_sources(Path(cpp_extension._get_build_directory(name, verbose=False)).parent / f"{name}_src", sources)
     cpp_extension.load(
-        name=f"autobucket_kernels_{digest}",
-        sources=[str(path) for path in _SOURCES],
+        name=name,
+        sources=[str(source_dir / path.name) for path in _SOURCES],
         extra_cflags=flags,
         extra_ldflags=parallel_flags,
         is_python_module=False,
         verbose=False,
     )
+
+
+def _copy_sources(folder: Path, sources: dict[str, str]) -> Path:
+    """Write the sources into `folder` once (same digest, same text); a partial copy from a process that
+    died is completed, and a file is replaced atomically so a concurrent build never reads half of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name, text in sources.items():
+        target = folder / file_name
+        if target.exists() and target.read_text() == text:
+            continue
+        temporary = folder / f".{file_name}.{os.getpid()}.tmp"
+        temporary.write_text(text)
+        os.replace(temporary, target)
+    return folder
 
 
 @functools.cache
