@@ -4,6 +4,9 @@ Inside the block, this thread's forwards of `model` run every linear on the same
 every attention call on the same kernel as `Rollout(kernels="invariant")`, so a teacher-forced forward
 of left-padded prompts + right-padded completions gives each completion token bitwise the logits the
 rollout sampled it from, whatever the batch, padding, route, packing, chunking, refill order or n.
+A forward given no position ids and a mask with padding before real tokens gets them counted over the
+real tokens, as generation counts them (`trainer_positions.py`), so the forward trainers write (input
+ids and attention mask only) keeps the guarantee.
 
 Autograd stays intact: the forward values come from the invariant kernels, the backward from ordinary
 ones (a linear's gradients are its GEMMs on the live weight; attention's are those of SDPA recomputed
@@ -24,6 +27,7 @@ import torch
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, invariant_kernels
+from autobucket.engine.kernels.trainer_positions import positions_over_real_tokens
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 from autobucket.engine.model_access.weight_versions import merged_adapters
@@ -61,5 +65,5 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     packs.follow_merges(merged_adapters(inner))
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
+    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)), positions_over_real_tokens(inner):
         yield packs
