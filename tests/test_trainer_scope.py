@@ -5,6 +5,10 @@ Position ids: a trainer scores the rollout with only `input_ids` and `attention_
 rollout logprob bitwise. Negative controls: the same forward outside the scope, and inside it with the
 scope's position ids taken out, differ.
 
+Compiled models: a `torch.compile`d module (wrapper, submodule, or compiled in place) is refused by
+name with the module to pass instead, and the scope serves that module afterwards. Control: what the
+refusal prevents, a compiled forward in the scope, differs from the rollout.
+
 Oracle throughout: a `Rollout(kernels="invariant")` sampling at temperature 1 with logprobs, or the
 model's own forward with explicit position ids."""
 
@@ -21,7 +25,7 @@ from test_zero_mismatch import DTYPES, max_abs_diff, model_in, sample
 
 from autobucket import invariant, trainer_logprobs
 from autobucket.engine.batching.prefill import positions_from_mask
-from autobucket.engine.kernels import trainer_positions
+from autobucket.engine.kernels import trainer_positions, trainer_scope
 from autobucket.engine.trainer_logprobs import teacher_forced_batch
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]
@@ -135,3 +139,37 @@ def test_another_threads_forward_and_the_model_are_untouched(tiny_models):
     torch.testing.assert_close(scoped[real], counted[real], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(scoped[real], plain[real], atol=1e-2)
     assert not model._forward_pre_hooks and not model._forward_pre_hooks_with_kwargs
+
+
+@pytest.mark.parametrize(("compile_", "message"), [
+    (torch.compile, r"the model passed \(OptimizedModule\) is one .*pass the module it wraps \(model._orig_mod\)"),
+    (lambda model: model.compile() or model, r"the model passed \(LlamaForCausalLM\) was compiled in place"),
+    (lambda model: setattr(model.model.layers, "0", torch.compile(model.model.layers[0])) or model,
+     r"submodule 'model.layers.0' is one .*model.get_submodule\('model.layers.0'\)._orig_mod in its place"),
+], ids=["wrapper", "in-place", "submodule"])  # fmt: skip
+def test_a_compiled_model_is_refused_naming_what_to_pass(compile_, message, tiny_models):
+    model = model_in("tiny-llama", torch.float32, tiny_models)
+    compiled = compile_(copy.deepcopy(model))
+    with pytest.raises(ValueError, match=message), invariant(compiled):
+        pytest.fail("the block ran")
+    prompts, completions, logprobs = sample(model, "invariant", "bucketed", 16, 1)  # the scope still serves
+    assert max_abs_diff(logprobs_without_positions(model, prompts, completions, True), completions, logprobs) == 0.0
+
+
+def test_the_module_a_compiled_wrapper_holds_keeps_the_guarantee_and_the_compiled_forward_would_not(
+    tiny_models, monkeypatch
+):
+    """`._orig_mod`, as the refusal says, in the scope: bitwise the rollout's logprobs. Control: the
+    compiled forward itself in the scope (the check taken out) runs other linears and differs (the
+    eager backend: dynamo's graph, without inductor's compile time)."""
+    model = model_in("tiny-llama", torch.float32, tiny_models)
+    compiled = torch.compile(model, backend="eager")
+    prompts, completions, logprobs = sample(model, "invariant", "bucketed", 16, 1)
+    held = logprobs_without_positions(compiled._orig_mod, prompts, completions, True)
+    assert max_abs_diff(held, completions, logprobs) == 0.0
+    monkeypatch.setattr(trainer_scope, "check_not_compiled", lambda model: None)
+    ids, mask, width = teacher_forced_batch(prompts, completions)
+    with torch.no_grad(), invariant(compiled):
+        logits = compiled(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    traced = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
+    assert max_abs_diff(traced, completions, logprobs) > 0.0
