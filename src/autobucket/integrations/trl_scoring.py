@@ -4,9 +4,10 @@ kernels, and the mismatch metric against the sampling logprobs of the same weigh
 Both ways in share it. `AutobucketGRPOTrainer` calls these functions from its overrides; a stock
 `GRPOTrainer` given `make_rollout_func(RolloutConfig(kernels="invariant"))` gets them installed on the
 instance by `score_on_invariant_kernels(trainer)` at its first generation batch. TRL's own scoring
-forward (`fused_lm_head=True`) cannot be made bitwise by the scope alone: its chunked LM head runs the
-head's GEMM over the flattened batch and its own logsumexp, outside the linear the scope reaches, so the
-forward is replaced, not wrapped.
+forward (`fused_lm_head=True`) is replaced, not wrapped in the scope: its chunked LM head
+(trl/kernels/chunked_logprob.py) reduces the vocabulary in tiles with an online fp32 logsumexp, another
+function of the logits than the rollout's logprobs in bf16 (`trainer_logprobs`: log_softmax in the
+logits' dtype), and another rounding order in fp32 once the vocabulary spans more than one tile.
 
 Which weights the metric compares: with `num_iterations > 1` (or more steps per generation than
 gradient accumulation steps) TRL trains on a generation batch again after an optimizer step, and there
