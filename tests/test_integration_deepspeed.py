@@ -255,6 +255,26 @@ def test_unsupported_settings_are_rejected(ds, workload):
         AutobucketRollout(engine, SimpleNamespace(pad_token_id=None, eos_token_id=None))
 
 
+def test_autobucket_sampling_config_is_refused_with_what_to_pass(ds, workload):
+    """autobucket's own SamplingConfig (its `n`, not DeepSpeed's `n_samples_per_prompt`) raised an
+    AttributeError deep inside; now a TypeError names DeepSpeed's SamplingConfig, as does an object lacking
+    its fields, and the same rollout then still gives HybridEngineRollout's batch."""
+    from deepspeed.runtime.rollout import HybridEngineRollout
+
+    from autobucket.integrations.deepspeed import AutobucketRollout
+
+    _, engine = ds
+    request, tokenizer = workload
+    ours = AutobucketRollout(engine, tokenizer, RolloutConfig(route="aligned"))
+    with pytest.raises(TypeError, match=r"autobucket's SamplingConfig.*deepspeed\.runtime\.rollout import Sampling"):
+        ours.generate(request, SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, n=2))
+    with pytest.raises(TypeError, match=r"sampling of type SimpleNamespace has no temperature, top_p, top_k, n_samp"):
+        ours.generate(request, SimpleNamespace(max_new_tokens=MAX_NEW_TOKENS, continuous_batch_size=None))
+    assert ours.last_result is None  # nothing ran
+    want = HybridEngineRollout(engine, tokenizer).generate(request, sampling(n_samples_per_prompt=2))
+    assert_same_batch(ours.generate(request, sampling(n_samples_per_prompt=2)), want)
+
+
 @pytest.mark.parametrize("route", ["ordinary", "auto"])
 def test_invariant_logprobs_equal_the_engines_own_forward_bitwise(route, ds, workload):
     """`last_logprobs` against the engine's teacher-forced forward of the returned batch under

@@ -74,6 +74,7 @@ class Run:
     outputs: list  # per generation call: TRL's output dict
     routes: list  # the routes autobucket ran for the last batch (None: TRL generated)
     log_history: list  # TRL's logged metrics, one dict per logging step
+    losses: list  # per loss call, what `recording_loss_logps` kept (empty for other trainer classes)
 
 
 def grpo_config(tmp_path, greedy: bool, **overrides) -> GRPOConfig:
@@ -127,7 +128,7 @@ def run_grpo(
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return Run(
         completions, logged, weights, trainer.recorded_outputs, getattr(trainer, "autobucket_routes", None),
-        trainer.state.log_history,
+        trainer.state.log_history, getattr(trainer, "recorded_losses", []),
     )
 
 
@@ -228,6 +229,96 @@ def test_invariant_kernels_give_zero_mismatch_every_step(tmp_path, eos_id, dtype
         rollout_config=RolloutConfig(route="auto"),
     )
     assert len(logged_mismatch(control)) == 3 and max(diff for _, diff in logged_mismatch(control)) > 0.0
+
+
+def recording_loss_logps(trainer_cls):
+    """`trainer_cls` (an AutobucketGRPOTrainer) that also keeps, per loss call, the optimizer step it ran at
+    and the loss's logprobs, sampling logprobs and completion mask."""
+
+    class RecordingLoss(trainer_cls):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            record = (self.state.global_step, self._autobucket_last_logps, inputs["sampling_per_token_logps"],
+                      inputs["completion_mask"])  # fmt: skip
+            self.recorded_losses = [*getattr(self, "recorded_losses", []), record]
+            return loss
+
+    return RecordingLoss
+
+
+@pytest.mark.parametrize(
+    ("kernels", "dtype"),
+    [("invariant", torch.float32), ("invariant", torch.bfloat16), ("hf", torch.float32)],
+    ids=["invariant-fp32", "invariant-bf16", "hf-fp32"],
+)
+def test_mismatch_is_logged_on_the_weights_that_sampled(tmp_path, eos_id, kernels, dtype):
+    """num_iterations=2 at a large learning rate: the second pass over a generation batch runs after an
+    optimizer step, so its loss's logprobs differ from the sampling ones by the policy's change (the
+    control: k3 of that pass is large, what mismatch/k3 reported before). mismatch/* is logged for the
+    first pass only, on the sampling weights: exactly 0 with invariant kernels, rounding with HF's."""
+    from autobucket.engine.trainer_logprobs import mismatch_metrics
+
+    config = {"num_iterations": 2, "max_steps": 4}
+    run = run_grpo(
+        recording_loss_logps(AutobucketGRPOTrainer), tmp_path, eos_id, greedy=False, config_overrides=config,
+        dtype=dtype, rollout_config=RolloutConfig(route="auto", kernels=kernels),
+    )
+    logged_steps = [h["step"] for h in run.log_history if "mismatch/k3" in h]
+    assert logged_steps == [1, 3]  # the generation batches at optimizer steps 0 and 2, each first pass
+    if kernels == "invariant":
+        assert logged_mismatch(run) == [(0.0, 0.0)] * 2
+    else:
+        assert all(0.0 < diff < 1e-4 for _, diff in logged_mismatch(run))
+    drift = [mismatch_metrics(*record[1:])["mismatch/k3"] for record in run.losses if record[0] % 2 == 1]
+    assert len(drift) == 2 and min(drift) > 1e-3  # second passes: drift, not logged as mismatch
+
+
+# ------------------------------------------------------------------ the stock trainer with make_rollout_func
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_func_with_invariant_kernels_scores_bitwise(tmp_path, eos_id, dtype, monkeypatch):
+    """A stock GRPOTrainer given make_rollout_func(kernels="invariant"): TRL's old-policy logprobs
+    (num_iterations=2 makes TRL compute them with its scoring forward) equal the sampling logprobs bitwise,
+    and mismatch/* is logged, exactly 0, once per generation batch. Oracle for the whole training: the
+    AutobucketGRPOTrainer with invariant kernels and TRL's forward kept (reuse off) gives the same
+    completions and bitwise the same weights. Control: TRL's own scoring (the install skipped) differs."""
+    import autobucket.integrations.trl as integration
+
+    config = {"num_iterations": 2, "max_steps": 4}
+    rollout = RolloutConfig(route="auto", kernels="invariant")
+    stock = run_grpo(
+        GRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_func=make_rollout_func(rollout),
+    )
+    assert logged_mismatch(stock) == [(0.0, 0.0)] * 2
+    for output in stock.outputs:
+        mask = output["completion_mask"].bool()
+        assert mask.sum() > 0 and output["old_per_token_logps"].dtype == dtype
+        assert torch.equal(output["old_per_token_logps"][mask], output["sampling_per_token_logps"][mask].to(dtype))
+    ours = run_grpo(
+        AutobucketGRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_config=rollout, reuse_sampling_logps=False,
+    )
+    assert_same_training(stock, ours)
+    monkeypatch.setattr(integration, "score_on_invariant_kernels", lambda trainer: None)
+    trl_scored = run_grpo(
+        GRPOTrainer, tmp_path, eos_id, greedy=False, config_overrides=config, dtype=dtype,
+        rollout_func=make_rollout_func(rollout),
+    )
+    assert logged_mismatch(trl_scored) == []
+    output = trl_scored.outputs[0]
+    mask = output["completion_mask"].bool()
+    assert not torch.equal(output["old_per_token_logps"][mask], output["sampling_per_token_logps"][mask].to(dtype))
+
+
+def test_rollout_func_kernels_must_agree_with_the_autobucket_trainer(tmp_path, eos_id):
+    trainer = AutobucketGRPOTrainer(
+        model=build_tiny_model("tiny-qwen2"), reward_funcs=lambda **kw: [0.0], args=grpo_config(tmp_path, False),
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts()}), processing_class=word_tokenizer(eos_id),
+    )  # fmt: skip
+    rollout_func = make_rollout_func(RolloutConfig(kernels="invariant"))
+    with pytest.raises(ValueError, match=r"kernels='invariant'\)\) on an AutobucketGRPOTrainer whose rollout_config"):
+        rollout_func(prompt_texts(), trainer)
+    assert trainer.autobucket_turns == [] and getattr(trainer, "autobucket_routes", None) is None  # nothing ran
 
 
 # ------------------------------------------------------------------ sampling options

@@ -1,7 +1,9 @@
 """DeepSpeed's rollout interface served by autobucket (`pip install "autobucket[deepspeed]"`, deepspeed 0.19.8).
 
 `AutobucketRollout(engine, tokenizer)` is a `deepspeed.runtime.rollout.RolloutEngine`: a DeepSpeed user
-swaps `HybridEngineRollout(engine, tokenizer)` for it and keeps the rest of the loop.
+swaps `HybridEngineRollout(engine, tokenizer)` for it and keeps the rest of the loop, DeepSpeed's own
+`SamplingConfig` included (autobucket's `SamplingConfig` is refused with a TypeError saying what to pass:
+translating it would drop the fields DeepSpeed's interface has no place for, such as seed and stop strings).
 
 Output layout = `HybridEngineRollout`'s ordinary route, tensor for tensor, so downstream code cannot
 tell them apart in greedy decoding:
@@ -120,8 +122,32 @@ def _check_zero_stage(engine: Any) -> None:
         raise ValueError(f"engine of type {type(engine).__name__} has no .module: pass the DeepSpeedEngine")
 
 
+# The fields of DeepSpeed's SamplingConfig that `generate` reads.
+_DEEPSPEED_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt",
+                              "continuous_batch_size")  # fmt: skip
+
+
+def _check_sampling_type(sampling: Any) -> None:
+    """TypeError for settings that are not DeepSpeed's SamplingConfig (autobucket's own has other fields:
+    `n`, not `n_samples_per_prompt`), naming what to pass."""
+    fix = (
+        "pass DeepSpeed's, as to HybridEngineRollout: `from deepspeed.runtime.rollout import SamplingConfig`, "
+        "SamplingConfig(max_new_tokens=..., temperature=..., top_p=..., top_k=..., n_samples_per_prompt=...)"
+    )
+    if isinstance(sampling, SamplingConfig):
+        raise TypeError(
+            f"sampling is autobucket's SamplingConfig, which AutobucketRollout.generate does not take: {fix} "
+            "(autobucket's n is n_samples_per_prompt there; min_p, typical_p and the repetition penalty come "
+            "from the model's generation_config, as in HybridEngineRollout)"
+        )
+    missing = [field for field in _DEEPSPEED_SAMPLING_FIELDS if not hasattr(sampling, field)]
+    if missing:
+        raise TypeError(f"sampling of type {type(sampling).__name__} has no {', '.join(missing)}: {fix}")
+
+
 def _check_sampling(sampling: DeepSpeedSamplingConfig) -> int:
     """The request's samples per prompt, after checking the fields autobucket reads."""
+    _check_sampling_type(sampling)
     for field in ("max_new_tokens", "n_samples_per_prompt"):
         require_int(field, getattr(sampling, field))
     optional_int("continuous_batch_size", sampling.continuous_batch_size, 1, "or None for all rows at once")

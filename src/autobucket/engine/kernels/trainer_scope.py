@@ -4,6 +4,9 @@ Inside the block, this thread's forwards of `model` run every linear on the same
 every attention call on the same kernel as `Rollout(kernels="invariant")`, so a teacher-forced forward
 of left-padded prompts + right-padded completions gives each completion token bitwise the logits the
 rollout sampled it from, whatever the batch, padding, route, packing, chunking, refill order or n.
+A forward given no position ids and a mask with padding before real tokens gets them counted over the
+real tokens, as generation counts them (`trainer_positions.py`), so the forward trainers write (input
+ids and attention mask only) keeps the guarantee.
 
 Autograd stays intact: the forward values come from the invariant kernels, the backward from ordinary
 ones (a linear's gradients are its GEMMs on the live weight; attention's are those of SDPA recomputed
@@ -20,10 +23,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, invariant_kernels
+from autobucket.engine.kernels.trainer_positions import positions_over_real_tokens
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 from autobucket.engine.model_access.weight_versions import merged_adapters
@@ -48,12 +53,14 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     """Run this thread's forwards (and backwards) of `model` inside the block on the batch-invariant
     kernels of `RolloutConfig(kernels="invariant")`; yields the packed weights (their `packs_made` and
     `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
-    DeepSpeed / compiled wrapper, as `Rollout` takes. `packed_weights_mb` bounds the packed copies as
+    DeepSpeed wrapper, as `Rollout` takes, but not compiled (`check_not_compiled`: pass the module a
+    `torch.compile` wrapper holds, `._orig_mod`). `packed_weights_mb` bounds the packed copies as
     `RolloutConfig(packed_weights_mb=...)` does (None: every linear packed); the values do not depend on
-    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU), for fp32
+    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU, compiled), for fp32
     set to compute in a lower precision, or for a negative budget."""
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
+    check_not_compiled(model)
     inner = unwrap_model(model)
     check_kernel_device(next(inner.parameters()).device, _DEVICE_FIX)
     check_invariant_model(inner)
@@ -61,5 +68,30 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     packs.follow_merges(merged_adapters(inner))
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
+    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)), positions_over_real_tokens(inner):
         yield packs
+
+
+def check_not_compiled(model: Any) -> None:
+    """A ValueError naming the first compiled module in `model` (a `torch.compile` wrapper, or a module
+    compiled in place by `.compile()`) and what to pass instead. A compiled forward runs the graph dynamo
+    traced, and under tracing the scope's routers call the builtin linears (dynamo reads no context
+    variable), so its values are not the rollout's: the scope would silently not hold."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    for name, module in model.named_modules():
+        where = f"the model's submodule {name!r}" if name else f"the model passed ({type(model).__name__})"
+        if isinstance(module, OptimizedModule):
+            instead = f"model.get_submodule({name!r})._orig_mod in its place" if name else "model._orig_mod"
+            raise ValueError(
+                f"autobucket.invariant cannot run a torch.compile'd module on its batch-invariant kernels, and "
+                f"{where} is one (its graph runs inductor's kernels, so its logprobs would differ from the "
+                f"rollout's): pass the module it wraps ({instead}) and call that inside the block"
+            )
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            raise ValueError(
+                f"autobucket.invariant cannot run a torch.compile'd module on its batch-invariant kernels, and "
+                f"{where} was compiled in place with .compile() (its graph runs inductor's kernels, so its "
+                "logprobs would differ from the rollout's): pass a model that was not compiled (compile a "
+                "wrapper for the trainer's other forwards, torch.compile(model), and pass model to the scope)"
+            )
