@@ -1,7 +1,7 @@
 """`autobucket.invariant(model)`: the trainer's own forward on the engine's batch-invariant kernels.
 
-Inside the block, this thread's forwards of `model` run every linear on the same prepacked weights and
-every attention call on the same kernel as `Rollout(kernels="invariant")`, so a teacher-forced forward
+Inside the block, this thread's forwards of `model` run every linear on the same GEMM kernel and every
+attention call on the same kernel as `Rollout(kernels="invariant")`, so a teacher-forced forward
 of left-padded prompts + right-padded completions gives each completion token bitwise the logits the
 rollout sampled it from, whatever the batch, padding, route, packing, chunking, refill order or n.
 A forward given no position ids and a mask with padding before real tokens gets them counted over the
@@ -11,8 +11,9 @@ ids and attention mask only) keeps the guarantee.
 Autograd stays intact: the forward values come from the invariant kernels, the backward from ordinary
 ones (a linear's gradients are its GEMMs on the live weight; attention's are those of SDPA recomputed
 on the saved query, key and value), so gradients equal the unscoped backward to floating-point
-tolerance. Only forward values carry the guarantee. Nothing on the model changes; other threads'
-forwards are untouched.
+tolerance. Only forward values carry the guarantee. Nothing on the model changes but the position
+hook, held while a scope on it is open in any thread and removed with the last; other threads' forwards
+are untouched (the hook acts only in the scope's context).
 
 Weights: the scope keeps no packed copies. Each GEMM reads the weight as it is at that call (oneDNN
 reorders it per call, the fixed-order kernel reads it in place), bitwise the values a packed copy of
