@@ -1,6 +1,6 @@
 """Whole calls with the direct decode step against the same calls through the model's own forward.
 
-    quiet-run -- .venv/bin/python benchmarks/direct_decode.py --out results/direct_decode.json
+    quiet-run -- .venv/bin/python benchmarks/studies/direct_decode.py --out results/direct_decode.json
 
 The direct step (`engine/model_access/direct_decode.py`) runs a Llama-family model's decode step from its
 parts, bitwise the model's forward, without transformers' per-layer Python. Contenders: Auto with

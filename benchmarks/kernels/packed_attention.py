@@ -1,6 +1,6 @@
 """How to attend within a packed row, and how long a packed row should be, on this CPU.
 
-    taskset -c 0 python benchmarks/packed_attention.py --repeats 5 --out results/packed_attention.json
+    taskset -c 0 python benchmarks/kernels/packed_attention.py --repeats 5 --out results/packed_attention.json
 
 1. Attention alone over spread's packed row (32 prompts of 16..512 tokens, T = 8,448; [1, 4, T, 64] fp32):
    per-prompt SDPA (what `packed_prefill` runs), SDPA with a dense block-diagonal mask (the fallback),
@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """What matching stop strings costs a GRPO-like call: the same call with and without two stop strings that
 do not fire, alternating in one process.
 
-    quiet-run -- python benchmarks/stop_strings.py --out results/stop_strings.json
+    quiet-run -- python benchmarks/studies/stop_strings.py --out results/stop_strings.json
     # smoke: --rounds 2 --prompts 2 --n 2 --new-tokens 4 --out /tmp/stops.json
 
 The call is `shared_decode.py`'s (bench-qwen2, `--kernels`, `--prompts` prompts of ShareGPT-like lengths x
@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, write_rounds

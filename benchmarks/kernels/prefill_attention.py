@@ -1,6 +1,6 @@
 """Prefill attention alone: the invariant kernel against SDPA's flash kernel, on real models' head shapes.
 
-    taskset -c 0 python benchmarks/prefill_attention.py --repeats 7 --out results/prefill_attention.json
+    taskset -c 0 python benchmarks/kernels/prefill_attention.py --repeats 7 --out results/prefill_attention.json
 
 One causal prompt of `--length` tokens per shape ([1, heads, L, head_dim] queries over [1, kv_heads, L,
 head_dim] keys), fp32 and bf16: `invariant` is `torch.ops.autobucket.invariant_attention` (what
@@ -9,7 +9,7 @@ head_dim] keys), fp32 and bf16: `invariant` is `torch.ops.autobucket.invariant_a
 decode of the last query bitwise (the invariance the speed must not cost). One thread; interleaved repeats
 after a warm-up; medians and ratios; raw samples to JSON.
 
-    perf record -o prefill.perf taskset -c 0 python benchmarks/prefill_attention.py --length 512 \
+    perf record -o prefill.perf taskset -c 0 python benchmarks/kernels/prefill_attention.py --length 512 \
         --shapes bench-qwen2 --dtypes float32 --profile-calls 1500   # the kernel alone, for a profiler
 
 `--profile-calls N` runs only the invariant kernel, N calls per shape and dtype, with no contest and no JSON,
@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """fp32 linears, one thread: MKL (`F.linear`, the default kernels), oneDNN on a prepacked weight, and the
 engine's fixed-order kernel (`kernels="invariant"` on AVX-512 and AVX2 builds), interleaved per shape.
 
-    taskset -c 0 python benchmarks/fp32_linears.py --out results/fp32_linears.json
+    taskset -c 0 python benchmarks/kernels/fp32_linears.py --out results/fp32_linears.json
 
 Shapes: bench-qwen2's and SmolLM2's projections and heads at a decode step's rows (8, 32) and at
 prefill and trainer sizes (1,024 and 2,048 rows). Also printed: whether each kernel gave row 0 bitwise
@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 import torch.nn.functional as F

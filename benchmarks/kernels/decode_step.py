@@ -1,6 +1,6 @@
 """One continuous-batching decode step: eager, compiled (`compile=True`) and the invariant kernels.
 
-    taskset -c 0 python benchmarks/decode_step.py --rows 32 --context 512 --out results/decode_step.json
+    taskset -c 0 python benchmarks/kernels/decode_step.py --rows 32 --context 512 --out results/decode_step.json
 
 The 20.3M-param Qwen2 (`bench-qwen2`), fp32, one thread. The static cache holds `rows` prompts of
 `context` tokens; every timed step decodes at that context (the write front is reset), eager and

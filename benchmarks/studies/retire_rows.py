@@ -1,7 +1,7 @@
 """What retiring EOS-ended rows costs on real weights: the engine's hole filling (a survivor from the end
 takes a retired row's place) against shifting every row after it (as before), in one process.
 
-    quiet-run -- python benchmarks/retire_rows.py --out results/retire_rows.json
+    quiet-run -- python benchmarks/studies/retire_rows.py --out results/retire_rows.json
     # smoke: --rounds 2 --new-tokens 8 --out /tmp/retire.json
 
 SmolLM2-135M (`--kernels`, one thread), the demo's chat prompts (12 questions and 4 HumanEval tasks, as
@@ -13,7 +13,11 @@ samples to JSON, with the finish reasons of the call."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, write_rounds

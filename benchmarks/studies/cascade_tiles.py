@@ -1,7 +1,7 @@
 """Cascade decode's shared prompt keys transposed into the invariant kernel's tiles once per call
 (`CascadeLayout.shared_tiles`) against anew in every step and layer, on the GRPO-like call.
 
-    quiet-run -- python benchmarks/cascade_tiles.py --out results/cascade_tiles.json
+    quiet-run -- python benchmarks/studies/cascade_tiles.py --out results/cascade_tiles.json
 
 The call of shared_decode.py (`--prompts` ShareGPT-like prompts x `--n` samples, 64 new tokens, T = 1, EOS
 off) on bench-qwen2 (`--dtype`) with `kernels="invariant"`, the two contenders in ABBA rounds of fresh
@@ -13,7 +13,11 @@ run the same code. Medians, per-round ratios and raw samples to JSON."""
 from __future__ import annotations
 
 import argparse
+import sys
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import grpo_switch_rounds

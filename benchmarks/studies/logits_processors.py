@@ -1,7 +1,7 @@
 """What per-sequence logits processors cost a GRPO-like call: the same call plain, with a caller's processor
 that changes nothing, with `suppress_tokens` and with `no_repeat_ngram_size`, rotated in one process.
 
-    quiet-run -- python benchmarks/logits_processors.py --out results/logits_processors.json
+    quiet-run -- python benchmarks/studies/logits_processors.py --out results/logits_processors.json
     # smoke: --rounds 2 --prompts 2 --n 2 --new-tokens 4 --out /tmp/processors.json
 
 The call is `shared_decode.py`'s (bench-qwen2, `--kernels`, `--prompts` prompts of ShareGPT-like lengths x
@@ -15,6 +15,10 @@ number of steps). Rounds of fresh prompts, the order rotated; medians, ratios to
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, write_rounds

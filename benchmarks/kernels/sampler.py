@@ -1,7 +1,7 @@
 """The sampler's inverse CDF: the kernel library's op, the engine's torch-op blockwise form and softmax +
 a full-row `cumsum`, interleaved in one process.
 
-    quiet-run -- .venv/bin/python benchmarks/sampler.py --out results/sampler.json
+    quiet-run -- .venv/bin/python benchmarks/kernels/sampler.py --out results/sampler.json
 
 `kernel` is `autobucket.engine.selection.sample_inverse_cdf` where the kernel library builds with AVX2
 or AVX-512 (`csrc/sample_inverse_cdf.cpp`: two sweeps over each row, nothing written but the answer);

@@ -2,7 +2,7 @@
 buffers, adapters, forward hooks), the compiled step's hook set, and the model fingerprint the learned
 costs follow.
 
-    quiet-run -- python benchmarks/per_call_reads.py --out results/per_call_reads.json
+    quiet-run -- python benchmarks/studies/per_call_reads.py --out results/per_call_reads.json
     # smoke: --model tiny-llama --calls 50 --out /tmp/reads.json
 
 One process, one thread, `--model` (SmolLM2-135M by default: 397 modules); each read is timed `--calls`

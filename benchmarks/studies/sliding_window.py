@@ -1,9 +1,9 @@
 """A sliding-window model's call that outgrows its window: ordinary `generate` (what route="auto" ran for
 such a call until the continuous-batching routes applied windows) against auto on those routes.
 
-    quiet-run -- python benchmarks/sliding_window.py --out results/sliding_window.json
+    quiet-run -- python benchmarks/studies/sliding_window.py --out results/sliding_window.json
     # smoke: --prompts 4 --new-tokens 8 --rounds 2 --out /tmp/sliding_window.json
-    quiet-run -- python benchmarks/sliding_window.py --n 8 --prompts 8 --kernels invariant --out results/sliding_window_n8.json
+    quiet-run -- python benchmarks/studies/sliding_window.py --n 8 --prompts 8 --kernels invariant --out results/sliding_window_n8.json
 
 The model is bench-qwen2's geometry (hidden 256, 4 layers, 32,000 ids, random weights) as a Mistral with
 a `--window`-token sliding window on every layer (Mistral 7B v0.1's design; Gemma 3 windows five layers
@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 import transformers

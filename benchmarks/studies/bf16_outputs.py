@@ -5,8 +5,8 @@ it, alternating in one process (CPUs that run bf16 linears on the fixed-order ke
 - `--change scoring` (trainer-mode logprobs on): the bf16 log_softmax kernel reading the runner's widened
   fp32 logits (`trainer_log_softmax_at_widened`), against scoring a narrowed bf16 copy of them.
 
-    quiet-run -- python benchmarks/bf16_outputs.py --out results/bf16_outputs.json
-    quiet-run -- python benchmarks/bf16_outputs.py --change scoring --out results/bf16_scoring.json
+    quiet-run -- python benchmarks/studies/bf16_outputs.py --out results/bf16_outputs.json
+    quiet-run -- python benchmarks/studies/bf16_outputs.py --change scoring --out results/bf16_scoring.json
     # smoke: --rounds 2 --prompts 2 --n 2 --new-tokens 4 --out /tmp/bf16o.json
 
 The call is `shared_decode.py`'s (bench-qwen2 cast to bf16, `kernels="invariant"`, `--prompts` prompts of
@@ -19,8 +19,12 @@ to JSON."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, write_rounds

@@ -1,7 +1,7 @@
 """bf16 weights on the fixed-order linear: bf16 panels (widened as read) against fp32 panels of the same
 values, interleaved in one process, where a CPU runs bf16 linears on that kernel (no trusted bf16 GEMM).
 
-    quiet-run -- python benchmarks/bf16_panels.py --out results/bf16_panels.json
+    quiet-run -- python benchmarks/kernels/bf16_panels.py --out results/bf16_panels.json
     # smoke: --op-rows 16 --repeats 3 --rounds 1 --prompts 2 --n 2 --new-tokens 4 --out /tmp/bf16p.json
 
 Both panel dtypes run the same build of `fixed_order_linear` and give bitwise the same outputs (checked);
@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, interleaved

@@ -1,6 +1,6 @@
 """TRL GRPO with num_iterations=2: step time with the old-policy forward skipped (sampling logprobs reused).
 
-    quiet-run -- taskset -c 0 .venv/bin/python benchmarks/trl_old_logps.py --out results/trl_old_logps.json
+    quiet-run -- taskset -c 0 .venv/bin/python benchmarks/studies/trl_old_logps.py --out results/trl_old_logps.json
 
 With `num_iterations > 1` (or `steps_per_generation > gradient_accumulation_steps`) TRL runs one no-grad
 forward over every generation batch only to get `old_per_token_logps`. `AutobucketGRPOTrainer` with

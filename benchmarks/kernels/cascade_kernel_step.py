@@ -1,6 +1,6 @@
 """The GRPO-like call's cascade decode steps on the kernel step against the direct step, in one process.
 
-    taskset -c 0 python benchmarks/cascade_kernel_step.py --repeats 7 --out results/cascade_kernel_step.json
+    taskset -c 0 python benchmarks/kernels/cascade_kernel_step.py --repeats 7 --out results/cascade_kernel_step.json
 
 bench-qwen2 fp32, `kernels="invariant"`, 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1, EOS off
 (benchmarks/shared_decode.py's call): every decode step reads the prompts' shared K/V (cascade decode).
@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import interleaved

@@ -2,7 +2,7 @@
 module's `apply_rotary_pos_emb`, SiLU-and-multiply against `F.silu(gate) * up`, RMSNorm against the
 module, each alone, and whole rollouts with all of them on and all off.
 
-    taskset -c 0 python benchmarks/fused_elementwise.py --repeats 9 --out results/fused_elementwise.json
+    taskset -c 0 python benchmarks/kernels/fused_elementwise.py --repeats 9 --out results/fused_elementwise.json
 
 Alone: bench-qwen2's heads (4 query, 2 K/V, head_dim 64), MLP (intermediate 1,024) and hidden size (256)
 over a packed prefill's 2,000 tokens and a decode step's 32 rows (the rotary in fp32 and bf16, the others
@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import interleaved

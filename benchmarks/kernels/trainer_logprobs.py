@@ -1,7 +1,7 @@
 """What trainer-mode logprobs cost an RL call, with the trainer-reduction kernels and with torch's ops,
 interleaved in one process; and the ops alone.
 
-    quiet-run -- .venv/bin/python benchmarks/trainer_logprobs.py --out results/trainer_logprobs.json
+    quiet-run -- .venv/bin/python benchmarks/kernels/trainer_logprobs.py --out results/trainer_logprobs.json
     # a bf16 model: --dtype bf16; smoke: --prompts 2 --n 4 --new-tokens 8 --repeats 1 --op-repeats 3
 
 The call: `benchmarks/shared_decode.py`'s GRPO-like one (`--prompts` 8 fresh ShareGPT-like prompts x `--n`
@@ -33,6 +33,8 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import interleaved

@@ -1,6 +1,6 @@
 """How much a page costs the first time this VM touches it, against the second time.
 
-    python benchmarks/first_touch.py --gigabytes 4 --out results/first_touch.json
+    python benchmarks/studies/first_touch.py --gigabytes 4 --out results/first_touch.json
 
 A fresh VM's guest memory is backed by the host on first touch, and a `virtio_balloon` with free page
 reporting hands freed pages back, so a process whose large tensors are fresh `mmap`s can pay that cost

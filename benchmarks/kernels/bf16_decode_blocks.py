@@ -1,7 +1,7 @@
 """bf16 linears at a decode step's 33-128 rows: one padded oneDNN call (`packed_matmul.decode_block_for`)
 against 32-row blocks, each of which streams the whole weight.
 
-    quiet-run -- python benchmarks/bf16_decode_blocks.py --out results/bf16_decode_blocks.json
+    quiet-run -- python benchmarks/kernels/bf16_decode_blocks.py --out results/bf16_decode_blocks.json
 
 Two parts, one process, one thread:
 1. Per shape (bench-qwen2's projections and head, SmolLM2's): oneDNN's bf16 GEMM on a packed weight at
@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import grpo_switch_rounds

@@ -1,6 +1,6 @@
 """The fp32 fixed-order linear, this tree's kernel against a git revision's, interleaved in one process.
 
-    taskset -c 0 python benchmarks/linear_ab.py --baseline HEAD~1 --out results/linear_ab.json
+    taskset -c 0 python benchmarks/kernels/linear_ab.py --baseline HEAD~1 --out results/linear_ab.json
 
 On this VM the same code runs up to 25% faster or slower from one process to the next, so two builds
 timed in separate processes cannot be told apart by a few percent. Here the revision's

@@ -1,7 +1,7 @@
 """Decode and prefill attention, this tree's kernel against a git revision's, interleaved in one process.
 
-    taskset -c 0 python benchmarks/attention_ab.py --baseline HEAD --out results/attention_ab.json
-    taskset -c 0,1 python benchmarks/attention_ab.py --baseline HEAD --threads 2   # the loops' split
+    taskset -c 0 python benchmarks/kernels/attention_ab.py --baseline HEAD --out results/attention_ab.json
+    taskset -c 0,1 python benchmarks/kernels/attention_ab.py --baseline HEAD --threads 2   # the loops' split
 
 On this VM the same code runs up to 25% faster or slower from one process to the next, so two builds
 timed in separate processes cannot be told apart by a few percent. Here the revision's

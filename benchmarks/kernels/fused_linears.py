@@ -1,6 +1,6 @@
 """The invariant decode step with and without fused linears (q/k/v and gate/up as one GEMM), interleaved.
 
-    taskset -c 0 python benchmarks/fused_linears.py --model smollm2 --dtype bfloat16 --rows 4 --out results/fused_linears.json
+    taskset -c 0 python benchmarks/kernels/fused_linears.py --model smollm2 --dtype bfloat16 --rows 4 --out results/fused_linears.json
 
 The static cache holds `rows` prompts of `context` tokens; every timed step decodes at that context.
 Both contenders run `kernels="invariant"`'s kernels on their own packed copies (`PackedLinears(fuse=True)`

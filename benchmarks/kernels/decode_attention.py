@@ -1,6 +1,6 @@
 """Decode attention alone: the invariant kernel with and without its K/V prefetch, on a decode step's cache.
 
-    taskset -c 0 python benchmarks/decode_attention.py --repeats 21 --out results/decode_attention.json
+    taskset -c 0 python benchmarks/kernels/decode_attention.py --repeats 21 --out results/decode_attention.json
 
 One query per row over a static cache ([rows, kv_heads, columns, head_dim], bench-qwen2's heads: 4 query
 heads over 2 K/V heads of 64), `--layers` layers' caches in turn, as a decode step reads them; fp32 and
@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import interleaved

@@ -1,7 +1,7 @@
 """What per-request budgets save an agent turn whose conversations have different budgets left: one call with
 `max_new_tokens=[...]` against the two ways without it, in one process, the order rotated each round.
 
-    quiet-run -- python benchmarks/request_budgets.py --out results/request_budgets.json
+    quiet-run -- python benchmarks/studies/request_budgets.py --out results/request_budgets.json
     # smoke: --rounds 3 --prompts 4 --least 2 --most 8 --out /tmp/budgets.json
 
 The turn: `--prompts` conversations of ShareGPT-like lengths on bench-qwen2 (`--kernels`, one thread), each
@@ -26,7 +26,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from interleave import abba_rounds, write_rounds

@@ -1,6 +1,6 @@
 """Cascade decode attention alone: a GRPO-like step's shared prompts, their K/V from DRAM and from cache.
 
-    taskset -c 0 python benchmarks/cascade_attention.py --repeats 15 --out results/cascade_attention.json
+    taskset -c 0 python benchmarks/kernels/cascade_attention.py --repeats 15 --out results/cascade_attention.json
 
 The case of `attention_ab.py`'s cascade (64 rows reading 8 prompts' one shared copy of K/V, 108-856 keys,
 bench-qwen2's 4 query heads over 2 K/V heads of 64, 4 layers' calls of `invariant_attention_shared`),
@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shared helpers: interleave.py, shared_decode.py
 
 import torch
 from attention_ab import CASCADE_OWN, CASCADE_PROMPTS, CASCADE_SAMPLES
