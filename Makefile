@@ -93,7 +93,7 @@ clean:
 
 # The engine suite with the compiled decode step on (RolloutConfig's default becomes compile=True;
 # tests that pass compile=False keep it). Not part of `make test`: inductor compiles each decode shape
-# once per model, tens of seconds each on a CPU (docs/benchmarks.md: ~11 min cold, ~3 min warm).
+# once per model, tens of seconds each on a CPU (minutes for the suite, fewer once its graphs are cached).
 test-compile: $(BIN)/.installed
 	AUTOBUCKET_TEST_COMPILE=1 $(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)
 

@@ -295,7 +295,7 @@ inline void write_normalized(const HeadState<C>& head, bool any_keys, float* out
 //   it next) and the next block's key j's K into L2 (the next block's scores read it). On an AMD EPYC
 //   Zen 3 with the eight-key scores, interleaved in one process against them without it: 0.84-0.90x
 //   the time in both dtypes (32 rows x 512 keys, 4 layers). Keys a few ahead into L1 (the Intel form)
-//   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 a session earlier (per-key scores),
+//   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 with per-key scores,
 //   and on a Zen 4 the next 32-128 keys into L1 were 7-15% slower; a block ahead into L2 does not compete
 //   with the block in use in L1. Beside the per-key scores the block-ahead form was level (0.99-1.06x),
 //   so it runs beside the eight-key form only.
