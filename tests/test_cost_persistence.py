@@ -1,4 +1,4 @@
-"""Online-cost persistence (issue 19 item 5): one writer per fingerprint (rank 0 of torch.distributed when it
+"""Online-cost persistence: one writer per fingerprint (rank 0 of torch.distributed when it
 is initialised, else `$RANK`), an unwritable cache folder never fails a call (one warning; the tokens are
 still the oracle's), and `RolloutConfig(persist_costs=False)` neither reads nor writes the cache.
 

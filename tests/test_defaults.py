@@ -1,4 +1,4 @@
-"""Issue 19 item 5, defaults a user expects: `route="auto"` by default, one model loader whose keywords are
+"""Defaults a user expects: `route="auto"` by default, one model loader whose keywords are
 the CLI's `--model` flags, public types a checker can see (the `Literal`s and the `TYPE_CHECKING` names
 behind the lazy `__init__`), and `--costs online` through the real console script."""
 

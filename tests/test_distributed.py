@@ -245,7 +245,7 @@ def test_update_weights_matches_one_process_and_survives_a_dead_worker(rr, expec
 def test_shutdown_kills_the_actors(ray_cluster) -> None:
     with RayRollout("tiny-qwen2", num_workers=1, worker_options={"num_cpus": 0}) as rollout:
         actor = rollout._actors[0]
-        assert rollout.config == RolloutConfig(route="auto")  # issue 19: the default every entry point names
+        assert rollout.config == RolloutConfig(route="auto")  # the default every entry point names
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.describe.remote(), timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -269,7 +269,7 @@ def test_bad_arguments_are_rejected_before_any_actor_starts() -> None:
         RayRollout("tiny-qwen2", num_workers=True)
     with pytest.raises(ValueError, match="torch_threads=0"):
         RayRollout("tiny-qwen2", torch_threads=0)
-    # Issue 16 item 2: a model path that does not exist is named on the driver, with what a name may be.
+    # A model path that does not exist is named on the driver, with what a name may be.
     with pytest.raises(ValueError, match=r"model './no-such-model' does not exist: pass a model folder.*smollm2"):
         RayRollout("./no-such-model")
 

@@ -96,7 +96,7 @@ def test_old_flag_spellings_still_work_and_say_the_new_one(capsys, old, new):
 
 
 def test_a_prompt_over_the_prefill_budget_is_planned_in_chunks_not_refused():
-    """Issue 15: --prefill-max-tokens is a budget (it used to be this command's one library error)."""
+    """--prefill-max-tokens is a budget (it used to be this command's one library error)."""
     completed = run_cli("plan", "--lengths", "1000000", "--max-positions", "1048576")
     assert completed.returncode == 0 and completed.stderr == ""
     assert "chunked:16" in completed.stdout  # ceil(1,000,000 / 65,536) forwards
