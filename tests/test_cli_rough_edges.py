@@ -133,7 +133,7 @@ def test_ctrl_c_writes_the_finished_prompts_and_exits_130(tiny_models, tmp_path,
     argv = ["generate", "--model", MODEL, "--prompts", str(path), "--out", str(out), "--max-new-tokens", "3",
             "--continuous-batch-size", "1", "--threads", "1"]  # fmt: skip
     completed = subprocess.run([sys.executable, "-c", INTERRUPT_AT_CALL, str(call), *argv], capture_output=True,
-                               text=True, timeout=300)  # fmt: skip
+                               text=True, timeout=600)  # fmt: skip
     assert completed.returncode == 128 + signal.SIGINT == 130
     assert "Traceback" not in completed.stderr
     if written:
