@@ -7,6 +7,7 @@ name chunk indices and flags where the file's lines and keys are meant."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -89,17 +90,31 @@ def test_generate_runs_a_line_whose_id_holds_a_line_separator(tiny_models, tmp_p
     ("max_new_token", 'did you mean "max_new_tokens"?'),
     ("prompt_id", 'did you mean "prompt_ids"?'),
     ("mesages", 'did you mean "messages"?'),
-    ("answer", "remove it"),
 ])  # fmt: skip
-def test_an_unknown_key_is_refused_with_the_close_match(tmp_path, key, fix):
+def test_a_misspelt_key_is_refused_with_the_close_match(tmp_path, key, fix):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt_ids": [3]}\n' + json.dumps({"prompt_ids": [3, 4], key: 3}) + "\n")
     with pytest.raises(ValueError) as error:
         read_prompts(path)
     assert str(error.value) == (
         f'{path}:2: unknown key "{key}": {fix} (a line takes one of "prompt", "prompt_ids", "messages" and '
-        'optionally "id", "max_new_tokens")'
+        'optionally "id", "max_new_tokens"; keys unlike these are ignored)'
     )
+
+
+def test_a_data_sets_own_fields_are_ignored(tmp_path):
+    """A data set's fields (an answer for the reward, a label) ride along; the prompt read is the same as
+    without them (control: a misspelt key among them is still refused)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [3, 4], "answer": "42", "difficulty": 3}\n')
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text('{"prompt_ids": [3, 4]}\n')
+    assert [dataclasses.replace(record, source="") for record in read_prompts(path)] == [
+        dataclasses.replace(record, source="") for record in read_prompts(bare)
+    ]
+    path.write_text('{"prompt_ids": [3, 4], "answer": "42", "max_new_token": 3}\n')
+    with pytest.raises(ValueError, match='unknown key "max_new_token": did you mean "max_new_tokens"'):
+        read_prompts(path)
 
 
 def test_the_cli_names_an_unknown_key_as_written(tmp_path, capsys):

@@ -125,7 +125,9 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
 
 
 def _json_object(line: str, where: str) -> dict[str, Any]:
-    """The line's object, with one of PROMPT_KEYS and no key outside PROMPT_KEYS + OPTIONAL_KEYS."""
+    """The line's object, with one of PROMPT_KEYS. A key outside PROMPT_KEYS + OPTIONAL_KEYS that looks like
+    one of them is a misspelling and refused; others are a data set's own fields (an answer, a label), and
+    ignored."""
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -135,22 +137,24 @@ def _json_object(line: str, where: str) -> dict[str, Any]:
         ) from None
     if not isinstance(item, dict):
         raise ValueError(f"{where}: expected a JSON object like {_OBJECT_EXAMPLES}, got {type(item).__name__}")
-    unknown = [key for key in item if key not in PROMPT_KEYS + OPTIONAL_KEYS]
-    if unknown:
-        raise ValueError(f"{where}: {_unknown_key_text(unknown[0])}")
+    misspelt = [key for key in item if key not in PROMPT_KEYS + OPTIONAL_KEYS and _close_key(key)]
+    if misspelt:
+        raise ValueError(f"{where}: {_unknown_key_text(misspelt[0])}")
     if sum(key in item for key in PROMPT_KEYS) != 1:
         raise ValueError(f'{where}: give exactly one of "prompt" (text), "prompt_ids" (token ids) or "messages" '
                          "(a chat conversation)")  # fmt: skip
     return item
 
 
+def _close_key(key: str) -> str | None:
+    close = difflib.get_close_matches(key, PROMPT_KEYS + OPTIONAL_KEYS, n=1)
+    return close[0] if close else None
+
+
 def _unknown_key_text(key: str) -> str:
-    known = PROMPT_KEYS + OPTIONAL_KEYS
-    close = difflib.get_close_matches(key, known, n=1)
-    fix = f'did you mean "{close[0]}"?' if close else "remove it"
-    return (f"unknown key {json.dumps(key)}: {fix} (a line takes one of "
+    return (f"unknown key {json.dumps(key)}: did you mean {json.dumps(_close_key(key))}? (a line takes one of "
             f"{', '.join(json.dumps(k) for k in PROMPT_KEYS)} and optionally "
-            f"{', '.join(json.dumps(k) for k in OPTIONAL_KEYS)})")  # fmt: skip
+            f"{', '.join(json.dumps(k) for k in OPTIONAL_KEYS)}; keys unlike these are ignored)")  # fmt: skip
 
 
 def _is_token_id(value: Any) -> bool:
