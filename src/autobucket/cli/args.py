@@ -15,7 +15,7 @@ from typing import Any
 ONLINE_COSTS = "online"  # RolloutConfig.costs's word for "learn them" (engine.cost_source.ONLINE)
 _LENGTH_ITEM = re.compile(r"(\d+)(?:[xX](\d+))?", re.ASCII)
 # the library's advice on a calibration file of another setup; each command's words for it are its flag
-OVERRIDE_PHRASE = "pass strict=False / --allow-mismatch"
+OVERRIDE_PHRASE = "pass RolloutConfig(costs_strict=False) / load_calibration(strict=False) / --allow-mismatch"
 MODEL_HELP = (
     "a model folder, a Hugging Face id in the local cache, smollm2 (the embedded SmolLM2-135M-Instruct), "
     "a tiny-*/bench-qwen2 name (random weights), or an HF config.json path (random weights)"
