@@ -108,3 +108,13 @@ def test_control_per_layer_collectives_with_uneven_work_fail(tmp_path):
     one rank fails (its peer gone mid-collective) or hangs until the timeout."""
     results = run_ranks("per_layer", tmp_path, timeout_s=120)
     assert not all(results)
+
+
+def test_lockstep_is_refused_by_name_and_gathered_is_the_default():
+    from autobucket import RolloutConfig
+
+    assert RolloutConfig().sharded_weights == "gathered"
+    with pytest.raises(ValueError, match=r"sharded_weights='lockstep' is not implemented: .*sharded_weights='gathered'"):
+        RolloutConfig(sharded_weights="lockstep")
+    with pytest.raises(ValueError, match=r"sharded_weights='stepped' is invalid: expected one of 'gathered', 'lockstep'"):
+        RolloutConfig(sharded_weights="stepped")
