@@ -30,8 +30,8 @@ def failures_shared(active: bool) -> Iterator[None]:
     if failed:
         rank, reason = failed[0]
         raise RuntimeError(
-            f"rank {rank} refused its generate call ({reason}); every rank stops before gathering the "
-            f"sharded weights, which that rank would not join: fix rank {rank}'s input and call again"
+            f"rank {rank} refused its generate call ({reason}); every rank raises it rather than wait on "
+            f"a collective that rank would not join: fix rank {rank}'s input and call again"
         )
 
 
