@@ -130,6 +130,19 @@ def per_layer_collectives():
 SCENARIOS = ("gathered", "peft", "bad_input", "invariant")  # "all" runs these in one pair of processes
 
 
+def weight_bytes(model: torch.nn.Module) -> dict:
+    """Parameter bytes this rank holds: its shards, and all of them inside a call's gathering."""
+    from autobucket.engine.model_access.sharded_weights import gathered_weights
+
+    def held() -> int:
+        return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
+
+    sharded = held()
+    with gathered_weights(model):
+        gathered = held()
+    return {"sharded": sharded, "gathered": gathered}
+
+
 def run(scenario: str, rank: int) -> dict:
     model = shard(build(scenario))
     logits_before = sharded_logits(model, rank)  # FSDP's lazy initialisation happens at the first forward
@@ -138,6 +151,7 @@ def run(scenario: str, rank: int) -> dict:
     if scenario in ("gathered", "peft"):
         routes = ("auto", "ordinary", "bucketed") if scenario == "gathered" else ("auto", "ordinary")
         out["tokens"] = generate_routes(model, rank, routes)
+        out["bytes"] = weight_bytes(model)
     elif scenario == "per_layer":
         with per_layer_collectives():
             out["tokens"] = generate_routes(model, rank, ("bucketed",))
@@ -166,7 +180,7 @@ def main() -> None:
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGTERM)  # a rank the test stops (a hang) prints where it waited
+    faulthandler.register(signal.SIGTERM, chain=True)  # a rank the test stops (a hang) prints where it waited
     scenario, rank, world, port, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)

@@ -81,6 +81,16 @@ def test_every_rank_and_route_equals_single_request_generate_on_the_unsharded_mo
         assert out[scenario]["logits_kept"]
 
 
+def test_a_rank_holds_the_full_weights_only_inside_the_call(ranks, worker):
+    """The memory bound: gathered, a rank holds every parameter byte of the unsharded model; outside the
+    call, what FSDP holds (the layers' shards; the root's weights stay unsharded after a forward, FSDP's
+    own default for the root)."""
+    full = sum(p.nbytes for p in worker.build("gathered").parameters())
+    held = [out["gathered"]["bytes"] for out in ranks]
+    assert [h["gathered"] for h in held] == [full, full]
+    assert all(h["sharded"] < full for h in held), held
+
+
 def test_the_lora_adapter_inside_the_sharded_model_runs(ranks, worker):
     """The PeftModel's tokens are not the base model's: its adapter ran in the gathered forwards."""
     base = worker.build("gathered")
@@ -92,6 +102,7 @@ def test_a_rank_refusing_its_input_stops_every_rank_with_the_reason(ranks):
     refused, peer = ranks[1]["bad_input"], ranks[0]["bad_input"]
     assert refused["error"].startswith("ValueError: prompt 0 has token id 1027 outside the vocabulary")
     assert peer["error"].startswith("RuntimeError: rank 1 refused its generate call (ValueError: prompt 0 has")
+    assert "fix rank 1's input and call again" in peer["error"]
     # both ranks went on in step: the next sharded forward (collectives on both) ran, the model as found
     assert refused["logits_kept"] and peer["logits_kept"] and refused["state_kept"] and peer["state_kept"]
 
