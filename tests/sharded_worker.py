@@ -9,7 +9,8 @@ what the test compares (tokens, logprobs, the model's state before and after) to
 - per_layer: the negative control, the sharded forward's own per-layer all-gathers at every step;
 - bad_input: rank 1's prompt holds a token id past the vocabulary;
 - invariant: kernels="invariant", sampled; the trainer's sharded forward under autobucket.invariant;
-- all: the four above but per_layer, one after another in the same two processes.
+- nested: one enclosing gather, inside it rank 0 makes one call and rank 1 five;
+- all: the five above but per_layer, one after another in the same two processes.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def per_layer_collectives():
         rollout.is_sharded = original
 
 
-SCENARIOS = ("gathered", "peft", "bad_input", "invariant")  # "all" runs these in one pair of processes
+SCENARIOS = ("gathered", "peft", "bad_input", "invariant", "nested")  # "all" runs these in one pair of processes
 
 
 def weight_bytes(model: torch.nn.Module) -> dict:
@@ -157,11 +158,28 @@ def run(scenario: str, rank: int) -> dict:
             out["tokens"] = generate_routes(model, rank, ("bucketed",))
     elif scenario == "bad_input":
         out["error"] = refusal(model, rank)
+    elif scenario == "nested":
+        out["tokens"] = nested_calls(model, rank)
     elif scenario == "invariant":  # its trainer forwards are FSDP's record too: the state is not compared
         out.update(invariant_logprobs(model, rank))
     out["state_kept"] = model_state(model) == before
     out["logits_kept"] = sharded_logits(model, rank) == logits_before  # also: the ranks are still in step
     return out
+
+
+def nested_calls(model, rank: int) -> list[list[int]]:
+    """Different numbers of calls per rank on one enclosing gather (as the TRL adapter makes one call per
+    distinct run length): rank 0 one call for all its prompts, rank 1 one call per prompt."""
+    from autobucket import CostCoefficients, Rollout, RolloutConfig, SamplingConfig
+    from autobucket.engine.model_access.sharded_weights import gathered_weights
+
+    prompts, budget = rank_prompts(rank)
+    rollout = Rollout(model, config=RolloutConfig(route="auto", costs=CostCoefficients()))
+    sampling = SamplingConfig(max_new_tokens=budget, eos_token_id=[])
+    with gathered_weights(model):
+        if rank == 0:
+            return rollout.generate(prompts, sampling).tokens
+        return [rollout.generate([prompt], sampling).tokens[0] for prompt in prompts]
 
 
 def refusal(model, rank: int) -> str | None:

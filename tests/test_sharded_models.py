@@ -91,6 +91,14 @@ def test_a_rank_holds_the_full_weights_only_inside_the_call(ranks, worker):
     assert all(h["sharded"] < full for h in held), held
 
 
+def test_ranks_making_different_numbers_of_calls_inside_one_gather_stay_exact(ranks, worker):
+    model = worker.build("nested")
+    for rank, out in enumerate(ranks):
+        prompts, budget = worker.rank_prompts(rank)
+        assert out["nested"]["tokens"] == hf_greedy(model, prompts, budget)
+        assert out["nested"]["state_kept"] and out["nested"]["logits_kept"]
+
+
 def test_the_lora_adapter_inside_the_sharded_model_runs(ranks, worker):
     """The PeftModel's tokens are not the base model's: its adapter ran in the gathered forwards."""
     base = worker.build("gathered")

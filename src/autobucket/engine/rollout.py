@@ -46,7 +46,11 @@ from autobucket.engine.model_access.hf_compat import (
     vocab_size,
 )
 from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
-from autobucket.engine.model_access.sharded_weights import gathered_weights, is_sharded
+from autobucket.engine.model_access.sharded_weights import (
+    gathered_weights,
+    gathering_communicates,
+    is_sharded,
+)
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.sampling.streams import request_seeds
@@ -153,8 +157,9 @@ class Rollout:
 
     def _generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None, overrides: dict) -> RolloutResult:
         started = time.perf_counter()
-        sharded = is_sharded(self._wrapper)
-        with failures_shared(sharded and distributed_ready()):  # a refusal on one rank stops every rank
+        # a refusal on one rank stops every rank, when the gathering below would communicate
+        communicates = gathering_communicates(self._wrapper)
+        with failures_shared(communicates and distributed_ready()):
             sampling = sampling_or_default(sampling)
             generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
             stops = self._stop_strings(generation.stop_strings)

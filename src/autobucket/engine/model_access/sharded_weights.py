@@ -40,6 +40,16 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and bool(fsdp2_modules(model))
 
 
+def gathering_communicates(model: torch.nn.Module) -> bool:
+    """Whether `gathered_weights(model)` would all-gather: some group is sharded now. Inside an enclosing
+    `gathered_weights` (a caller generating several times on one gather) every group is unsharded, and
+    a nested gathering communicates nothing, so ranks may make different numbers of calls there."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    groups = (g for module in fsdp2_modules(model) for g in module._get_fsdp_state()._fsdp_param_groups)
+    return any(not group.is_unsharded for group in groups)
+
+
 @dataclass
 class _GroupState:
     """What the call changes on one FSDP parameter group, to put back after it."""
@@ -54,7 +64,7 @@ class _GroupState:
 def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     """Inside: `model`'s FSDP2 groups unsharded, its forwards free of collectives (a no-op for a model
     that is not sharded). Every rank must enter it, in the same order relative to its other
-    collectives: it all-gathers once per group."""
+    collectives: it all-gathers once per group that is sharded (none when nested in another)."""
     modules = fsdp2_modules(model)
     if not modules:
         yield
