@@ -111,7 +111,8 @@ class Rollout:
 
     @property
     def costs(self) -> CostCoefficients:
-        """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
+        """The coefficients the next call plans with (online: probed now if nothing was learned yet). On a
+        sharded model the probe runs on the gathered weights: every rank reads it together."""
         with self._call_lock, self._gathered():
             self._follow_model()
             return self.cost_source.current(self._probe_runner())

@@ -15,7 +15,9 @@ of its shards: parameter bytes x (1 + 1/world size), as an FSDP root with `resha
 The model is left as found: the groups that were sharded are sharded again (the same parameter objects
 registered), each group's reshard-after-forward setting and the root's automatic choice restored, and
 FSDP's record of the forward order (kept for backward prefetching) trimmed to what it held before.
-FSDP's state is per model, not per thread: a trainer thread's forward of the same FSDP model during
+FSDP2 has no public way to keep groups unsharded through forwards and put the root's automatic
+setting back (`set_reshard_after_forward` overwrites it), so the group attributes it keeps that setting
+in are read and restored here. FSDP's state is per model, not per thread: a trainer thread's forward of the same FSDP model during
 a call would find it unsharded (the same values), and is not supported."""
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     automatic = [(state, state._auto_reshard_after_forward) for state in states]
     orders = _unique([g.group.comm_ctx.post_forward_order for g in groups])
     order_lengths = [(order, len(order)) for order in orders]
-    with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
-        for module in modules:
-            module.unshard()
-    for saved in groups:
-        saved.group.post_forward_mesh_info = None  # keep the gathered weights through every forward
-    try:
+    try:  # an unshard that fails part way (out of memory) still leaves the model as found
+        with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
+            for module in modules:
+                module.unshard()
+        for saved in groups:
+            saved.group.post_forward_mesh_info = None  # keep the gathered weights through every forward
         yield
     finally:
         _restore(groups, automatic, order_lengths)
