@@ -19,9 +19,9 @@ the ordinary route's even then (DeepSpeed's own CB path would narrow responses t
 Generation runs through `autobucket.Rollout` on `engine.module`, never through DeepSpeed's own
 continuous-batching path (which breaks on transformers >= 5.14). Weights are read live, so
 `sync_weights(step)` only records the step, which keys the sampling streams: sampled tokens depend on
-(seed, step, call, prompt, sample), not on the route or batch plan. ZeRO stage 3 is refused: autobucket
-runs a data-dependent number of forwards per rank, and partitioned parameters need every rank to run
-the same ones."""
+(seed, step, call, prompt, sample), not on the route or batch plan. At ZeRO stage 3 each call gathers the
+full weights once on every rank and generates with no collectives (`zero3_weights.py`): every rank
+calls `generate` together, and a call one rank refuses raises on every rank after it, with the reason."""
 
 from __future__ import annotations
 
@@ -35,14 +35,16 @@ from deepspeed.runtime.rollout import SamplingConfig as DeepSpeedSamplingConfig
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import optional_int, require_int
 from autobucket.engine.generation_setup import eos_token_ids
+from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
+from autobucket.integrations.zero3_weights import gathered_zero3, zero_stage
 from autobucket.result import RolloutResult
 
 
 class AutobucketRollout(RolloutEngine):
     """A `RolloutEngine` over a DeepSpeed engine's module, generating with autobucket.
 
-    engine: the `DeepSpeedEngine` (ZeRO stage 0-2); its `.module` is the Hugging Face causal LM.
+    engine: the `DeepSpeedEngine` (any ZeRO stage); its `.module` is the Hugging Face causal LM.
     tokenizer: anything with `pad_token_id` and `eos_token_id` (pad falls back to EOS, as in DeepSpeed).
     config: how autobucket runs (default `RolloutConfig(route="auto")`).
     seed: base of the sampling streams (with the step from `sync_weights` and a per-step call count).
@@ -52,7 +54,7 @@ class AutobucketRollout(RolloutEngine):
     name = "autobucket"
 
     def __init__(self, engine: Any, tokenizer: Any, config: RolloutConfig | None = None, seed: int = 0) -> None:
-        _check_zero_stage(engine)
+        _check_engine(engine)
         self.engine = engine
         self.tokenizer = tokenizer
         self.pad_token_id = _pad_token_id(tokenizer)
@@ -66,11 +68,16 @@ class AutobucketRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: DeepSpeedSamplingConfig) -> RolloutBatch:
-        rows, n = request.prompt_ids.shape[0], _check_sampling(sampling)
-        if rows == 0:
-            raise ValueError("the rollout request is empty (prompt_ids has 0 rows): pass at least one prompt")
-        settings = self._sampling(sampling, rows * n)
-        result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
+        sharded = zero_stage(self.engine) == 3 and distributed_ready()
+        with failures_shared(sharded):  # before the gather, which a rank refusing here would not join
+            rows, n = request.prompt_ids.shape[0], _check_sampling(sampling)
+            if rows == 0:
+                raise ValueError("the rollout request is empty (prompt_ids has 0 rows): pass at least one prompt")
+            settings = self._sampling(sampling, rows * n)
+        # at stage 3 the gather is the call's one collective; a refusal inside the call (the prompts'
+        # checks) is shared after it, when every rank has released the gathered weights
+        with failures_shared(sharded), gathered_zero3(self.engine):
+            result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
         self.last_result = result
         self.last_logprobs = _response_logprobs(result, n, sampling.max_new_tokens, request.prompt_ids.device)
         return _rollout_batch(request, result.flat_tokens(), n, sampling.max_new_tokens, self.pad_token_id, self.eos_token_ids)
@@ -110,14 +117,7 @@ class AutobucketRollout(RolloutEngine):
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
-def _check_zero_stage(engine: Any) -> None:
-    stage_of = getattr(engine, "zero_optimization_stage", None)
-    stage = stage_of() if callable(stage_of) else 0
-    if stage == 3:
-        raise ValueError(
-            "zero_optimization.stage=3 is not supported by AutobucketRollout: ranks would run different numbers "
-            "of forwards over partitioned parameters; use ZeRO stage 0-2 (or HybridEngineRollout for stage 3)"
-        )
+def _check_engine(engine: Any) -> None:
     if not hasattr(engine, "module"):
         raise ValueError(f"engine of type {type(engine).__name__} has no .module: pass the DeepSpeedEngine")
 
