@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from conftest import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary, set_fused
+from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary
+from autobucket.engine.kernels.elementwise import scope as fused_scope
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
 from autobucket.engine.kernels.library import load_invariant_kernels
@@ -110,24 +111,20 @@ def test_calls_the_kernel_cannot_take_run_the_models_function():
         assert kernel_takes(wants_grad, k, cos, sin, (), {})
 
 
-KERNELS = ("rotary", "gated_mlp", "rms_norm")
-
-
 def generate(model, sampling, fused: bool, kernels: str):
-    previous = {kernel: set_fused(kernel, fused) for kernel in KERNELS}
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        if not fused:  # the fused scope then finds no Llama-family modeling module and routes nothing
+            patch.setattr(fused_scope, "llama_modeling_module", lambda model: None)
         # eager decode steps (also under `make test-compile`): a compiled graph traces the model's own code, and
-        # switching the routers between calls changes what dynamo guards on, so the step recompiles (and past
-        # the recompile cap decodes eagerly: different last bits from a compiled step, whatever the kernels)
+        # installing the routers for one call and not the next changes what dynamo guards on, so the step
+        # recompiles (and past the recompile cap decodes eagerly: different last bits from a compiled step,
+        # whatever the kernels)
         # and a continuous-batching route named, not "auto": its cost model may choose HF generate for a
         # call this small, which runs no decode step of the engine's (`decode_forward` is then ""); with
         # fixed costs, since buckets planned from costs learned online (the first call's timings) can move
         # between the two calls, and kernels="hf" gives a prompt other last bits in another bucket
         config = RolloutConfig(route="bucketed", kernels=kernels, compile=False, costs=CostCoefficients())
         return Rollout(model, config=config).generate(random_prompts((5, 23, 11, 40, 2), seed=0), sampling)
-    finally:
-        for kernel, enabled in previous.items():
-            set_fused(kernel, enabled)
 
 
 def counting(monkeypatch, module, name):

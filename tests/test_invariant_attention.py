@@ -16,7 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import hashlib
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 from conftest import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.engine.kernels import library
 from autobucket.engine.kernels.invariant_attention import (
+    allowed_for,
     invariant_attention,
     invariant_attention_shared,
     invariant_sdpa,
@@ -390,27 +396,52 @@ def test_a_windowed_cascade_refuses_own_keys_past_the_window():
                                    torch.tensor([0]), None, 5)  # fmt: skip
 
 
+@functools.cache
+def prefetch_builds() -> tuple:
+    """The attention operator built twice beside the library, its decode prefetch fixed on and off
+    (`AUTOBUCKET_DECODE_PREFETCH`, whatever this CPU would pick), each under its own operator namespace;
+    compiled once per source and flags, like the library (torch's extension folder caches it)."""
+    source = Path(library.__file__).parent / "csrc" / "invariant_attention.cpp"
+    text = source.read_text()
+    flags = [*library.BUILD_FLAGS, *library.PARALLEL_FLAGS, f"-I{source.parent}"]
+    headers = sorted(path.read_text() for path in source.parent.glob("*.h"))
+    digest = hashlib.sha256(f"{text}|{headers}|{flags}|{torch.__version__}|{library._cpu_flags()}".encode()).hexdigest()[:12]
+    variants = {}
+    for setting in (1, 0):
+        namespace = f"autobucket_prefetch_{setting}"
+        renamed = re.sub(r"TORCH_LIBRARY(_IMPL)?\(autobucket\b", rf"TORCH_LIBRARY\1({namespace}", text)
+        variants[f"{namespace}.cpp"] = f"#define AUTOBUCKET_DECODE_PREFETCH {setting}\n{renamed}"
+    name = f"autobucket_prefetch_variants_{digest}"
+    from torch.utils import cpp_extension
+
+    folder = library._copy_sources(Path(cpp_extension._get_build_directory(name, verbose=False)).parent / f"{name}_src",
+                                   variants)  # fmt: skip
+    cpp_extension.load(name=name, sources=[str(folder / file) for file in variants], extra_cflags=flags,
+                       extra_ldflags=library.PARALLEL_FLAGS, is_python_module=False, verbose=False)  # fmt: skip
+    return torch.ops.autobucket_prefetch_1.invariant_attention, torch.ops.autobucket_prefetch_0.invariant_attention
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_decode_with_and_without_its_kv_prefetch_gives_the_same_bits(dtype):
     """Decode prefetches K/V ahead (a few keys on Intel CPUs, a block on AMD ones with the eight-key
-    scores) or not; both ways are run here, whichever this CPU picks, on a static cache with rows of
-    different lengths (a row's last keys and blocks are where the prefetch runs out), and both match SDPA."""
+    scores) or not; the kernel built with it forced on and with it forced off runs here, on a static cache
+    with rows of different lengths (a row's last keys and blocks are where the prefetch runs out): both
+    give the library's bits, and match SDPA."""
     load_invariant_kernels()
+    with_prefetch_op, without_op = prefetch_builds()
     generator = torch.Generator().manual_seed(7)
     query = torch.randn(5, 6, 1, 64, generator=generator).to(dtype)
     key, value = (torch.randn(5, 2, 200, 64, generator=generator).to(dtype) for _ in range(2))
     mask = torch.zeros(5, 1, 1, 200, dtype=torch.bool)
     for row, length in enumerate((1, 3, 64, 131, 197)):
         mask[row, :, :, 200 - length :] = True
-    previous = torch.ops.autobucket.set_decode_prefetch(True)
-    try:
-        with torch.inference_mode():
-            with_prefetch = kernel(query, key, value, mask, False)
-            torch.ops.autobucket.set_decode_prefetch(False)
-            without = kernel(query, key, value, mask, False)
-    finally:
-        torch.ops.autobucket.set_decode_prefetch(previous)
+    allowed = allowed_for(mask, query.shape[0], key.shape[2])
+    with torch.inference_mode():
+        with_prefetch = with_prefetch_op(query, key, value, allowed, False, 64**-0.5)
+        without = without_op(query, key, value, allowed, False, 64**-0.5)
+        library_bits = kernel(query, key, value, mask, False)
     assert torch.equal(with_prefetch, without)
+    assert torch.equal(with_prefetch, library_bits)
     want = sdpa(query.float(), key.float(), value.float(), mask, False)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOLERANCE
     torch.testing.assert_close(with_prefetch.float(), want, **tolerance)

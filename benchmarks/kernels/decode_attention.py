@@ -5,10 +5,11 @@
 One query per row over a static cache ([rows, kv_heads, columns, head_dim], bench-qwen2's heads: 4 query
 heads over 2 K/V heads of 64), `--layers` layers' caches in turn, as a decode step reads them; fp32 and
 bf16. A 64 MB write runs before every timed call, so the cache comes from DRAM, as it does in a step
-whose weights have just streamed through. The two contenders are the same kernel with its decode
-prefetch on and off (`torch.ops.autobucket.set_decode_prefetch`; the form is this CPU's: keys ahead on
-Intel, a block ahead on AVX2 AMD CPUs); the benchmark checks that their outputs are bitwise equal. To
-compare two versions of the kernel instead, use `attention_ab.py`. Interleaved repeats after a warm-up;
+whose weights have just streamed through. The two contenders are this tree's kernel built twice beside
+the library, with its decode prefetch fixed on and off (`AUTOBUCKET_DECODE_PREFETCH`; the form is this
+CPU's: keys ahead on Intel, a block ahead on AMD CPUs), each under its own operator namespace; the
+benchmark checks that their outputs are bitwise equal. To compare two versions of the kernel instead,
+use `attention_ab.py`. Interleaved repeats after a warm-up;
 medians, the cache's read rate, ratios; raw samples to JSON."""
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's shar
 
 import torch
 from interleave import interleaved
+from revision_ab import build_tree_kernel
 
 from autobucket.engine.kernels.library import load_invariant_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+PREFETCH_BUILDS = {True: "autobucket_decode_prefetch_on", False: "autobucket_decode_prefetch_off"}  # namespaces
 
 
 def decode_layers(rows: int, context: int, layers: int, dtype: torch.dtype) -> list[tuple]:
@@ -46,13 +49,17 @@ def decode_layers(rows: int, context: int, layers: int, dtype: torch.dtype) -> l
     return out
 
 
+def build_prefetch_variants() -> None:
+    """The attention built with its decode prefetch fixed on and off, under PREFETCH_BUILDS' namespaces."""
+    for prefetch, namespace in PREFETCH_BUILDS.items():
+        build_tree_kernel("invariant_attention.cpp", namespace, {"AUTOBUCKET_DECODE_PREFETCH": int(prefetch)})
+
+
 def attend_all(layers: list[tuple], prefetch: bool):
+    op = getattr(torch.ops, PREFETCH_BUILDS[prefetch]).invariant_attention
+
     def run() -> list[torch.Tensor]:
-        torch.ops.autobucket.set_decode_prefetch(prefetch)
-        return [
-            torch.ops.autobucket.invariant_attention(q, k, v, a, False, HEAD_DIM**-0.5)
-            for q, k, v, a in layers
-        ]
+        return [op(q, k, v, a, False, HEAD_DIM**-0.5) for q, k, v, a in layers]
 
     return run
 
@@ -82,8 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_invariant_kernels()
-    previous = torch.ops.autobucket.set_decode_prefetch(True)
-    print(f"this CPU's choice: decode prefetch {'on' if previous else 'off'}")
+    build_prefetch_variants()
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for context in args.contexts:
@@ -94,7 +100,6 @@ def main() -> None:
             print(f"{result['dtype']} rows {args.rows} context {context}: prefetch {m['prefetch']:.2f} ms "
                   f"({rates['prefetch']:.1f} GB/s), none {m['no_prefetch']:.2f} ms ({rates['no_prefetch']:.1f} GB/s), "
                   f"ratio {result['ratio_prefetch']:.3f}; bitwise equal {result['bitwise_equal']}")  # fmt: skip
-    torch.ops.autobucket.set_decode_prefetch(previous)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 

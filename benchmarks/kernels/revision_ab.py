@@ -1,5 +1,6 @@
-"""What attention_ab.py and linear_ab.py share: a git revision's kernel source built beside this tree's
-library under its own operator namespace, and this tree's op timed against it in one process."""
+"""What attention_ab.py, linear_ab.py and decode_attention.py share: a git revision's kernel source (or this
+tree's, with build-time defines) built beside this tree's library under its own operator namespace, and
+this tree's op timed against it in one process."""
 
 from __future__ import annotations
 
@@ -31,13 +32,30 @@ def build_revision_kernel(revision: str, source: str, namespace: str) -> None:
     for header in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
         included = subprocess.check_output(["git", "show", f"{commit}:{CSRC}/{header}"], cwd=root, text=True)
         (folder / header).write_text(included)
+    _build(folder, source, text, f"{namespace}_{commit[:12]}", namespace)
+
+
+def build_tree_kernel(source: str, namespace: str, defines: dict[str, int]) -> None:
+    """`source` (a file of csrc/) as this tree has it, each of `defines` set before its first line (as
+    `AUTOBUCKET_DECODE_PREFETCH` fixes a choice the library makes by CPU), its operators registered under
+    `namespace`; it includes this tree's headers."""
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    folder = Path(tempfile.mkdtemp(prefix=f"{namespace}_"))
+    for header in (root / CSRC).glob("*.h"):
+        (folder / header.name).write_text(header.read_text())
+    text = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + (root / CSRC / source).read_text()
+    _build(folder, source, text, namespace, namespace)
+
+
+def _build(folder: Path, source: str, text: str, name: str, namespace: str) -> None:
+    """`text` written as `folder/source` with its TORCH_LIBRARY blocks moved to `namespace`, built and loaded."""
     text = re.sub(r"TORCH_LIBRARY(?:_FRAGMENT)?\(autobucket\b", f"TORCH_LIBRARY({namespace}", text)
     text = re.sub(r"TORCH_LIBRARY_IMPL\(autobucket\b", f"TORCH_LIBRARY_IMPL({namespace}", text)
     (folder / source).write_text(text)
     from torch.utils import cpp_extension
 
     # with OpenMP as the library is built (since 86764aa), so that both builds split their loops alike
-    cpp_extension.load(name=f"{namespace}_{commit[:12]}", sources=[str(folder / source)],
+    cpp_extension.load(name=name, sources=[str(folder / source)],
                        extra_cflags=[*BUILD_FLAGS, *PARALLEL_FLAGS], extra_ldflags=PARALLEL_FLAGS,
                        is_python_module=False, verbose=False)  # fmt: skip
 

@@ -140,7 +140,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):  # fmt: skip
+                                           **multimodal):
         """TRL's per-token logprobs (and entropies); with invariant kernels the forward runs under
         `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights. TRL's
         old-policy call (no grad, right after generation) returns the sampling logprobs instead when
@@ -153,7 +153,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
-            )  # fmt: skip
+            )
         else:
             logps, entropies = invariant_per_token_logps(
                 model, input_ids, attention_mask, logits_to_keep, self.temperature, batch_size, compute_entropy

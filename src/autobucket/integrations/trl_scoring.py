@@ -116,13 +116,13 @@ def score_on_invariant_kernels(trainer: Any) -> None:
     trainer_cls = type(trainer)
 
     def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-                        compute_aux_loss=False, **multimodal):  # fmt: skip
+                        compute_aux_loss=False, **multimodal):
         refresh_packs_once_per_step(trainer, invariant_kernels=True)
         if needs_trl_forward(compute_aux_loss, multimodal):
             return trainer_cls._get_per_token_logps_and_entropies(
                 trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
-            )  # fmt: skip
+            )
         with _unchecked_outside_scoped_step(trainer):
             logps, entropies = invariant_per_token_logps(
                 model, input_ids, attention_mask, logits_to_keep, trainer.temperature, batch_size, compute_entropy

@@ -91,7 +91,7 @@ def choose_route(
     blocked = _ordinary_blockers(
         checked, max_new_tokens, continuous_batch_size, prefill_max_tokens, max_positions, ordinary_blocked_reason,
         samples_per_prompt,
-    )  # fmt: skip
+    )
     if not checked:
         return _empty_decision(blocked)
     shared_costs = shared_prefill_costs(costs, samples_per_prompt)
