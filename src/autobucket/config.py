@@ -59,7 +59,7 @@ class RolloutConfig:
       decode shape; graphs are kept per model and reused by later calls); "auto": reuse graphs already
       compiled, and compile new ones only when the call's predicted decode saving repays the compile
       time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
-      can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
+      can flip a near-tied greedy token (docs/routes.md), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     persist_costs: keep what online learning learns between processes (the only switch for it). True
       (default): start from the entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root

@@ -9,6 +9,10 @@ Compiled models: a `torch.compile`d module (wrapper, submodule, or compiled in p
 name with the module to pass instead, and the scope serves that module afterwards. Control: what the
 refusal prevents, a compiled forward in the scope, differs from the rollout.
 
+Weight writes: after any write to the weights (through `.data` included, which no version counter
+sees), the next scoped forward is bitwise a fresh copy's scoped forward and close to the plain forward.
+Control: a scope that keeps packed copies serves the old weights after a `.data` write.
+
 Oracle throughout: a `Rollout(kernels="invariant")` sampling at temperature 1 with logprobs, or the
 model's own forward with explicit position ids."""
 
@@ -23,7 +27,7 @@ import torch
 from test_zero_mismatch import DTYPES, max_abs_diff, model_in, sample
 from workloads import random_prompts
 
-from autobucket import invariant, trainer_logprobs
+from autobucket import Rollout, RolloutConfig, invariant, trainer_logprobs
 from autobucket.engine.batching.prefill import positions_from_mask
 from autobucket.engine.kernels import trainer_positions, trainer_scope
 from autobucket.engine.trainer_logprobs import teacher_forced_batch
@@ -173,3 +177,89 @@ def test_the_module_a_compiled_wrapper_holds_keeps_the_guarantee_and_the_compile
         logits = compiled(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
     traced = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:]).float()
     assert max_abs_diff(traced, completions, logprobs) > 0.0
+
+
+def _step(model, target) -> None:
+    """One SGD step that moves every parameter (lr 1: the gradient of 0.5 |p - target|^2 is p - target)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sum(0.5 * (p - t).square().sum() for p, t in zip(model.parameters(), target.parameters(), strict=True)).backward()
+    optimizer.step()
+
+
+def _assign(model, target) -> None:
+    for p, t in zip(model.parameters(), target.parameters(), strict=True):
+        p.data = t.detach().clone()
+
+
+def _copy_under_no_grad(model, target) -> None:
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), target.parameters(), strict=True):
+            p.copy_(t)
+
+
+# each moves the model's weights to other values (`target`'s, or a scaling)
+WRITES = {
+    "data.copy_": lambda model, target: [
+        p.data.copy_(t) for p, t in zip(model.parameters(), target.parameters(), strict=True)],
+    "data.mul_": lambda model, target: [p.data.mul_(1.5) for p in model.parameters()],
+    "data = t": _assign,
+    "optimizer step": _step,
+    "copy_ under no_grad": _copy_under_no_grad,
+    "load_state_dict": lambda model, target: model.load_state_dict(target.state_dict()),
+    "vector_to_parameters": lambda model, target: torch.nn.utils.vector_to_parameters(
+        torch.nn.utils.parameters_to_vector(target.parameters()).detach().clone(), model.parameters()),
+}  # fmt: skip
+
+
+def other_weights(model):
+    """A copy of `model` with every weight scaled by -0.75 (its logits far from the model's)."""
+    target = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.mul_(-0.75)
+    return target
+
+
+def scoped_logits(model, ids, mask) -> torch.Tensor:
+    """The trainer's forward in the scope, with autograd on (as a loss forward runs)."""
+    with invariant(model):
+        return model(input_ids=ids, attention_mask=mask).logits.detach()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_every_weight_write_reaches_the_next_scoped_forward(write, dtype, tiny_models):
+    """Weights used once in the scope (where copies would be made), then written: the next scoped forward
+    is bitwise a fresh copy's (a model the scope never saw) and close to the plain forward."""
+    model = model_in("tiny-qwen2", dtype, tiny_models)
+    target = other_weights(model)
+    ids, mask = padded_batch()
+    before = scoped_logits(model, ids, mask)
+    WRITES[write](model, target)
+    model.zero_grad(set_to_none=True)
+    after = scoped_logits(model, ids, mask)
+    real = mask.bool()
+    assert not torch.allclose(after[real].float(), before[real].float(), atol=0.1)  # the write matters
+    assert torch.equal(after, scoped_logits(copy.deepcopy(model), ids, mask))
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    # another kernel's rounding, relative to the logits' scale (bf16 keeps 8 bits of mantissa)
+    tolerance = (1e-5 if dtype == torch.float32 else 3e-2) * plain[real].abs().max().item()
+    torch.testing.assert_close(after[real].float(), plain[real].float(), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("write", ["data.copy_", "data.mul_"])
+def test_control_a_scope_keeping_packed_copies_serves_the_old_weights(write, tiny_models, monkeypatch):
+    """The failure the live reads rule out: with copies kept (no budget), a `.data` write leaves the next
+    scoped forward's linears on the old weights, even after `Rollout.refresh_weights()`: it is not a
+    fresh copy's forward."""
+    monkeypatch.setattr(trainer_scope, "LIVE_WEIGHTS_BYTES", None)
+    model = model_in("tiny-qwen2", torch.float32, tiny_models)
+    rollout = Rollout(model, config=RolloutConfig(kernels="invariant"))
+    ids, mask = padded_batch()
+    before = scoped_logits(model, ids, mask)
+    WRITES[write](model, other_weights(model))
+    rollout.refresh_weights()
+    after = scoped_logits(model, ids, mask)
+    assert not torch.equal(after, before)  # embeddings and norms are read live either way
+    assert not torch.allclose(after, scoped_logits(copy.deepcopy(model), ids, mask), atol=0.1)

@@ -35,7 +35,7 @@ Being bitwise, where `AutobucketGRPOTrainer` sees TRL run a no-grad forward only
 it returns the sampling logprobs instead and skips it (`reuse_sampling_logps=True`, the default;
 counted in `autobucket_old_logps_reused`): only for single-turn batches (tool-result tokens carry
 logprob 0.0), without active dropout or mixed-precision autocast; the loss and the final weights are
-bitwise TRL's (benchmarks/trl_old_logps.py times it).
+bitwise TRL's (benchmarks/studies/trl_old_logps.py times it).
 
 Tool calling (`tools=` / `environment_factory=`): TRL's `_tool_call_loop` runs the tools and calls
 `_generate_single_turn` again for each later turn, with prompt + completion + tool-result ids and

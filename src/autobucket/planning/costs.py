@@ -244,7 +244,7 @@ def split_forward_tokens(costs: CostCoefficients) -> int | None:
 def planning_token_limit(prefill_max_tokens: int | None, costs: CostCoefficients, longest: int) -> int | None:
     """The per-forward token limit the bucket DP plans with: the caller's, lowered to
     `split_forward_tokens` (never below the longest prompt, which cannot be split). The DP's per-row costs
-    leave out the super-linear term; capping the forward size is how it respects it (see architecture.md)."""
+    leave out the super-linear term; capping the forward size is how it respects it (`split_forward_tokens`)."""
     cap = split_forward_tokens(costs)
     if cap is None:
         return prefill_max_tokens

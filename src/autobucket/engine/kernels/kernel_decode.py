@@ -12,7 +12,7 @@ oracle), and checks once per step what the routers check per call.
 A cascade step (rows reading a shared prompt's one copy of K/V, `cascade_attention.py`) is taken too: its
 attention is the cascade's own invariant call, `invariant_attention_shared` on the step's layout. A GRPO-like
 call runs every step so; with the direct step it took 1.07x the time on 2 threads and level on one (Zen 3,
-benchmarks/cascade_kernel_step.py): the step's Python weighs more as the kernels split among threads.
+benchmarks/kernels/cascade_kernel_step.py): the step's Python weighs more as the kernels split among threads.
 
 A call past the model's sliding window (Mistral, Qwen2/3 with `use_sliding_window`) is taken too: each
 sliding layer's allowed keys are narrowed as the dispatcher narrows the direct step's mask

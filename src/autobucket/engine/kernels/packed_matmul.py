@@ -6,7 +6,7 @@ the engine's own fixed-order kernel where its library builds with AVX-512 or AVX
 no probe and no M = 1 workaround), else oneDNN's fp32 GEMM, a single row run as two (oneDNN's M = 1 path
 can differ). On an AMD EPYC (Zen 5) the fixed-order kernel took 0.35-0.84x oneDNN's time at a decode
 step's 8-32 rows and 1.00-1.11x at 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x
-slower than both (`benchmarks/fp32_linears.py`). A weight past the packed-weight budget is read where it
+slower than both (`benchmarks/kernels/fp32_linears.py`). A weight past the packed-weight budget is read where it
 is by the kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise). A bf16
 weight's panels stay bf16, widened in registers as the kernel reads them (exact), so they hold and
 stream half the bytes of fp32 panels of the same values.

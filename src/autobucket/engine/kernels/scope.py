@@ -50,7 +50,7 @@ ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='hf') there (the model's own for
 
 
 def check_kernel_device(device: torch.device, fix: str = ROLLOUT_DEVICE_FIX) -> None:
-    """The kernels are CPU kernels (their GPU form is designed, not built: docs/architecture.md). `Rollout`
+    """The kernels are CPU kernels (no GPU form yet). `Rollout`
     checks the device it reads off the model at construction and before each call's other work, and
     `autobucket.invariant` on entering its block (`fix` names what that caller should do instead)."""
     if device.type != "cpu":

@@ -13,7 +13,7 @@ reaches (`attention.dispatch_sdpa`: the engine's kernel for this thread, else tr
 value is therefore bitwise what `model(...)` computes on the same kernels (tested per architecture, dtype
 and kernel set; a step that rotates only the keys is the negative control); only the orchestration is
 ours, and it is small enough to read against the model's source. Measured on whole calls
-(benchmarks/direct_decode.py, AMD EPYC Zen 5): 2-6% faster on bench-qwen2's short calls with the
+(benchmarks/studies/direct_decode.py, AMD EPYC Zen 5): 2-6% faster on bench-qwen2's short calls with the
 invariant kernels, 1-4% with the default ones, within noise where prefill or SmolLM2's 30 layers of
 kernels dominate.
 

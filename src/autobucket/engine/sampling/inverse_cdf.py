@@ -24,7 +24,7 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
     thread, AMD EPYC Zen 4). So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
     (vectorized), and only the block the draw lands in is scanned entry by entry. CPUs with AVX2 or
     AVX-512 run that as one op (`csrc/sample_inverse_cdf.cpp`: two sweeps over a row, nothing written
-    but the answer; `benchmarks/sampler.py` has its times), elsewhere `blockwise_inverse_cdf` in torch
+    but the answer; `benchmarks/kernels/sampler.py` has its times), elsewhere `blockwise_inverse_cdf` in torch
     ops (0.51-0.73x the full-row form's time). Every value is a function of the row alone (the same on
     every route and batch); rounding moves token boundaries by ~1e-7 of probability mass against the
     exact CDF, differently in the two forms.

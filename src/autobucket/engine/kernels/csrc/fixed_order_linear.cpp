@@ -8,7 +8,7 @@
 // [panels, K, 32]: one k step of a panel is two 16-float vectors. A bf16 weight's panels stay bf16 and are
 // widened in registers as they are read (a bf16 is its fp32's upper half: exact, the same chains, so the
 // same bits as fp32 panels of the widened weight) for half the bytes held and streamed per call (Zen 3,
-// benchmarks/bf16_panels.py: 0.72-0.96x the time from DRAM, level from cache; SmolLM2 bf16 peak memory
+// benchmarks/kernels/bf16_panels.py: 0.72-0.96x the time from DRAM, level from cache; SmolLM2 bf16 peak memory
 // 1.46x -> 1.21x the default kernels'). A tile of R rows x 32 columns keeps 2R accumulators in registers
 // and broadcasts each row's k-th input from the row itself (AVX-512: copying the rows into [K][R]
 // micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x 128; AVX2 calls of
@@ -20,7 +20,7 @@
 // the chain is unbroken. The tiles of a slice prefetch the next panel's slice into L2, spread over their
 // k steps (`SpreadPrefetch`).
 //
-// Measured (one core, weights from DRAM, benchmarks/fp32_linears.py). AMD EPYC Zen 5: 0.35-0.84x oneDNN
+// Measured (one core, weights from DRAM, benchmarks/kernels/fp32_linears.py). AMD EPYC Zen 5: 0.35-0.84x oneDNN
 // packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
 // both there (its AVX2 code). Intel Xeon (AVX-512, AMX): 0.35-0.92x oneDNN at 8-32 rows, 0.99-1.09x at
 // 1,024-2,048 rows, MKL level with oneDNN at prefill sizes. See docs/benchmarks.md.
@@ -78,7 +78,7 @@ constexpr bool kBalancedTiles = false;
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles of 12 (AVX-512), 20 of 6 (AVX2)
 // AVX2 calls of at least this many rows copy each block's rows into per-tile micro-panels [K][6] first,
 // so a tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. Zen 3,
-// interleaved against reading them in place, bitwise equal (benchmarks/linear_ab.py --op-rows): at
+// interleaved against reading them in place, bitwise equal (benchmarks/kernels/linear_ab.py --op-rows): at
 // 1,920 rows 0.88-0.96x the time on bench-qwen2's and SmolLM2's shapes, at 600 rows 0.89-0.95x where
 // K >= 1,024 but 0.96-1.06x where K = 256, at 100 rows 0.90-1.13x (the copy is paid before few panels).
 // A block then holds at most kPackedBlockFloats of them (an L2-sized share: 60 rows at K = 1,024; the

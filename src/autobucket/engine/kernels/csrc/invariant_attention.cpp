@@ -24,7 +24,7 @@
 // L1). Both end in the same softmax_block and add_values, which run the P.V of several heads together
 // without changing any head's sums.
 // Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
-// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill, and
+// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/kernels/prefill_attention.py for prefill, and
 // docs/benchmarks.md for the AVX2 form on an AMD EPYC Zen 3.
 //
 // Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
@@ -120,7 +120,7 @@ inline float exp_nonpositive_scalar(float x) { return first_lane(exp_nonpositive
 
 // Whether decode forms its scores eight keys at a time (sum_lanes8) rather than key by key; the same bits.
 // AVX2 builds: on a Zen 3, with the block-ahead prefetch below and interleaved in one process against the
-// per-key form without it (benchmarks/attention_ab.py), 0.93-0.98x the attention's time in fp32 and
+// per-key form without it (benchmarks/kernels/attention_ab.py), 0.93-0.98x the attention's time in fp32 and
 // 0.96-0.99x in bf16 (either change alone was level or slower: the eight-key form 1.05x, the prefetch
 // 0.99-1.06x). AVX-512 builds on Intel CPUs too: on a Xeon (family 6 model 207), interleaved against the
 // per-key form, bitwise equal, decode attention 0.91-0.94x the time in fp32 and bf16 (32 rows x 512 keys,
@@ -222,7 +222,7 @@ inline void add_values(const float* const* p, const int64_t* n, const float* res
 
 // Rows taken together by add_values: enough FMA chains to hide the latency (R * C >= 8), one value load
 // shared by several rows, and at most 16 accumulators in registers. Interleaved against 12 / C and
-// 24 / C on the Xeon (benchmarks/prefill_attention.py shapes): within noise at head_dim 64, 2-5%
+// 24 / C on the Xeon (benchmarks/kernels/prefill_attention.py shapes): within noise at head_dim 64, 2-5%
 // faster than one row at head_dim 128.
 #if defined(__AVX512F__)
 constexpr int kAccumulatorLanes = 16;  // Lanes accumulators add_values keeps in registers (32 registers)
@@ -289,13 +289,13 @@ inline void write_normalized(const HeadState<C>& head, bool any_keys, float* out
 // How decode asks for its K/V ahead of use (`attend_query`); a hint only, no value depends on it.
 // - kKeysAhead (Intel CPUs): while the first head scores key j, key j + kPrefetchKeys's K and V into L1.
 //   On the Xeon a decode step's attention streams its cache from DRAM and took 0.85x the time in fp32 and
-//   0.76x in bf16 with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/decode_attention.py),
+//   0.76x in bf16 with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/kernels/decode_attention.py),
 //   most of it from reading each value vector while the scores are formed rather than after.
 // - kBlockAhead (AMD CPUs): while the first head scores key j, key j's V into L1 (the block's P.V reads
 //   it next) and the next block's key j's K into L2 (the next block's scores read it). On an AMD EPYC
 //   Zen 3 with the eight-key scores, interleaved in one process against them without it: 0.84-0.90x
 //   the time in both dtypes (32 rows x 512 keys, 4 layers). Keys a few ahead into L1 (the Intel form)
-//   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 a session earlier (per-key scores),
+//   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 with per-key scores,
 //   and on a Zen 4 the next 32-128 keys into L1 were 7-15% slower; a block ahead into L2 does not compete
 //   with the block in use in L1. Beside the per-key scores the block-ahead form was level (0.99-1.06x),
 //   so it runs beside the eight-key form only.
@@ -671,7 +671,7 @@ inline void transpose8x8(__m256* rows) {
 
 // keys[j][0, head_dim) -> tiles [ceil(n / 16)][head_dim][16] fp32, lanes past n zero. A bf16 list's whole
 // runs of 8 keys are widened and transposed 8 x 8 in registers where the CPU has AVX2: on a Zen 3,
-// benchmarks/attention_ab.py against the key-by-key scatter, interleaved, three runs, bitwise equal: bf16
+// benchmarks/kernels/attention_ab.py against the key-by-key scatter, interleaved, three runs, bitwise equal: bf16
 // spread prefill 0.89-0.98x the time, bf16 cascade decode (it re-tiles each group's shared keys in every
 // layer) 0.94-0.98x (untouched shapes moved up to 1.07x in the same runs). fp32 lists keep the scatter:
 // there the same change read 0.97-1.01x on prefill and 1.01-1.08x on the cascade.
@@ -752,14 +752,14 @@ inline void load_query_group(const T* q, Strides qs, int64_t row, int64_t kv_hea
 // group but its query. So the group's queries take them together in attend_queries_tiled (16 keys' scores
 // per vector, each key block read from L1 by all of them), and each row goes on from its states
 // (attend_query's `resume`) over the prefix's last partial block and its own keys: the same blocks in the
-// same order, so bitwise the per-row result. Zen 3, benchmarks/attention_ab.py (64 rows over 8 prompts of
+// same order, so bitwise the per-row result. Zen 3, benchmarks/kernels/attention_ab.py (64 rows over 8 prompts of
 // 108-856 keys, 4 layers): 0.91x the per-row walk's time in fp32, 0.93x in bf16 (the group's rows already
 // found the shared keys in L2). Groups with fewer rows in the call than this keep the per-row form.
 constexpr int64_t kCascadeMinRows = 2;
 // AVX2 builds take an fp32 prefix in place instead (prefix_states_in_place): the group's heads walk the
 // cache's keys block by block with decode's eight-key scores, all of a block's scores before its P.V
 // (each K and V block read from L1 by every head), and no transposed copy. The same scores, softmax and
-// P.V, so the same bits. Zen 3, benchmarks/attention_ab.py --repeats 41, interleaved against the tiles,
+// P.V, so the same bits. Zen 3, benchmarks/kernels/attention_ab.py --repeats 41, interleaved against the tiles,
 // bitwise equal: 0.84-0.87x the time of the 64-row case, 0.82-0.89x of one prompt's 8 rows over one K/V
 // head. A bf16 prefix keeps the tiles (in place it widens every key once per head: 1.07x), and AVX-512
 // builds keep them as measured there (the in-place form was not measured on those CPUs).
@@ -1278,7 +1278,7 @@ at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, cons
   return padded == count ? out : out.narrow(0, 0, count);
 }
 
-// Turns decode's K/V prefetch on or off for this process (benchmarks/decode_attention.py) and returns
+// Turns decode's K/V prefetch on or off for this process (benchmarks/kernels/decode_attention.py) and returns
 // whether it was on; portable builds never prefetch. No value depends on it.
 // The widest vectors this build of the library was compiled for (-march=native on the machine that built
 // it): 512 (AVX-512), 256 (AVX2) or 0. The fused elementwise kernels need 512 (SiLU-and-multiply) or 256
