@@ -16,14 +16,12 @@ from autobucket.cli import main
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.tools.generate_job import (
     GenerateJob,
-    PromptRecord,
     encode_prompts,
     generate_in_chunks,
-    parse_prompt_lines,
-    read_prompts,
     run_generate_job,
 )
 from autobucket.tools.generate_output import prompt_samples
+from autobucket.tools.prompt_file import PromptRecord, parse_prompt_lines, read_prompts
 
 MODEL = "tiny-qwen2"
 
@@ -45,12 +43,12 @@ def test_txt_lines_are_prompts_and_blank_lines_are_skipped(tmp_path):
 
 def test_jsonl_takes_prompt_or_prompt_ids_and_an_optional_id(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    write_jsonl(path, [{"prompt": "hi"}, "", {"id": "x", "prompt_ids": [5, 6]}, {"prompt": "yo", "extra": 1}])
+    write_jsonl(path, [{"prompt": "hi"}, "", {"id": "x", "prompt_ids": [5, 6]}, {"prompt": "yo", "max_new_tokens": 2}])
     records = read_prompts(path)
     assert records == [
-        PromptRecord(id=0, line=1, text="hi"),
-        PromptRecord(id="x", line=3, ids=[5, 6]),
-        PromptRecord(id=2, line=4, text="yo"),
+        PromptRecord(id=0, line=1, text="hi", source=str(path)),
+        PromptRecord(id="x", line=3, ids=[5, 6], source=str(path)),
+        PromptRecord(id=2, line=4, text="yo", max_new_tokens=2, source=str(path)),
     ]
 
 
@@ -103,11 +101,11 @@ def test_empty_or_missing_input_is_an_error(tmp_path):
 
 def test_text_prompts_need_a_tokenizer_and_ids_must_fit_the_vocabulary():
     text = [PromptRecord(id=0, line=1, ids=[1]), PromptRecord(id=1, line=4, text="hello")]
-    with pytest.raises(ValueError, match=r"line 4: a text prompt, but 'tiny-qwen2' has no tokenizer"):
+    with pytest.raises(ValueError, match=r"^<prompts>:4: a text prompt, but 'tiny-qwen2' has no tokenizer"):
         encode_prompts(text, None, chat=False, vocab_size=1024, model_name=repr(MODEL))
-    with pytest.raises(ValueError, match=r"line 2: token id 1024 is outside the vocabulary \[0, 1024\)"):
-        encode_prompts([PromptRecord(id=0, line=2, ids=[3, 1024])], None, chat=False, vocab_size=1024)
-    with pytest.raises(ValueError, match="line 5: --chat applies to text prompts"):
+    with pytest.raises(ValueError, match=r"^in.jsonl:2: token id 1024 is outside the vocabulary \[0, 1024\)"):
+        encode_prompts([PromptRecord(id=0, line=2, ids=[3, 1024], source="in.jsonl")], None, chat=False, vocab_size=1024)
+    with pytest.raises(ValueError, match="^<prompts>:5: --chat applies to text prompts"):
         encode_prompts([PromptRecord(id=0, line=5, ids=[3])], None, chat=True, vocab_size=1024)
 
 
@@ -296,9 +294,9 @@ def test_bad_processor_flags_are_named(tmp_path, capsys, flags, message):
     ("--temperature", "-1", "--temperature -1.0 is invalid"),
     ("--n", "0", "argument --n: expected a positive integer, got '0'"),
     # sampling flags under greedy decoding would be silently ignored
-    ("--top-k", "5", "--top-k 5 only apply when sampling, and --temperature is 0"),
-    ("--top-p", "0.9", "--top-p 0.9 only apply when sampling"),
-    ("--n", "4", "--n 4 only apply when sampling"),
+    ("--top-k", "5", "--top-k 5 only applies when sampling, and --temperature is 0"),
+    ("--top-p", "0.9", "--top-p 0.9 only applies when sampling"),
+    ("--n", "4", "--n 4 only applies when sampling"),
     ("--stop", "", "--stop [''] is invalid: give each --stop some text"),
 ])  # fmt: skip
 def test_bad_sampling_flags_are_named(tmp_path, capsys, flag, value, message):
@@ -324,7 +322,7 @@ def test_a_failed_job_leaves_an_existing_output_untouched(tmp_path, capsys):
     path.write_text("text needs a tokenizer\n")
     out.write_text("previous results\n")
     assert main(["generate", "--model", MODEL, "--prompts", str(path), "--out", str(out)]) == 2
-    assert "line 1: a text prompt, but 'tiny-qwen2' has no tokenizer" in capsys.readouterr().err
+    assert f"{path}:1: a text prompt, but 'tiny-qwen2' has no tokenizer" in capsys.readouterr().err
     assert out.read_text() == "previous results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.txt"]
 

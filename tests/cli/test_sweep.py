@@ -70,6 +70,8 @@ def test_summary_reports_the_worst_regression_and_both_routes():
     assert summary["both_routes_chosen"] and not summary["all_tokens_match"]
     assert not summarize([fake_workload("a", 1.0, "ordinary")])["both_routes_chosen"]
     assert auto_choice_text(fake_workload("a", 1, "bucketed")) == "bucketed: 2 buckets (1x512, 31x16)"
+    one = {**fake_workload("a", 1, "bucketed"), "auto": {"route": "bucketed", "buckets": [[16, 8]], "admissions": 2}}
+    assert auto_choice_text(one) == "bucketed: 1 bucket (16x8, 1 refill)"
     assert auto_choice_text(fake_workload("a", 1, "ordinary")) == "ordinary"
 
 
@@ -111,7 +113,22 @@ def test_sweep_cli_refuses_a_mismatched_calibration(tmp_path, tiny_costs, capsys
     argv = ["sweep", "--model", "tiny-llama", "--costs", str(tiny_costs), "--workloads", "none",
             "--lengths", "4x2", "--repeats", "1", "--no-hf-batch", "--out", str(tmp_path / "s.json")]  # fmt: skip
     assert main(argv) == 2
-    assert "config_hash" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+    err = capsys.readouterr().err
+    assert "config_hash" in err and not (tmp_path / "s.json").exists()
+    assert err.strip().endswith("or pass --allow-mismatch to use it anyway") and "strict=False" not in err
+
+
+def test_sweep_says_where_its_report_goes_before_it_runs(tmp_path, tiny_costs, capsys, monkeypatch):
+    """Without --out the report lands in the current folder: the sweep names the file (absolute) first."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--model", "tiny-qwen2", "--costs", str(tiny_costs), "--workloads", "none", "--lengths", "4x2",
+            "--repeats", "1", "--max-new-tokens", "2", "--no-hf-batch"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"sweep: the report goes to {tmp_path / 'sweep.json'} when it ends (--out FILE to choose)" in captured.err
+    assert json.loads((tmp_path / "sweep.json").read_text())["workloads"][0]["key"] == "custom-4x2"
+    assert main([*argv, "--out", str(tmp_path)]) == 2  # a folder is refused before the model loads
+    assert f"cannot write --out '{tmp_path}': it is a folder" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the real check")

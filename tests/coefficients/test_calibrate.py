@@ -206,7 +206,7 @@ def test_mismatch_is_refused_naming_every_field(calibration_path, model):
         load_calibration(calibration_path, model=model)
     message = str(error.value)
     for expected in ("dtype: file 'bfloat16' vs now 'float32'", "device: file 'NVIDIA H200' vs now 'cpu'",
-                     "config_hash: file '000", str(calibration_path), "strict=False / --allow-mismatch"):  # fmt: skip
+                     "config_hash: file '000", str(calibration_path), "costs_strict=False) / load_calibration(strict=False) / --allow-mismatch"):  # fmt: skip
         assert expected in message
     assert "attn_implementation" not in message
     with pytest.warns(UserWarning, match="dtype: file 'bfloat16'"):

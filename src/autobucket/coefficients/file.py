@@ -45,7 +45,7 @@ _VOLATILE_CONFIG_KEYS = frozenset({
     "_attn_implementation", "_attn_implementation_internal", "_attn_implementation_autoset",
     "attn_implementation",
 })  # fmt: skip
-_OVERRIDE_HINT = "pass strict=False / --allow-mismatch to use it anyway"
+_OVERRIDE_HINT = "pass RolloutConfig(costs_strict=False) / load_calibration(strict=False) / --allow-mismatch to use it anyway"
 
 
 def config_hash(config: Any) -> str:
