@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # one process took ~18 on the faster VM.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
-INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_trl_peft.py tests/test_integration_deepspeed.py
+INTEGRATION_TESTS := tests/integrations/test_integration_trl.py tests/integrations/test_integration_trl_peft.py tests/integrations/test_integration_deepspeed.py
 
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin

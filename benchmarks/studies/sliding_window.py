@@ -16,7 +16,7 @@ the contenders are auto with a prompt's samples reading one shared copy of its K
 each sliding layer's row reading the shared keys its window covers) and the same Rollout settings
 with per-row copies (`routes.SHARED_MIN_SAVED_COLUMNS`, which the engine reads at every call, set past
 any call around that contender's calls). Both sample the same tokens (bitwise under either kernel
-set, by tests/test_model_limits.py). `--model-forward-contender` adds auto with every decode step through
+set, by tests/engine/test_model_limits.py). `--model-forward-contender` adds auto with every decode step through
 the model's own forward instead of the direct (and, under `kernels="invariant"`, kernel) step."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 With `num_iterations > 1` (or `steps_per_generation > gradient_accumulation_steps`) TRL runs one no-grad
 forward over every generation batch only to get `old_per_token_logps`. `AutobucketGRPOTrainer` with
 `RolloutConfig(kernels="invariant")` reuses the sampling logprobs instead (bitwise the same,
-tests/test_integration_trl.py); `reuse_sampling_logps=False` keeps TRL's forward. Both arms train the same
+tests/integrations/test_integration_trl.py); `reuse_sampling_logps=False` keeps TRL's forward. Both arms train the same
 model (`bench-qwen2` by default, fp32, CPU) from the same weights on the same prompts and seed, so they
 sample the same completions; runs alternate (on, off, on, off, ...) after `--warmup` discarded runs per arm. Reported per arm: the median over
 runs of the mean time of the steps that generate (where the forward is skipped), of the other steps, and of

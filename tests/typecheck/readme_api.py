@@ -1,6 +1,6 @@
 """The README's Python API, line for line as the README shows it, for `make typecheck` (mypy --strict).
 
-Never run, only checked: each README statement appears here verbatim (tests/test_defaults.py checks
+Never run, only checked: each README statement appears here verbatim (tests/project/test_defaults.py checks
 that), with the names the README leaves to the reader (`input_ids`, `attention_mask`, `prompts`) defined
 and the result fields annotated with the types a user relies on."""
 

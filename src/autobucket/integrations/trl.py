@@ -27,7 +27,7 @@ left-padded row and tiles the head's GEMM by batch size, so neither can equal a 
 sampling logprobs on the weights that sampled them: they are logged for the micro-batches trained before
 any optimizer step since their generation batch (the first of `num_iterations`; later iterations differ
 by the policy's own change, which is not mismatch, and log nothing there), and are exactly 0 in fp32 and
-bf16 (tests/test_integration_trl.py). A stock `GRPOTrainer` given
+bf16 (tests/integrations/test_integration_trl.py). A stock `GRPOTrainer` given
 `make_rollout_func(RolloutConfig(kernels="invariant"))` gets the same scoring and metrics
 (`trl_scoring.score_on_invariant_kernels`), but not the reuse below.
 Being bitwise, where `AutobucketGRPOTrainer` sees TRL run a no-grad forward only for

@@ -153,7 +153,7 @@ class DirectDecode:
 
 
 # The transformers releases whose Llama-family decoder layers the step was checked against, bitwise, by
-# tests/test_direct_decode.py (4.57.x, and 5.x up to this minor): a later release may reorder or add an
+# tests/engine/model_access/test_direct_decode.py (4.57.x, and 5.x up to this minor): a later release may reorder or add an
 # op inside a layer, so there the model's forward runs until the tests pass on it and this is raised.
 VERIFIED_TRANSFORMERS = ((4, 57), (5, 25))
 
