@@ -19,12 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import hf_greedy
+from oracles import hf_greedy
 
 pytest.importorskip("torch.distributed.fsdp")
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
-SOURCE = Path(__file__).resolve().parents[1] / "src"
+SOURCE = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT_S = 240  # a hang ends here; a passing pair takes a fraction of it
 
 

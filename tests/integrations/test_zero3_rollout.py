@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import oracle_batch
+from oracles import oracle_batch
 from test_sharded_models import SOURCE, TIMEOUT_S, free_port
 
 pytest.importorskip("deepspeed")
