@@ -12,7 +12,7 @@ import argparse
 import sys
 import warnings
 
-from autobucket.cli import calibrate, demo, generate, plan, sweep
+from autobucket.cli import calibrate, demo, generate, plan, serve, sweep
 from autobucket.cli.args import in_cli_words
 
 _USAGE_ERROR = 2
@@ -43,6 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autobucket", description="Fast batched generation for Hugging Face causal LMs."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (plan, generate, demo, calibrate, sweep):
+    for command in (plan, generate, demo, calibrate, sweep, serve):
         command.add_parser(subparsers)
     return parser
