@@ -248,3 +248,22 @@ def test_close_aborts_what_is_in_flight_and_stops_the_loop(tiny_models):
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit([5, 6])
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+def test_the_trainers_forwards_on_its_own_thread_are_untouched_while_the_engine_runs(tiny_models, kernels):
+    """The engine's per-step scope (kernels, autograd off, eval semantics) is its loop thread's only: the
+    trainer's forward meanwhile gives the logits it gave before the engine existed, with autograd on."""
+    model = tiny_models("tiny-llama")
+    batch = torch.tensor([random_prompts([20], seed=30)[0]])
+    with torch.no_grad():
+        reference = model(batch).logits
+    forwards = 0
+    with AsyncEngine(model, config=RolloutConfig(kernels=kernels), max_batch=4, max_model_len=128) as engine:
+        handles = [engine.submit(p, greedy(80)) for p in random_prompts([9, 14, 5, 20], seed=31)]
+        while not all(handle.done() for handle in handles):
+            logits = model(batch).logits
+            assert logits.grad_fn is not None and torch.equal(logits.detach(), reference)
+            forwards += 1
+        outputs = [handle.result(timeout=WAIT_S) for handle in handles]
+    assert forwards >= 1 and all(o.finish_reason == "length" for o in outputs)
