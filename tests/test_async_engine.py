@@ -267,3 +267,52 @@ def test_the_trainers_forwards_on_its_own_thread_are_untouched_while_the_engine_
             forwards += 1
         outputs = [handle.result(timeout=WAIT_S) for handle in handles]
     assert forwards >= 1 and all(o.finish_reason == "length" for o in outputs)
+
+
+def test_finished_requests_leave_nothing_behind_in_the_engine(tiny_models):
+    """Memory stays flat over many requests: once their handles are dropped, no finished, aborted or
+    failed request's record is kept alive by the engine."""
+    import gc
+    import weakref
+
+    model = tiny_models("tiny-qwen2")
+    prompts = random_prompts([4, 6, 3, 5], seed=40)
+    records = []
+    with AsyncEngine(model, max_batch=4, max_model_len=32) as engine:
+        for round_ in range(60):
+            handles = [engine.submit(prompts[i], greedy(1 + (round_ + i) % 3)) for i in range(4)]
+            handles[round_ % 4].abort()
+            for handle in handles:
+                handle.result(timeout=WAIT_S)
+                records.append(weakref.ref(handle._request))
+            del handles, handle
+        assert wait_until_empty(engine)
+        gc.collect()
+        alive = [ref for ref in records if ref() is not None]
+        assert alive == [] and len(records) == 240
+
+
+def wait_until_empty(engine: AsyncEngine, seconds: float = WAIT_S) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while engine._live or engine.batch.requests:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_control_an_engine_that_keeps_finished_records_is_caught(tiny_models, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(AsyncEngine, "_forget_finished", lambda self, admitted: None)
+    model = tiny_models("tiny-qwen2")
+    with AsyncEngine(model, max_batch=4, max_model_len=32) as engine:
+        handle = engine.submit([5, 6, 7], greedy(2))
+        handle.result(timeout=WAIT_S)
+        record = weakref.ref(handle._request)
+        del handle
+        gc.collect()
+        assert record() is not None and engine._live
