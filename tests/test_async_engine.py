@@ -316,3 +316,24 @@ def test_control_an_engine_that_keeps_finished_records_is_caught(tiny_models, mo
         del handle
         gc.collect()
         assert record() is not None and engine._live
+
+
+def test_stop_strings_end_requests_where_generate_ends_them(tiny_models):
+    import random
+
+    from conftest import VOCAB, byte_bpe_tokenizer, corpus_piece, stop_string_oracle
+
+    model, tokenizer = tiny_models("tiny-qwen2"), byte_bpe_tokenizer()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(259, VOCAB) for _ in range(length)] for length in (5, 17, 9)]
+    with AsyncEngine(model, tokenizer, max_batch=3, max_model_len=64) as engine:
+        free = [engine.submit(p, greedy(24)).result(timeout=WAIT_S).tokens for p in prompts]
+        strings = [corpus_piece(tokenizer.decode(tokens), len(tokenizer.decode(tokens)) // 2, 3) for tokens in free[:2]]
+        stopping = SamplingConfig(max_new_tokens=24, eos_token_id=[], stop_strings=strings)
+        outputs = [engine.submit(p, stopping).result(timeout=WAIT_S) for p in prompts]
+    reasons = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = stop_string_oracle(model, tokenizer, prompt, strings, 24, eos_off=True)
+        assert (output.tokens, output.finish_reason) == expected
+        reasons.append(output.finish_reason)
+    assert "stop" in reasons

@@ -7,6 +7,7 @@ and OpenAI's clients ignore. Logprobs are the sampled tokens' only (no alternati
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -90,7 +91,7 @@ def _token_texts(tokenizer: Any, tokens: Sequence[int]) -> list[str]:
 
 def _completion_logprobs(tokenizer: Any, output: RequestOutput) -> dict:
     texts = _token_texts(tokenizer, output.tokens)
-    offsets = [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    offsets = [0, *itertools.accumulate(len(text) for text in texts)][: len(texts)]
     return {"tokens": texts, "token_logprobs": output.logprobs, "top_logprobs": None, "text_offset": offsets}
 
 

@@ -164,7 +164,7 @@ def _submit_samples(app: FastAPI, engine: Any, prompt: Any, sampling: Any, n: in
             handles.append(engine.submit(prompt, sampling, request_id=f"{completion_id}-{sample}", sample=sample))
             app.state.in_flight.add(handles[-1].request_id)
     except BaseException:
-        _abort_unfinished(app, handles)
+        _abort_unfinished(handles)
         raise
     return handles
 
@@ -176,7 +176,7 @@ async def _results_or_abort(app: FastAPI, request: Request, handles: Sequence[Re
     try:
         await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not results.done():
-            _abort_unfinished(app, handles)
+            _abort_unfinished(handles)
         return await results
     finally:
         gone.cancel()
@@ -196,7 +196,7 @@ async def _merged_chunks(handles: Sequence[RequestHandle]) -> AsyncIterator[tupl
         try:
             async for chunk in handle:
                 await queue.put((index, chunk, None))
-        except BaseException as error:  # the model's error ends the stream
+        except Exception as error:  # the model's error ends the stream
             await queue.put((index, None, error))
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
@@ -222,7 +222,7 @@ async def _completion_events(app: FastAPI, handles, completion_id: str, model: s
             yield _event(body)
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away mid-stream (the response is cancelled)
-        _abort_unfinished(app, handles)
+        _abort_unfinished(handles)
         _forget(app, handles)
 
 
@@ -236,7 +236,7 @@ async def _chat_events(app: FastAPI, handles, completion_id: str, model: str, to
             yield _event(chat_chunk(completion_id, model, index, {"content": text}, chunk.tokens, chunk.finish_reason))
         yield "data: [DONE]\n\n"
     finally:
-        _abort_unfinished(app, handles)
+        _abort_unfinished(handles)
         _forget(app, handles)
 
 
@@ -244,7 +244,7 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _abort_unfinished(app: FastAPI, handles: Sequence[RequestHandle]) -> None:
+def _abort_unfinished(handles: Sequence[RequestHandle]) -> None:
     for handle in handles:
         if not handle.done():
             handle.abort()
