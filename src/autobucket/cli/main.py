@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from autobucket import __version__
-from autobucket.cli import calibrate, demo, generate, plan, sweep
+from autobucket.cli import calibrate, demo, generate, plan, serve, sweep
 from autobucket.cli.args import in_cli_words
 
 _USAGE_ERROR = 2
@@ -51,6 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autobucket {__version__}",
                         help="print the version and exit")  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (plan, generate, demo, calibrate, sweep):
+    for command in (plan, generate, demo, calibrate, sweep, serve):
         command.add_parser(subparsers)
     return parser

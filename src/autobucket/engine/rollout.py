@@ -229,9 +229,17 @@ class Rollout:
             prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
         call = with_compile_decision(call)
-        # Eval semantics (no dropout) for a model handed over in train() mode, without flipping its flag.
+        with PeakMemory(self.device) as memory, self.forward_scope(profile):
+            finished = ROUTES[config.route](call)
+        return _result(call, finished, memory, started)
+
+    @contextmanager
+    def forward_scope(self, profile: Profile) -> Iterator[None]:
+        """What every engine forward on this thread runs under: the model's own dtype, autograd off, eval
+        semantics (no dropout) for a model handed over in train() mode without flipping its flag, the fused
+        elementwise kernels, the KV cache kept under gradient checkpointing, and the call's kernels. Other
+        threads' forwards are untouched."""
         with (
-            PeakMemory(self.device) as memory,
             without_autocast(self.device),
             autograd_off_for(self.model),
             eval_semantics(self.model),
@@ -239,8 +247,7 @@ class Rollout:
             checkpointing_layers_kept_cached(self.model),
             self._kernels(profile),
         ):
-            finished = ROUTES[config.route](call)
-        return _result(call, finished, memory, started)
+            yield
 
     @contextmanager
     def _kernels(self, profile: Profile) -> Iterator[None]:
