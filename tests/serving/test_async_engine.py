@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from conftest import oracle_generate, random_prompts
+from oracles import oracle_generate
+from workloads import random_prompts
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.rollout import Rollout
@@ -332,7 +333,9 @@ def test_control_an_engine_that_keeps_finished_records_is_caught(tiny_models, mo
 def test_stop_strings_end_requests_where_generate_ends_them(tiny_models):
     import random
 
-    from conftest import VOCAB, byte_bpe_tokenizer, corpus_piece, stop_string_oracle
+    from byte_tokenizer import byte_bpe_tokenizer, corpus_piece
+    from oracles import stop_string_oracle
+    from workloads import VOCAB
 
     model, tokenizer = tiny_models("tiny-qwen2"), byte_bpe_tokenizer()
     rng = random.Random(11)

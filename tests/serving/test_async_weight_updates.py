@@ -12,7 +12,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import oracle_generate, random_prompts
+from oracles import oracle_generate
+from workloads import random_prompts
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.serving import AsyncEngine, running_batch

@@ -12,7 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import byte_bpe_tokenizer, oracle_generate, random_prompts
+from byte_tokenizer import byte_bpe_tokenizer
+from oracles import oracle_generate
+from workloads import random_prompts
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.rollout import Rollout

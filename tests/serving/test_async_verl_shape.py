@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import random_prompts
+from workloads import random_prompts
 
 from autobucket.config import RolloutConfig
 from autobucket.serving import AsyncEngine, running_batch

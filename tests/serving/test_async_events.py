@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import oracle_generate, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import oracle_generate
+from workloads import random_prompts
 
 from autobucket.config import SamplingConfig
 from autobucket.serving import AsyncEngine
