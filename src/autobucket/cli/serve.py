@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "GET /health, /v1/models. Binds the loopback interface only (there is no authentication).",
     )
     add_model_arguments(parser, default="smollm2")
-    parser.add_argument("--host", default="127.0.0.1", choices=("127.0.0.1", "localhost", "::1"))
+    parser.add_argument("--host", default="127.0.0.1", choices=("127.0.0.1", "localhost", "::1"),
+                        help="the loopback address to bind (default 127.0.0.1; there is no authentication)")
     parser.add_argument("--port", type=non_negative_int, default=8000, metavar="P", help="default 8000; 0: a free port")
     parser.add_argument("--kernels", choices=KERNELS, default="hf",
                         help="hf (default) or invariant: the engine's batch-invariant kernels (bitwise logprobs "
