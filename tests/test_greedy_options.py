@@ -87,3 +87,6 @@ def test_the_api_refuses_what_the_cli_refuses(capsys, tmp_path):
     assert "--temperature" in capsys.readouterr().err
     with pytest.raises(ValueError, match="temperature > 0"):
         SamplingConfig(n=4, top_p=0.9)
+    # a warper the CLI has no flag for, through --generation-option: the config's own refusal, in flags
+    assert main(["generate", "--model", "tiny-llama", "--prompts", str(path), "--generation-option", "min_p=0.1"]) == 2
+    assert "min_p=0.1 only act when sampling, and --temperature 0.0 is greedy decoding" in capsys.readouterr().err
