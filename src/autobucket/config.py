@@ -161,6 +161,10 @@ _WARPER_RANGES = {
 }
 
 
+# Each option that only acts when sampling, and its "off" value (what greedy decoding accepts).
+_SAMPLING_ONLY = {"top_k": 0, "top_p": 1.0, **{name: off for name, (_, _, off) in _WARPER_RANGES.items()}}
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What one `generate` call produces: the one owner of every sampling option.
@@ -179,15 +183,21 @@ class SamplingConfig:
     eos_token_id: int or list of ints; None uses the model's resolved generation config; [] disables
       EOS (every row generates its full budget).
     temperature: 0.0 is greedy; > 0 samples (the warpers below apply only then, as in HF, and in HF's
-      order: temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff).
+      order: temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff). Greedy with a
+      warper set, or with n > 1, is a ValueError rather than silently the greedy answer (HF refuses greedy
+      n > 1 too): set temperature > 0 to sample; `greedy_copies` opts in to n identical greedy samples.
     top_k: keep the k most likely tokens (0: off). top_p: nucleus mass to keep (1.0: off).
     min_p: drop tokens less likely than min_p x the most likely one's probability, in [0, 1] (0.0: off).
     typical_p: locally typical sampling's mass to keep, in (0, 1] (1.0: off).
     epsilon_cutoff: drop tokens with probability below it, in [0, 1) (0.0: off).
     eta_cutoff: eta sampling, drop tokens below min(eta, sqrt(eta) * exp(-entropy)), in [0, 1) (0.0: off).
     seed: int for the whole call (each prompt's stream is keyed by (seed, prompt index)), or one int
-      per prompt (streams then do not depend on the prompt's position in the batch).
+      per prompt (streams then do not depend on the prompt's position in the batch). Unused when greedy,
+      and accepted then: trainers set one seed for the run whatever the temperature.
     n: samples per prompt; each unique prompt is prefilled once and its KV shared by its n rows.
+    greedy_copies: allow n > 1 with temperature 0.0, giving n identical greedy samples per prompt (what
+      a trainer that asks for repeated greedy prompts gets, and an exactness check of shared decoding);
+      no effect when sampling.
     logprobs: also return each generated token's log-probability.
     logprobs_mode: which log-probability. "trainer" (default): what an RL trainer computes for the token,
       `log_softmax(logits / temperature)` over the full vocabulary from the model's raw logits in the
@@ -221,6 +231,7 @@ class SamplingConfig:
     logprobs_mode: LogprobsMode = "trainer"
     stop_strings: str | list[str] | None = None
     min_new_tokens: int | None = None
+    greedy_copies: bool = False
 
     def __post_init__(self) -> None:
         # Each value is stored as the plain Python type its check returns (numpy and Python numbers are both
@@ -252,6 +263,26 @@ class SamplingConfig:
         _store(self, "stop_strings", checked_stop_strings("stop_strings", self.stop_strings))
         fix = "None takes the model's generation config, 0 turns it off"
         _store(self, "min_new_tokens", optional_int("min_new_tokens", self.min_new_tokens, 0, fix))
+        require_bool("greedy_copies", self.greedy_copies)
+        self._check_greedy()
+
+    def _check_greedy(self) -> None:
+        """Sampling-only options with greedy decoding are refused, not ignored: n identical samples give a
+        GRPO trainer zero advantages, and a warper set means sampling was meant."""
+        if self.temperature > 0:
+            return
+        ignored = [f"{name}={getattr(self, name)!r}" for name, off in _SAMPLING_ONLY.items() if getattr(self, name) != off]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} only act when sampling, and temperature=0.0 is greedy decoding: set "
+                "temperature > 0 (e.g. temperature=1.0) to sample, or leave them at their defaults for greedy"
+            )
+        if self.n > 1 and not self.greedy_copies:
+            raise ValueError(
+                f"n={self.n} with temperature=0.0 (greedy) gives {self.n} identical samples of every prompt: set "
+                "temperature > 0 (e.g. temperature=1.0) to sample them, or greedy_copies=True if identical copies "
+                "are what you want"
+            )
 
     def _check_warpers(self) -> None:
         for name, (inside, bounds, off) in _WARPER_RANGES.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -13,13 +13,12 @@ import torch
 def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token-id lists from lists/tuples of ints (numpy's included), 1-D integer tensors or numpy arrays,
     strings (with a tokenizer), or chat messages (with a tokenizer that has a chat template:
-    `conversation_ids`); or a tokenizer's batch output (a mapping with "input_ids" and, for a padded
-    batch, a left-padded "attention_mask": `tokenizer(texts, padding=True, return_tensors="pt")`)."""
+    `conversation_ids`); or a tokenizer's batch output, a mapping with "input_ids" and "attention_mask":
+    padded on the left (`tokenizer(texts, padding=True, return_tensors="pt")`) or unpadded lists
+    (`tokenizer(texts)`). Without "attention_mask", "input_ids" must be a list of rows, each all prompt:
+    a 2-D tensor or array is refused, as it is passed bare, since its padding cannot be told apart."""
     if isinstance(prompts, Mapping) and "input_ids" in prompts:
-        if "attention_mask" in prompts:
-            prompts = unpad_left_padded(prompts["input_ids"], prompts["attention_mask"])
-        else:
-            prompts = list(prompts["input_ids"])  # no mask: every row is all prompt
+        prompts = _batch_prompts(prompts)
     if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 2:
         raise ValueError(
             f"prompts is a 2-D {type(prompts).__name__} of shape {tuple(prompts.shape)}: pass list(input_ids) "
@@ -31,6 +30,21 @@ def normalize_prompts(prompts: Sequence[Any], tokenizer: Any, vocab_size: int) -
             f'tokenizer\'s batch output with "input_ids", got {type(prompts).__name__}'
         )
     return [_prompt_ids(index, prompt, tokenizer, vocab_size) for index, prompt in enumerate(prompts)]
+
+
+def _batch_prompts(batch: Mapping[str, Any]) -> Any:
+    """A tokenizer's batch output -> its rows of prompt tokens (still to be checked as prompts)."""
+    input_ids = batch["input_ids"]
+    if "attention_mask" in batch:
+        return unpad_left_padded(input_ids, batch["attention_mask"])
+    if isinstance(input_ids, (torch.Tensor, np.ndarray)) and input_ids.ndim == 2:
+        raise ValueError(
+            f'prompts["input_ids"] is a 2-D {type(input_ids).__name__} of shape {tuple(input_ids.shape)} without '
+            '"attention_mask", so its padding would be taken as prompt tokens: pass the tokenizer\'s whole output '
+            '(tokenizer(texts, padding=True, return_tensors="pt") carries the mask; pad on the left), or '
+            'list(input_ids) when its rows have no padding'
+        )
+    return input_ids  # rows (lists or 1-D tensors): each is all prompt
 
 
 def check_tokenizer(tokenizer: Any) -> None:
@@ -148,9 +162,27 @@ def check_context(prompts: list[list[int]], budgets: Sequence[int], max_position
 
 
 def unpad_left_padded(
-    input_ids: torch.Tensor | np.ndarray, attention_mask: torch.Tensor | np.ndarray
+    input_ids: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
+    attention_mask: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
 ) -> list[list[int]]:
-    """RL-trainer layout -> prompts: rows of a left-padded [batch, width] tensor (or numpy array) and its mask."""
+    """RL-trainer layout -> prompts: rows of a left-padded [batch, width] tensor (or numpy array) and its
+    mask; or a tokenizer's unpadded batch, lists of rows of different lengths, each with its mask row."""
+    if _ragged(input_ids) or _ragged(attention_mask):
+        id_rows, mask_rows = _ragged_rows(input_ids, attention_mask)
+    else:
+        id_rows, mask_rows = _padded_rows(input_ids, attention_mask)
+    prompts = []
+    for row, (ids, mask) in enumerate(zip(id_rows, mask_rows, strict=True)):
+        real = [token for token, keep in zip(ids, mask, strict=True) if keep]
+        if mask != [0] * (len(mask) - len(real)) + [1] * len(real):
+            raise ValueError(f"row {row} of attention_mask {_mask_problem(mask)}")
+        if not real:
+            raise ValueError(f"row {row} of attention_mask has no ones: every row needs at least one prompt token")
+        prompts.append(real)
+    return prompts
+
+
+def _padded_rows(input_ids: Any, attention_mask: Any) -> tuple[list[list], list[list]]:
     input_ids, attention_mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: pass a LongTensor")
@@ -159,15 +191,35 @@ def unpad_left_padded(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must be the "
             "same 2-D [batch, width] shape"
         )
-    prompts = []
-    for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist(), strict=True)):
-        real = [token for token, keep in zip(ids, mask, strict=True) if keep]
-        if mask != [0] * (len(mask) - len(real)) + [1] * len(real):
-            raise ValueError(f"row {row} of attention_mask {_mask_problem(mask)}")
-        if not real:
-            raise ValueError(f"row {row} of attention_mask has no ones: every row needs at least one prompt token")
-        prompts.append(real)
-    return prompts
+    return input_ids.tolist(), attention_mask.tolist()
+
+
+def _ragged(rows: Any) -> bool:
+    """Rows of different lengths in a list (what a tokenizer returns for texts without padding)."""
+    if not isinstance(rows, (list, tuple)) or not all(isinstance(row, Sized) for row in rows):
+        return False
+    return len({len(row) for row in rows}) > 1
+
+
+def _ragged_rows(input_ids: Any, attention_mask: Any) -> tuple[list[list], list[list]]:
+    """Each row of ids with its own mask row, as lists; the two must pair up row by row."""
+    if not isinstance(input_ids, (list, tuple)) or not isinstance(attention_mask, (list, tuple)):
+        raise ValueError(
+            f"input_ids is a {type(input_ids).__name__} and attention_mask a {type(attention_mask).__name__} with "
+            "rows of different lengths: pass both as the tokenizer returned them, or pad them on the left "
+            '(tokenizer(texts, padding=True, return_tensors="pt"))'
+        )
+    if len(input_ids) != len(attention_mask):
+        raise ValueError(f"input_ids has {len(input_ids)} rows but attention_mask {len(attention_mask)}: pass one mask row per row")
+    id_rows, mask_rows = [_row_list(row) for row in input_ids], [_row_list(row) for row in attention_mask]
+    for row, (ids, mask) in enumerate(zip(id_rows, mask_rows, strict=True)):
+        if len(ids) != len(mask):
+            raise ValueError(f"row {row} has {len(ids)} input_ids but {len(mask)} attention_mask values: pass its own mask row")
+    return id_rows, mask_rows
+
+
+def _row_list(row: Any) -> list:
+    return row.tolist() if isinstance(row, (torch.Tensor, np.ndarray)) else list(row)
 
 
 def _mask_problem(mask: list) -> str:

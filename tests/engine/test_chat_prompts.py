@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
+import torch
 from byte_tokenizer import byte_bpe_tokenizer
 from oracles import hf_greedy
 
@@ -108,19 +110,57 @@ def test_bad_messages_lines_name_their_line(tmp_path, capsys, line, message):
 
 def test_a_tokenizers_left_padded_batch_output_is_its_unpadded_prompts(tiny_models, plain_tokenizer):
     """`rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"))`, as `model.generate(**inputs)`
-    is called: the same call as the unpadded ids; without a mask the rows are taken whole; a right-padded
-    batch is refused naming the tokenizer setting."""
+    is called: the same call as the text prompts; so is the unpadded batch `tokenizer(texts)` (rows of
+    different lengths) and a mask-free batch of rows as lists; a right-padded batch is refused naming the
+    tokenizer setting."""
     tokenizer = copy.deepcopy(plain_tokenizer)
     tokenizer.padding_side = "left"
     texts = ["abc dab fig hop", "lop", "cab nap pig bog"]
     rollout = Rollout(tiny_models(MODEL), tokenizer, RolloutConfig(route="aligned"))
     ids = [tokenizer(text)["input_ids"] for text in texts]
     assert len({len(row) for row in ids}) > 1  # the batch output is padded
-    expected = rollout.generate(ids, SAMPLING).tokens
+    expected = rollout.generate(texts, SAMPLING).tokens
+    assert rollout.generate(ids, SAMPLING).tokens == expected
     assert rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"), SAMPLING).tokens == expected
     assert rollout.generate(tokenizer(texts, padding=True, return_tensors="np"), SAMPLING).tokens == expected
-    whole = {"input_ids": tokenizer(texts[:1], return_tensors="pt")["input_ids"]}
-    assert rollout.generate(whole, SAMPLING).tokens == expected[:1]
+    assert rollout.generate(tokenizer(texts), SAMPLING).tokens == expected  # unpadded: lists of their own lengths
+    assert rollout.generate(rollout.tokenizer(texts).data, SAMPLING).tokens == expected  # a plain dict
+    assert rollout.generate({"input_ids": ids}, SAMPLING).tokens == expected  # rows without a mask: all prompt
     tokenizer.padding_side = "right"
     with pytest.raises(ValueError, match=r"is right-padded \(ones, then zeros\): pad on the left"):
         rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"), SAMPLING)
+
+
+@pytest.mark.parametrize("kind", ["BatchEncoding", "dict"])
+@pytest.mark.parametrize("tensors", ["pt", "np"])
+def test_a_padded_batch_without_its_attention_mask_is_refused_as_the_bare_tensor_is(
+    tiny_models, plain_tokenizer, kind, tensors
+):
+    tokenizer = copy.deepcopy(plain_tokenizer)
+    tokenizer.padding_side = "left"
+    texts = ["abc dab fig hop", "lop"]
+    rollout = Rollout(tiny_models(MODEL), tokenizer, RolloutConfig(route="aligned"))
+    batch = tokenizer(texts, padding=True, return_tensors=tensors, return_attention_mask=False)
+    assert "attention_mask" not in batch
+    batch = batch if kind == "BatchEncoding" else {"input_ids": batch["input_ids"]}
+    with pytest.raises(ValueError) as refused:
+        rollout.generate(batch, SAMPLING)
+    message = str(refused.value)
+    assert 'prompts["input_ids"] is a 2-D' in message and "(2, " in message and 'without "attention_mask"' in message
+    assert "padding would be taken as prompt tokens" in message and "list(input_ids) when its rows have no padding" in message
+    # Control: what the refusal prevents, the pads taken as prompt tokens, changes the tokens.
+    expected = rollout.generate(texts, SAMPLING).tokens
+    assert rollout.generate(list(batch["input_ids"]), SAMPLING).tokens != expected
+    assert rollout.generate(texts, SAMPLING).tokens == expected  # the Rollout still works
+
+
+@pytest.mark.parametrize(("input_ids", "attention_mask", "message"), [
+    ([[5, 6], [7]], torch.ones(2, 2, dtype=torch.long), "input_ids is a list and attention_mask a Tensor"),
+    ([[5, 6], [7]], [[1, 1]], "input_ids has 2 rows but attention_mask 1"),
+    ([[5, 6], [7]], [[1, 1], [1, 1]], "row 1 has 1 input_ids but 2 attention_mask values"),
+    ([[5, 6], [7]], [[1, 0], [1]], "row 0 of attention_mask is right-padded"),
+])  # fmt: skip
+def test_an_unpadded_batch_whose_mask_does_not_pair_with_it_is_refused_by_name(tiny_models, input_ids, attention_mask, message):
+    rollout = Rollout(tiny_models(MODEL), config=RolloutConfig(route="aligned"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rollout.generate({"input_ids": input_ids, "attention_mask": attention_mask}, SAMPLING)

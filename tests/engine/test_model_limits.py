@@ -60,7 +60,7 @@ def oracle(model, prompts) -> list[list[int]]:
     return [oracle_generate(model, prompt, NEW_TOKENS, eos_token_id=[])[0] for prompt in prompts]
 
 
-SAMPLING = SamplingConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[])
+SAMPLING = SamplingConfig(max_new_tokens=NEW_TOKENS, eos_token_id=[], greedy_copies=True)  # n > 1: the answer n times
 LONG = random_prompts([5, 9, 21, 30], seed=3)  # 21 + 12 and 30 + 12 outgrow the window; 5 + 12 too
 SHORT = random_prompts([2, 3, 1], seed=4)  # every sequence inside the window (at most 15 tokens)
 

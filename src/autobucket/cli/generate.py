@@ -123,6 +123,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     sampling_options, generation_options = _generation_options(
         args, {field.name for field in dataclasses.fields(SamplingConfig)})
+    _check_sampling_flags(args)  # before the config's own greedy check, to name the flags and their fix
     sampling = SamplingConfig(
         **sampling_options,
         max_new_tokens=args.max_new_tokens,
@@ -137,7 +138,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop_strings=args.stop_strings,
         min_new_tokens=args.min_new_tokens,
     )
-    _check_sampling_flags(args)  # after the config's own range checks, which name a value more precisely
     job = GenerateJob(
         prompts=args.prompts,
         out=args.out,
@@ -186,12 +186,13 @@ def _generation_options(args: argparse.Namespace, sampling_fields: set[str]) -> 
 
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:
-    """Sampling flags without --temperature would be ignored (greedy decoding, as in HF): say so instead."""
+    """Sampling flags without --temperature would be ignored (greedy decoding, as in HF): say so instead.
+    Only values in range count; the config's range check names an out-of-range one more precisely."""
     if args.temperature != 0.0:
         return
     ignored = [
-        *([f"--top-k {args.top_k}"] if args.top_k != 0 else []),
-        *([f"--top-p {args.top_p}"] if args.top_p != 1.0 else []),
+        *([f"--top-k {args.top_k}"] if args.top_k > 0 else []),
+        *([f"--top-p {args.top_p}"] if 0.0 < args.top_p < 1.0 else []),
         *([f"--n {args.n}"] if args.n != 1 else []),
     ]
     if ignored:

@@ -107,6 +107,7 @@ class AutobucketRollout(RolloutEngine):
             min_new_tokens=0,
             seed=self._next_seed(),
             n=sampling.n_samples_per_prompt,
+            greedy_copies=True,  # what HybridEngineRollout's greedy generate gives for n_samples_per_prompt > 1
             logprobs=True,
             **warping,
         )

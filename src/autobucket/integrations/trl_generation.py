@@ -103,6 +103,7 @@ def sampling_from_generation_config(generation_config: Any, eos_token_ids: Seque
         stop_strings=getattr(generation_config, "stop_strings", None) or [],
         # generation_kwargs' value, else (None) the model's own, as TRL's `generate` fills an unset field
         min_new_tokens=getattr(generation_config, "min_new_tokens", None),
+        greedy_copies=True,  # TRL asks for each prompt num_generations times, greedy or not, as its own generate
         **_warping(generation_config),
     )
 

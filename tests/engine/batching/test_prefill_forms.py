@@ -186,7 +186,7 @@ def test_a_long_prompt_in_chunks_with_n_samples_and_penalty_matches_generate(tin
     prompts = random_prompts((90, 12), seed=61)
     tokens, reasons = oracle_batch(model, prompts, BUDGET, repetition_penalty=1.3)
     result = rollout(model, "bucketed", prefill_max_tokens=32, costs=None).generate(
-        prompts, sampling(rows=3, repetition_penalty=1.3, n=2)
+        prompts, sampling(rows=3, repetition_penalty=1.3, n=2, greedy_copies=True)
     )
     assert result.tokens == [[t, t] for t in tokens]  # greedy: both samples equal the oracle
     assert result.finish_reasons == [[r, r] for r in reasons]

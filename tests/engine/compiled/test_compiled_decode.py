@@ -35,6 +35,7 @@ from autobucket.engine.compiled.dynamo_compat import (
     lifted_graph_limit,
     raised_by_compiler,
 )
+from autobucket.engine.compiled.trace_local_variables import make_trace_local
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
 from autobucket.planning.costs import CB_STEP
@@ -210,25 +211,27 @@ def _kernelized_attention_model(seed: int) -> torch.nn.Module:
 
 @contextmanager
 def another_thread_writes_during_the_compile(monkeypatch):
-    """The interleaving a trainer thread's eager forward makes with a compile, pinned: torch holds
-    `is_compiling()` True for every thread during a compile session, so that forward's attention (the
-    kernels hub's `use_kernelized_func` in transformers 5.x) writes the hub's process-wide context
-    variable; here it lands after dynamo built its guards and before it checks them on the same frame."""
+    """A write by another thread to process-wide state the trace read, pinned after dynamo built its
+    guards and before it checks them on the same frame. The state written is the kernels hub's variable
+    as the trace sees it (`TraceLocalVariable.traced_value`, read by the attention forward of
+    transformers 5.x): the library's own variable was such state for other threads' eager forwards
+    (`test_compile_other_threads.py`)."""
     layer = pytest.importorskip("kernels._internals.layer.layer")
     from torch._dynamo.guards import CheckFunctionManager
 
+    make_trace_local()  # as the engine does before it compiles
     active = layer._ACTIVE_KERNEL_FUNCS
     built = CheckFunctionManager.compile_check_fn
 
     def then_the_other_thread_writes(self, *args, **kwargs):
         built(self, *args, **kwargs)
-        active.global_var = {}  # what its `set` stores (its own functions, keyed by id)
+        active.traced_value = {}  # what a traced `set` stores (the model's own functions, keyed by id)
 
     monkeypatch.setattr(CheckFunctionManager, "compile_check_fn", then_the_other_thread_writes)
     try:
         yield
     finally:
-        active.global_var = None  # as its `reset` leaves it
+        active.traced_value = None  # as a traced `reset` leaves it
 
 
 @pytest.mark.engine

@@ -65,7 +65,7 @@ def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, decode, alway
 def test_greedy_samples_on_a_shared_prompt_equal_generate(tiny_models, arch, always_share):
     model = tiny_models(arch)
     prompts = random_prompts([33, 64, 20], seed=60)
-    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, continuous_batch_size=4)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, greedy_copies=True, continuous_batch_size=4)
     result = Rollout(model, config=RolloutConfig(route="aligned", compile=False)).generate(prompts, sampling)
     assert result.profile.shared_kv_rows > 0
     for prompt, samples in zip(prompts, result.tokens, strict=True):
@@ -76,7 +76,7 @@ def test_greedy_samples_on_a_shared_prompt_equal_generate(tiny_models, arch, alw
 def test_negative_control_rows_reading_another_prompt_break_the_oracle(tiny_models, always_share, monkeypatch):
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([40, 70, 55], seed=61)
-    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, continuous_batch_size=6)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, greedy_copies=True, continuous_batch_size=6)
     build = StaticKVCache._build_layout
 
     def swapped(self):
@@ -97,7 +97,7 @@ def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
     model = tiny_models("tiny-mistral")
     rollout = Rollout(model, config=RolloutConfig(route="aligned", prefix_cache_mb=16, compile=False))
     prompts = random_prompts([50, 37], seed=62)
-    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2)
+    sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=2, greedy_copies=True)
     first = rollout.generate(prompts, sampling)
     assert first.profile.shared_kv_rows == 4
     second_prompts = [p + samples[1] + [7, 8, 9] for p, samples in zip(prompts, first.tokens, strict=True)]
@@ -109,7 +109,7 @@ def test_shared_rows_feed_the_prefix_cache_whole(tiny_models, always_share):
 
 def test_no_sharing_with_eager_attention_or_one_sample(tiny_models, always_share):
     prompts = random_prompts([40, 45], seed=63)
-    sampling = SamplingConfig(max_new_tokens=4, eos_token_id=[], n=2)
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_id=[], n=2, greedy_copies=True)
     eager_model = tiny_models("tiny-qwen2", attn_implementation="eager")
     eager = Rollout(eager_model, config=RolloutConfig(route="aligned", compile=False))
     assert eager.generate(prompts, sampling).profile.shared_kv_rows == 0
@@ -143,7 +143,7 @@ def test_invariant_kernels_share_bitwise(arch, dtype, always_share, monkeypatch)
 
 def test_sharing_starts_only_when_the_copies_it_saves_are_large(tiny_models):
     model = tiny_models("tiny-qwen2")
-    sampling = SamplingConfig(max_new_tokens=2, eos_token_id=[], n=4)
+    sampling = SamplingConfig(max_new_tokens=2, eos_token_id=[], n=4, greedy_copies=True)
     rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=False))
     short = rollout.generate(random_prompts([40, 30], seed=64), sampling)  # 3 x 70 columns saved
     assert short.profile.shared_kv_rows == 0

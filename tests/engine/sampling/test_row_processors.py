@@ -138,7 +138,7 @@ def test_a_processor_sees_one_sequence_its_prompt_and_its_own_tokens(tiny_models
         seen.append(input_ids[0].tolist())
         return scores
 
-    result = Rollout(model, config=RolloutConfig(route="bucketed")).generate(prompts, sampling(n=2), logits_processor=record)
+    result = Rollout(model, config=RolloutConfig(route="bucketed")).generate(prompts, sampling(n=2, greedy_copies=True), logits_processor=record)
     expected = sorted([*p, *tokens[:step]] for p, samples in zip(prompts, result.tokens, strict=True)
                       for tokens in samples for step in range(len(tokens)))  # fmt: skip
     assert sorted(seen) == expected

@@ -378,7 +378,7 @@ def test_bad_warper_values_say_the_range_and_the_off_value(field, value, fix):
 def test_warper_range_ends_and_off_values_are_accepted():
     for settings in ({"min_p": 0.0}, {"min_p": 1.0}, {"typical_p": 1.0}, {"typical_p": 1e-9}, {"epsilon_cutoff": 0.0},
                      {"epsilon_cutoff": 0.999}, {"eta_cutoff": 0.0}, {"eta_cutoff": 0.5}):  # fmt: skip
-        assert getattr(SamplingConfig(**settings), next(iter(settings))) == next(iter(settings.values()))
+        assert getattr(SamplingConfig(temperature=1.0, **settings), next(iter(settings))) == next(iter(settings.values()))
 
 
 def test_seed_list_must_match_prompts(model):

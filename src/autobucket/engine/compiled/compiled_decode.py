@@ -30,9 +30,14 @@ exception the model's own code raises *while traced* as `Unsupported` caused by 
 eager step succeeds was it a tracing problem, and the next step disables compiling. Any other dynamo
 or inductor failure (a graph break under `fullgraph=True`, `BackendCompilerFailed`, our attention's
 NotImplementedError at trace time, an AssertionError from dynamo's own checks — "Guard failed on the
-same frame it was created" when another thread's forward ran during the compile), a graph limit or a
+same frame it was created" when another thread wrote state the trace read), a graph limit or a
 recompile storm disables the compiled path for that model with one warning and the reason in the
-profile; eager decoding continues."""
+profile; eager decoding continues.
+
+Other threads' forwards during a compile: torch holds `torch.compiler.is_compiling()` True for every
+thread through a compile session, so the engine's routers ask `is_dynamo_compiling()` (True only in
+the trace), and the kernels hub's and transformers' per-forward variables are replaced before the first
+compile (`trace_local_variables`): a trainer thread's eager forward keeps its own state throughout."""
 
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from autobucket.engine.compiled.dynamo_compat import (
     observed_model_error,
     raised_by_compiler,
 )
+from autobucket.engine.compiled.trace_local_variables import make_trace_local
 from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
 from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
@@ -241,6 +247,7 @@ class CompiledDecode:
         self.stats = CompileStats(fallback_reason=self.graphs.disabled_reason)
         self.last_step_compiled = False  # the last step's time was compile time (kept out of step timings)
         self.traced_error = ""  # the last step's trace hit the model's own raise; its eager step decides
+        make_trace_local()  # before any compile: other threads' forwards keep their own library variables
 
     def capacity(self, columns: int) -> int:
         """Cache columns to allocate (`store_columns`)."""

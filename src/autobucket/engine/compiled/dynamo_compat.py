@@ -7,10 +7,9 @@ exception")` whose `__cause__` is a stand-in class, `Observed<Name>Error` (an `O
 created per user exception type; the real exception object never exists, because its code never ran.
 An exception raised by a compiled graph at *run time* (an allocation failure, a custom op) propagates
 as itself. Dynamo's own consistency checks raise plain `AssertionError`s from its own code (not a
-`TorchDynamoException`): "Guard failed on the same frame it was created", met when another thread's
-eager forward writes state the trace read — torch holds `torch.compiler.is_compiling()` True for every
-thread during a compile session, so the kernels hub's `CompileableContextVar` in transformers 5.x
-attention forwards writes a process-wide global from the other thread (measured, torch 2.13)."""
+`TorchDynamoException`): "Guard failed on the same frame it was created", met when another thread
+writes process-wide state the trace read before dynamo checks the guards it built on it (the kernels
+hub's variable was such state for other threads' forwards until `trace_local_variables` took its place)."""
 
 from __future__ import annotations
 

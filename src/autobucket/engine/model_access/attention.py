@@ -83,7 +83,8 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     "sdpa"; the direct decode step (`direct_decode.py`) calls it as the model's attention would (only for
     models that `dispatches` accepted, so the dispatcher is installed by then)."""
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
-    if chosen is None and not torch.compiler.is_compiling():
+    # under dynamo's trace only (`is_compiling()` is True for every thread while any thread compiles)
+    if chosen is None and not torch.compiler.is_dynamo_compiling():
         chosen = chosen_attention()
         window = kwargs.get("sliding_window")
         if window and _APPLY_WINDOWS.get() and not _is_placeholder(attention_mask):

@@ -69,7 +69,9 @@ _COMPILE_LOCK = threading.RLock()  # one compiled step at a time while it sets _
 
 
 def _tracing() -> bool:
-    return torch.compiler.is_compiling()
+    # Not `is_compiling()`: torch holds that True for every thread through a compile session, which
+    # would send another thread's eager forward down the traced path (builtin linears, another dropout).
+    return torch.compiler.is_dynamo_compiling()
 
 
 def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

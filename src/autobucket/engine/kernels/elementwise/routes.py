@@ -27,7 +27,8 @@ FUSED_FORWARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucke
 
 def fused_here() -> bool:
     """Whether this code runs in one of this thread's engine forwards, eagerly (not under dynamo)."""
-    return not torch.compiler.is_compiling() and FUSED_FORWARDS.get()
+    # `is_dynamo_compiling`: `is_compiling()` is True for every thread while any thread compiles
+    return not torch.compiler.is_dynamo_compiling() and FUSED_FORWARDS.get()
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
