@@ -12,7 +12,8 @@ import dataclasses
 import re
 
 import pytest
-from conftest import oracle_batch, random_prompts
+from oracles import oracle_batch
+from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.cli import main

@@ -17,8 +17,9 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-from conftest import oracle_batch, random_prompts
+from oracles import oracle_batch
 from torch.overrides import TorchFunctionMode
+from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant
 from autobucket.engine.compiled.compiled_decode import CompiledDecode
