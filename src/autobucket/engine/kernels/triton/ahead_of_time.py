@@ -11,7 +11,12 @@ from collections.abc import Iterator
 
 import torch
 
-from autobucket.engine.kernels.triton.tiles import ATTENTION_BLOCK_N, LINEAR_TILES, ROW_BLOCK
+from autobucket.engine.kernels.triton.tiles import (
+    ATTENTION_BLOCK_N,
+    ATTENTION_BLOCK_Q,
+    LINEAR_TILES,
+    ROW_BLOCK,
+)
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -31,11 +36,12 @@ def kernel_specs() -> Iterator[tuple[str, object, dict[str, str], dict[str, obje
         }, {"num_warps": tiles.num_warps}  # fmt: skip
         yield f"attention[{t}]", attention.attention_kernel, {
             **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), f"*{t}"),
-            "order_ptr": "*i32", "count_ptr": "*i32", "heads": "i32", "group": "i32", "head_dim": "i32", "scale": "fp32",
+            "order_ptr": "*i32", "count_ptr": "*i32", "heads": "i32", "group": "i32", "queries": "i32", "head_dim": "i32",
+            "scale": "fp32",
             **dict.fromkeys(
                 ("sq_r", "sq_h", "sq_q", "sk_r", "sk_h", "sk_c", "sv_r", "sv_h", "sv_c", "so_r", "so_q", "so_h",
                  "sord_r", "sord_q", "sc_r", "sc_q"), "i32"),
-        }, {"GATHER": True, "BLOCK_N": ATTENTION_BLOCK_N, "BLOCK_D": 64}, {}  # fmt: skip
+        }, {"GATHER": True, "BLOCK_Q": ATTENTION_BLOCK_Q, "BLOCK_N": ATTENTION_BLOCK_N, "BLOCK_D": 64}, {"num_warps": 4}  # fmt: skip
         yield f"rms_norm[{t}]", row_reductions.rms_norm_kernel, {
             "x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "width": "i32", "eps": "fp32",
             "stride_x": "i32", "stride_o": "i32",

@@ -2,13 +2,14 @@
 (one query over the cache, rows right-aligned with gaps), packed and one-shot prefill, chunked prefill over
 a cached prefix, sliding windows.
 
-Each program is one (row, head, query). It walks the query's own allowed keys, in their column order,
-in blocks of ATTENTION_BLOCK_N counted from its first allowed key (`key_order`: the allowed columns first,
+Each program is one (row, head, tile of ATTENTION_BLOCK_Q queries of that row). Each query walks its own
+allowed keys, in their column order, in blocks of ATTENTION_BLOCK_N counted from its first allowed key (`key_order`: the allowed columns first,
 gathered; the kernel reads no other column), with an online softmax in fp32. The reduction order is thus
 a function of the query's key sequence alone: the same bits in a decode step, a chunk, a padded batch or
 a trainer's teacher-forced forward. A window is the mask's: the kernel sees only the keys the mask allows,
-so a windowed query's blocks count from the window's first key, as the CPU kernel's do. Lanes past the
-query's last key are -inf and contribute exact zeros; a query with no key gives zeros. Grouped-query
+so a windowed query's blocks count from the window's first key, as the CPU kernel's do. Lanes past a
+query's last key are -inf and contribute exact zeros, so the blocks a tile walks for its longer queries
+leave a shorter one's values exactly as they were; a query with no key gives zeros. Grouped-query
 heads read their K/V head in place."""
 
 from __future__ import annotations
@@ -20,49 +21,57 @@ import torch
 import triton
 import triton.language as tl
 
-from autobucket.engine.kernels.triton.tiles import ATTENTION_BLOCK_N
+from autobucket.engine.kernels.triton.tiles import ATTENTION_BLOCK_N, ATTENTION_BLOCK_Q
 
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, count_ptr, heads, group, head_dim, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, count_ptr, heads, group, queries, head_dim, scale,
     sq_r, sq_h, sq_q, sk_r, sk_h, sk_c, sv_r, sv_h, sv_c, so_r, so_q, so_h, sord_r, sord_q, sc_r, sc_q,
-    GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0) // heads
     head = tl.program_id(0) % heads
-    query = tl.program_id(1)
+    query = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] this tile's queries of the row
+    in_call = query < queries
     kv_head = head // group
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < head_dim
-    q = tl.load(q_ptr + row * sq_r + head * sq_h + query * sq_q + dims, mask=in_dim, other=0.0).to(tl.float32)
-    count = tl.load(count_ptr + row * sc_r + query * sc_q)  # the query's allowed keys
+    q_at = q_ptr + row * sq_r + head * sq_h + query[:, None] * sq_q + dims[None, :]
+    q = tl.load(q_at, mask=in_call[:, None] & in_dim[None, :], other=0.0).to(tl.float32)  # [BLOCK_Q, BLOCK_D]
+    count = tl.load(count_ptr + row * sc_r + query * sc_q, mask=in_call, other=0)  # [BLOCK_Q] allowed keys
     k_base = k_ptr + row * sk_r + kv_head * sk_h
     v_base = v_ptr + row * sv_r + kv_head * sv_h
-    best = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    best = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    longest = tl.max(count, axis=0)
     start = 0
-    while start < count:  # a `while`: triton 3.6's interpreter breaks `range` over runtime ints
-        index = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the query's key sequence
-        live = index < count
+    while start < longest:  # a `while`: triton 3.6's interpreter breaks `range` over runtime ints
+        index = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in each query's own key sequence
+        live = index[None, :] < count[:, None]  # [BLOCK_Q, BLOCK_N]
         if GATHER:
-            column = tl.load(order_ptr + row * sord_r + query * sord_q + index, mask=live, other=0)
+            order_at = order_ptr + row * sord_r + query[:, None] * sord_q + index[None, :]
+            column = tl.load(order_at, mask=live, other=0)
         else:  # causal / unmasked: the key sequence is the columns from 0
-            column = index
-        both = live[:, None] & in_dim[None, :]
-        k = tl.load(k_base + column[:, None] * sk_c + dims[None, :], mask=both, other=0.0).to(tl.float32)
-        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))  # [BLOCK_N]
-        new_best = tl.maximum(best, tl.max(scores, axis=0))
-        rescale = tl.exp(best - new_best)
-        weights = tl.exp(scores - new_best)
-        v = tl.load(v_base + column[:, None] * sv_c + dims[None, :], mask=both, other=0.0).to(tl.float32)
-        total = total * rescale + tl.sum(weights, axis=0)
-        acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
+            column = index[None, :] + tl.zeros((BLOCK_Q, BLOCK_N), tl.int32)
+        both = live[:, :, None] & in_dim[None, None, :]
+        k = tl.load(k_base + column[:, :, None] * sk_c + dims[None, None, :], mask=both, other=0.0).to(tl.float32)
+        scores = tl.where(live, tl.sum(k * q[:, None, :], axis=2) * scale, float("-inf"))  # [BLOCK_Q, BLOCK_N]
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        # a block with no key of a query leaves it exactly as it was (rescale exp(0) = 1, weights 0); before
+        # its first key a query's sums are zeros whatever the rescale
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        rescale = tl.exp(best - shift)
+        weights = tl.where(live, tl.exp(scores - shift[:, None]), 0.0)
+        v = tl.load(v_base + column[:, :, None] * sv_c + dims[None, None, :], mask=both, other=0.0).to(tl.float32)
+        total = total * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v, axis=1)
         best = new_best
         start += BLOCK_N
-    out = tl.where(total > 0, acc / total, 0.0)
-    tl.store(out_ptr + row * so_r + query * so_q + head * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=in_dim)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # no key: zeros
+    out_at = out_ptr + row * so_r + query[:, None] * so_q + head * so_h + dims[None, :]
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=in_call[:, None] & in_dim[None, :])
 
 
 class _OrderMemo(threading.local):
@@ -117,12 +126,13 @@ def launch_attention(
     order_arg = order if gather else count
     order_strides = (order.stride(0), order.stride(1) if order.shape[1] > 1 else 0) if gather else (0, 0)
     count_strides = (count.stride(0), count.stride(1) if count.shape[1] > 1 else 0)
-    attention_kernel[(rows * heads, queries)](
-        query, key, value, out, order_arg, count, heads, heads // key.shape[1], head_dim, float(scale),
+    grid = (rows * heads, triton.cdiv(queries, ATTENTION_BLOCK_Q))
+    attention_kernel[grid](
+        query, key, value, out, order_arg, count, heads, heads // key.shape[1], queries, head_dim, float(scale),
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *order_strides, *count_strides,
-        GATHER=gather, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        GATHER=gather, BLOCK_Q=ATTENTION_BLOCK_Q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
     return out
 

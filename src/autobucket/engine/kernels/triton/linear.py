@@ -23,37 +23,34 @@ def linear_kernel(
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_at = w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]: weight.T's tile
+    row_in, col_in = rows[:, None] < M, cols[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if IN_ORDER:  # the interpreter: a `while` over the runtime K (triton 3.6's interpreter breaks `range` there)
         k0 = 0
         while k0 < K:
-            a, b = _tiles(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K)
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            a = tl.load(x_at, mask=row_in & (ks[None, :] < K - k0), other=0.0).to(tl.float32)
+            b = tl.load(w_at, mask=col_in & (ks[:, None] < K - k0), other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+            x_at += BLOCK_K * stride_xk
+            w_at += BLOCK_K * stride_wk
             k0 += BLOCK_K
     else:
         for k0 in range(0, K, BLOCK_K):
-            a, b = _tiles(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K)
+            a = tl.load(x_at, mask=row_in & (ks[None, :] < K - k0), other=0.0)
+            b = tl.load(w_at, mask=col_in & (ks[:, None] < K - k0), other=0.0)
             if FP32_INPUTS:  # noqa: SIM108 (a constexpr branch, resolved when the kernel is compiled)
                 acc = tl.dot(a, b, acc, input_precision="ieee")  # never TF32
             else:
                 acc = tl.dot(a, b, acc)
+            x_at += BLOCK_K * stride_xk
+            w_at += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@triton.jit
-def _tiles(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_K: tl.constexpr):
-    """x[rows, k0:k0+BLOCK_K] [BLOCK_M, BLOCK_K] and weight[cols, k0:...].T [BLOCK_K, BLOCK_N], zeros outside."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(
-        x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0
-    )
-    b = tl.load(
-        w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0
-    )
-    return a, b
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_in & col_in)
 
 
 def launch_linear(

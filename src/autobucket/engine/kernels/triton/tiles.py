@@ -27,7 +27,10 @@ LINEAR_TILES = {
     torch.bfloat16: LinearTiles(128, 128, 64, 8),
     torch.float16: LinearTiles(128, 128, 64, 8),
 }
-ATTENTION_BLOCK_N = 64  # keys per block of the attention walk, counted from each query's first key
+ATTENTION_BLOCK_N = 32  # keys per block of the attention walk, counted from each query's first key
+# queries per attention program: one size for every call, decode too, so the compiler lays every call's
+# reductions out alike
+ATTENTION_BLOCK_Q = 16
 ROW_BLOCK = 1024  # columns per step of the row reductions' loops (RMSNorm takes a row in one block)
 
 
