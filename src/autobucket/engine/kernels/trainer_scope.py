@@ -23,7 +23,7 @@ import torch
 
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, invariant_kernels
+from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, kernel_set
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 from autobucket.engine.model_access.weight_versions import merged_adapters
@@ -50,7 +50,8 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     `pack_ms` say what repacking after weight updates cost). `model` may be a PeftModel or a DDP / FSDP /
     DeepSpeed / compiled wrapper, as `Rollout` takes. `packed_weights_mb` bounds the packed copies as
     `RolloutConfig(packed_weights_mb=...)` does (None: every linear packed); the values do not depend on
-    it. Raises ValueError for models the kernels cannot reach (eager attention, off the CPU), for fp32
+    it (on a CUDA model the Triton set runs, with nothing packed). Raises ValueError for models the kernels
+    cannot reach (eager attention, a device other than CPU and CUDA, CUDA without triton), for fp32
     set to compute in a lower precision, or for a negative budget."""
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
@@ -61,5 +62,5 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     packs.follow_merges(merged_adapters(inner))
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
+    with kernel_set(next(inner.parameters()).device, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
         yield packs
