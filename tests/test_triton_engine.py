@@ -84,3 +84,28 @@ def test_the_switch_is_per_thread_and_cpu_models_keep_the_cpu_set():
     assert seen == [False]
     assert not runs_triton_set(torch.device("cpu"))
     assert runs_triton_set(torch.device("cuda", 0))
+
+
+def test_the_scope_routes_the_models_rms_norms_for_its_own_thread_only(tiny_models):
+    """Inside the Triton scope the model's RMSNorm gives the Triton row kernel's bits; another thread's
+    call at the same time, and any call after the scope, give the class's own forward's bits."""
+    from autobucket.engine.kernels.triton.row_reductions import rms_norm
+    from autobucket.engine.kernels.triton.scope import triton_kernels
+
+    model = tiny_models("tiny-llama")
+    norm = model.model.layers[0].input_layernorm
+    own_forward = type(norm).forward
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        builtin = own_forward(norm, hidden)
+        kernel = rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        assert not torch.equal(builtin, kernel)  # control: the two computations differ in bits here
+        other_thread = []
+        with forced_on_cpu(), triton_kernels(model):
+            assert torch.equal(norm(hidden), kernel)
+            thread = threading.Thread(target=lambda: other_thread.append(norm(hidden)))
+            thread.start()
+            thread.join()
+        assert torch.equal(other_thread[0], builtin)
+        assert type(norm).forward is own_forward
+        assert torch.equal(norm(hidden), builtin)

@@ -220,7 +220,7 @@ class Rollout:
             return
         check_call_settings(self.model)
         if runs_triton_set(self.device):
-            with kernel_set(self.device, None, conv1d=self._conv1d):
+            with kernel_set(self.model, None, conv1d=self._conv1d):
                 yield
             return
         if self.packed_linears is None:  # created on a CUDA device, now on the CPU
@@ -229,7 +229,7 @@ class Rollout:
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
-            with kernel_set(self.device, packs, conv1d=self._conv1d):
+            with kernel_set(self.model, packs, conv1d=self._conv1d):
                 yield
         finally:
             profile.packs_made += packs.packs_made - made

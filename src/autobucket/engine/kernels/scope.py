@@ -132,14 +132,14 @@ def invariant_kernels(packs: PackedLinears, recompute_safe: bool = False, conv1d
 
 @contextmanager
 def kernel_set(
-    device: torch.device, packs: PackedLinears | None, recompute_safe: bool = False, conv1d: bool = False
+    model: torch.nn.Module, packs: PackedLinears | None, recompute_safe: bool = False, conv1d: bool = False
 ) -> Iterator[None]:
     """`invariant_kernels` on a CPU; the Triton set's scope on a CUDA device (`packs` unused there: its
     linear reads the weights in place)."""
-    if runs_triton_set(device):
+    if runs_triton_set(next(model.parameters()).device):
         from autobucket.engine.kernels.triton.scope import triton_kernels
 
-        with triton_kernels(conv1d):
+        with triton_kernels(model, conv1d):
             yield
         return
     assert packs is not None, "the CPU kernel set runs on packed weights"

@@ -62,5 +62,5 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs.budget_bytes = None if packed_weights_mb is None else int(packed_weights_mb * 2**20)
     packs.follow_merges(merged_adapters(inner))
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with kernel_set(next(inner.parameters()).device, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
+    with kernel_set(inner, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)):
         yield packs

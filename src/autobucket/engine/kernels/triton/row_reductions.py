@@ -42,6 +42,26 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad):
+    """The gradients of the same formula in torch (only the forward values carry the guarantee)."""
+    x, weight = ctx.saved_tensors
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.enable_grad():
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        out = weight * (x.float() * torch.rsqrt(variance + ctx.eps)).to(x.dtype)
+        grad_x, grad_weight = torch.autograd.grad(out, (x, weight), grad)
+    return grad_x, grad_weight, None
+
+
+rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
 @triton.jit
 def logsumexp_kernel(x_ptr, out_ptr, width, stride_x, BLOCK: tl.constexpr):
     """Two passes over the row in BLOCK steps: its max, then the sum of exp(x - max)."""

@@ -1,6 +1,7 @@
 """The scope in which a forward runs the Triton kernel set: this thread's linears (`F.linear` and
-transformers' `Conv1D` addmm calls, through `function_routes`) on the invariant linear and its attention
-calls (through transformers' "sdpa" dispatcher) on the invariant attention. Nothing on the model changes,
+transformers' `Conv1D` addmm calls, through `function_routes`) on the invariant linear, its attention
+calls (through transformers' "sdpa" dispatcher) on the invariant attention, and a Llama-family model's
+RMSNorms on the row kernel (`norm_route.py`). Nothing on the model changes,
 and other threads' forwards keep the builtins (the same routers as the CPU set's).
 
 Which set a forward runs is the device's: CUDA tensors take this one, CPU tensors the C++ set, unless
@@ -20,6 +21,7 @@ import torch
 from autobucket.engine.kernels.invariant_attention import allowed_for, reference_attention
 from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
 from autobucket.engine.kernels.triton.linear import invariant_linear
+from autobucket.engine.kernels.triton.norm_route import norms_routed
 from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
 from autobucket.engine.model_access.attention import kernel_attention
 from autobucket.engine.model_access.function_routes import (
@@ -134,7 +136,8 @@ def triton_sdpa(module: Any, query, key, value, attention_mask, dropout: float =
 
 
 @contextmanager
-def triton_kernels(conv1d: bool = False) -> Iterator[None]:
-    """This thread's forwards in the block run their linears and attention on the Triton set."""
-    with linears_routed_to(TritonLinears(), conv1d), kernel_attention(triton_sdpa):
+def triton_kernels(model: torch.nn.Module | None = None, conv1d: bool = False) -> Iterator[None]:
+    """This thread's forwards in the block run their linears and attention on the Triton set, and
+    `model`'s RMSNorms (Llama family) on its row kernel."""
+    with linears_routed_to(TritonLinears(), conv1d), kernel_attention(triton_sdpa), norms_routed(model):
         yield
