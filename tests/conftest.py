@@ -7,6 +7,12 @@ the many route tests that share a workload pay for `generate` once.
 
 from __future__ import annotations
 
+import os
+
+# The Triton kernels' tests run them on CPU tensors through Triton's interpreter, which triton takes from the
+# environment when it is first imported: set before any test module (or torch's inductor) imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
 import random
 import weakref
