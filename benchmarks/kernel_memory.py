@@ -1,4 +1,4 @@
-"""Peak memory of a rollout on the default kernels vs `kernels="invariant"` (issue 20's <= 1.3x target).
+"""Peak memory of a rollout on the default kernels vs `kernels="invariant"`.
 
     quiet-run -- taskset -c 0 python benchmarks/kernel_memory.py --out results/kernel_memory.json
 

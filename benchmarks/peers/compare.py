@@ -86,10 +86,11 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
     return out[:, width:].tolist()
 
 
-def contenders(model, max_new_tokens: int) -> dict:
+def contenders(model, max_new_tokens: int, compiled: bool = True) -> dict:
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, continuous_batch_size=32, eos_token_id=[])
     settings = (("auto", "auto", False, "hf"), ("auto_invariant", "auto", False, "invariant"),
                 ("auto_compiled", "auto", True, "hf"), ("bucketed_compiled", "bucketed", True, "hf"))
+    settings = settings if compiled else settings[:2]
     rollouts = {name: Rollout(model, config=RolloutConfig(route=route, compile=flag, kernels=kernels))
                 for name, route, flag, kernels in settings}  # fmt: skip
 
@@ -122,7 +123,7 @@ def first_flip(model, prompts: list[list[int]], reference: list[list[int]], toke
 def run_workload(model, vllm, workload: Workload, args) -> dict:
     """Every contender on `workload`, interleaved; medians, samples, token agreement with HF greedy."""
     prompts = random_prompts(workload.lengths, model.config.vocab_size, seed=args.seed)
-    runs_by_name = contenders(model, args.max_new_tokens)
+    runs_by_name = contenders(model, args.max_new_tokens, compiled=not args.no_compiled)
     compile_ms, vllm_ms = [], []
 
     def counting(inner):
@@ -134,7 +135,8 @@ def run_workload(model, vllm, workload: Workload, args) -> dict:
         return run
 
     for name in ("auto_compiled", "bucketed_compiled"):
-        runs_by_name[name] = counting(runs_by_name[name])
+        if name in runs_by_name:
+            runs_by_name[name] = counting(runs_by_name[name])
     if vllm is not None:
 
         def vllm_run(prompts):
@@ -177,10 +179,10 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         med = {n: row[n]["median_ms"] for n in names}
         vllm = med.get("vllm")
-        ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
         equal = " ".join(f"{n}:{'yes' if row[n]['tokens_equal_hf'] else 'NO'}" for n in names if n != "hf_generate")
         print(f"| {row['workload']} | " + " | ".join(f"{med[n]:.0f}" for n in names)
-              + f" | {ratio(med['auto_compiled'], vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto_invariant'], vllm)}"
+              + f" | {ratio(med.get('auto_compiled', 0), vllm)} | {ratio(med['auto'], vllm)} | {ratio(med['auto_invariant'], vllm)}"
               f" | {ratio(med['auto'], med['hf_generate'])} | {row['floor_ms']:.0f}"
               f" | {ratio(med['auto_invariant'], row['floor_ms'])} | {ratio(vllm or 0, row['floor_ms'])}"
               f" | {equal} | {row['compile_ms']:.0f} |")  # fmt: skip
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="only autobucket and HF generate")
     parser.add_argument("--core", default="0", help="the core(s) every process is pinned to (VLLM_CPU_OMP_THREADS_BIND: 0, 0-1)")
     parser.add_argument("--threads", type=int, default=1, help="torch's threads here; pin as many cores, and --core to match")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="leave out the compile=True contenders (each new shape compiles for tens of seconds on a CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,5 +1,5 @@
 """A call's floor on this core: the least time any engine could take for it, from this run's own peak
-GEMM rate and memory read rate (issue 20: "beside each workload, its floor").
+GEMM rate and memory read rate, printed beside each workload.
 
 Prefill is compute-bound: its floor is its FLOPs over the peak fp32 GEMM rate. A decode step is bound
 by whichever is longer, its FLOPs at that rate or its bytes (every weight and every row's K/V read once)

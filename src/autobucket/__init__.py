@@ -2,7 +2,7 @@
 
 The planner (`autobucket.planning.costs`, `autobucket.planning.planner`) is pure Python and never imports torch, so
 this package resolves its torch-backed names lazily: `import autobucket.planning.planner` stays light. A type
-checker reads the same names from the `TYPE_CHECKING` block below (tests/test_defaults.py keeps the two in step).
+checker reads the same names from the `TYPE_CHECKING` block below (tests/project/test_defaults.py keeps the two in step).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "au
 CompileChoice: TypeAlias = bool | Literal["auto"]
 Kernels: TypeAlias = Literal["hf", "invariant"]
 LogprobsMode: TypeAlias = Literal["trainer", "processed"]
+ShardedWeights: TypeAlias = Literal["gathered", "lockstep"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
 CostsSpec: TypeAlias = "CostCoefficients | str | os.PathLike[str] | None"
 
@@ -32,6 +33,7 @@ ROUTES: tuple[Route, ...] = get_args(Route)
 COMPILE_CHOICES: tuple[CompileChoice, ...] = ("auto", True, False)
 KERNELS: tuple[Kernels, ...] = get_args(Kernels)
 LOGPROBS_MODES: tuple[LogprobsMode, ...] = get_args(LogprobsMode)
+SHARDED_WEIGHTS: tuple[ShardedWeights, ...] = get_args(ShardedWeights)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class RolloutConfig:
       decode shape; graphs are kept per model and reused by later calls); "auto": reuse graphs already
       compiled, and compile new ones only when the call's predicted decode saving repays the compile
       time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
-      can flip a near-tied greedy token (README), hence the default. A model that cannot be compiled
+      can flip a near-tied greedy token (docs/routes.md), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
     persist_costs: keep what online learning learns between processes (the only switch for it). True
       (default): start from the entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
@@ -112,9 +114,17 @@ class RolloutConfig:
     prefix_cache_mb: float = 0.0
     share_prefixes: bool = True
     packed_weights_mb: float | None = None
+    sharded_weights: ShardedWeights = "gathered"
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
+        require_choice("sharded_weights", self.sharded_weights, SHARDED_WEIGHTS)
+        if self.sharded_weights == "lockstep":
+            raise ValueError(
+                "sharded_weights='lockstep' is not implemented: ranks would have to run matched forwards "
+                "with empty ones after they finish; use sharded_weights='gathered' (each rank holds the full "
+                "weights for the call), or HF generate(synced_gpus=True) for a model too large to gather"
+            )
         require_choice("kernels", self.kernels, KERNELS)
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")

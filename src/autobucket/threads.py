@@ -2,11 +2,11 @@
 
 On a small CPU machine the thread count matters more than anything else: torch starts one thread per
 core it sees, and when those cores are busy (or the process is pinned to fewer of them, e.g. with
-`taskset`) its threads wait on each other at every parallel region. Measured on a 2-core machine with
-one core busy: two threads made HF `generate` on SmolLM2 5.7x slower than one. Only the case that can
+`taskset`) its threads wait on each other at every parallel region, and two threads on one free core
+can run several times slower than one. Only the case that can
 be seen from inside the process is detected: more torch threads than CPUs in this process's affinity
-mask (`os.sched_getaffinity`). Other jobs on the same cores are not visible here; the README's
-Troubleshooting section says what to do about them."""
+mask (`os.sched_getaffinity`). Other jobs on the same cores are not visible here; docs/troubleshooting.md
+says what to do about them."""
 
 from __future__ import annotations
 

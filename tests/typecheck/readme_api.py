@@ -1,6 +1,6 @@
 """The README's Python API, line for line as the README shows it, for `make typecheck` (mypy --strict).
 
-Never run, only checked: each README statement appears here verbatim (tests/test_defaults.py checks
+Never run, only checked: each README statement appears here verbatim (tests/project/test_defaults.py checks
 that), with the names the README leaves to the reader (`input_ids`, `attention_mask`, `prompts`) defined
 and the result fields annotated with the types a user relies on."""
 
@@ -16,7 +16,7 @@ model, tokenizer = load_model("tiny-qwen2", dtype="bfloat16", device="cpu", attn
 rollout = Rollout(model, tokenizer, RolloutConfig(route="auto"))  # costs: learned online (or a calibration JSON)
 sampling = SamplingConfig(max_new_tokens=64, continuous_batch_size=32, repetition_penalty=1.0)
 
-result = rollout.generate(["Say hello.", [1, 9690, 198, 2683]], sampling)  # strings, id lists, 1-D tensors
+result = rollout.generate(["Say hello.", [1, 690, 198, 283]], sampling)  # strings, id lists, 1-D tensors
 tokens: list[list[int]] = result.tokens
 finish_reasons: list[str] = result.finish_reasons
 route: str = result.route
@@ -31,7 +31,7 @@ result = rollout.generate_padded(input_ids, attention_mask, sampling)
 responses, response_mask = result.to_padded(pad_id=tokenizer.pad_token_id)
 
 # Sampling for RL.
-prompts: list[str | list[int]] = ["Say hello.", [1, 9690, 198, 2683]]
+prompts: list[str | list[int]] = ["Say hello.", [1, 690, 198, 283]]
 sampling = SamplingConfig(max_new_tokens=256, temperature=1.0, top_k=0, top_p=0.95, seed=1234, n=8, logprobs=True)
 result = rollout.generate(prompts, sampling)
 p, s = 0, 7
@@ -45,6 +45,7 @@ rollout = Rollout(model, tokenizer, RolloutConfig(route="auto", compile="auto", 
 
 # Zero sampler-trainer mismatch: the rollout's kernels in the trainer's forward.
 rollout = Rollout(model, config=RolloutConfig(kernels="invariant"))
+rollout = Rollout(model, tokenizer, RolloutConfig(kernels="invariant"))
 result = rollout.generate(prompts, SamplingConfig(temperature=1.0, logprobs=True, max_new_tokens=256))
 ids, mask, prompt_width = input_ids, attention_mask, 2
 with autobucket.invariant(model):

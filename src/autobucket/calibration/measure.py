@@ -56,7 +56,7 @@ __all__ = [
     "DEFAULT_MAX_SECONDS", "MAX_HOLDOUT_ERROR", "MAX_SPREAD", "Calibration", "CalibrationPlan", "Shape",
     "calibrate", "default_plan", "fit_measurements", "measure", "measurement_problems", "model_geometry",
     "packed_shapes_for", "quick_fit", "quick_plan",
-]  # fmt: skip
+]
 @dataclass
 class Calibration:
     costs: CostCoefficients
@@ -109,9 +109,9 @@ def fit_measurements(
         DecodePoint(item["rows"], item["width"], item["steps"], robust_median(item["cb_step_ms"]),
                     robust_median(item["ordinary_step_ms"]), item.get("cb_includes_copy", True))
         for item in measurements["decode"] if item["cb_step_ms"]
-    ]  # fmt: skip
+    ]
     packed = [PackedPoint(item["rows"], item["width"], item["attention"], robust_median(item["kv_copy_ms"]))
-              for item in measurements.get("packed", []) if item["kv_copy_ms"]]  # fmt: skip
+              for item in measurements.get("packed", []) if item["kv_copy_ms"]]
     return fit_costs(prefill, decode, geometry, max_median_error, packed)
 
 
@@ -122,7 +122,7 @@ def measure(model: torch.nn.Module, plan: CalibrationPlan, step: Progress) -> di
     its estimated duration (its tokens at the ms per token seen so far) does, so every shape keeps the same
     number of samples and measuring ends by the deadline; shapes left unmeasured are named by the fit."""
     items = ([("prefill", s, False) for s in plan.prefill_shapes] + [("prefill", s, True) for s in plan.holdout_shapes]
-             + [("decode", s, False) for s in plan.decode_shapes] + [("packed", s, False) for s in plan.packed_shapes])  # fmt: skip
+             + [("decode", s, False) for s in plan.decode_shapes] + [("packed", s, False) for s in plan.packed_shapes])
     items.sort(key=lambda item: -_work(item[0], item[1], plan))  # most work first: later overruns are small
     records = [_empty_record(kind, shape, holdout, plan) for kind, shape, holdout in items]
     prompts = [shape_prompts(shape.rows, shape.width, model, plan.seed) for _, shape, _ in items]
@@ -159,10 +159,10 @@ def _work(kind: str, shape: Shape, plan: CalibrationPlan) -> float:
 def _empty_record(kind: str, shape: Shape, holdout: bool, plan: CalibrationPlan) -> dict[str, Any]:
     if kind in ("prefill", "packed"):
         record = {"kind": kind, "rows": shape.rows, "width": shape.width, "holdout": holdout,
-                  "plain_ms": [], "insert_ms": [], "kv_copy_ms": []}  # fmt: skip
+                  "plain_ms": [], "insert_ms": [], "kv_copy_ms": []}
         return record if kind == "prefill" else {**record, "attention": None}
     return {"kind": kind, "rows": shape.rows, "width": shape.width, "new_tokens": plan.decode_new_tokens,
-            "steps": plan.decode_new_tokens - 1, "cb_includes_copy": False, "cb_step_ms": [], "ordinary_step_ms": []}  # fmt: skip
+            "steps": plan.decode_new_tokens - 1, "cb_includes_copy": False, "cb_step_ms": [], "ordinary_step_ms": []}
 
 
 def _sample(model: torch.nn.Module, kind: str, prompts: list[list[int]], record: dict, plan: CalibrationPlan) -> None:
@@ -192,21 +192,21 @@ def measurement_problems(
     """Why a fit from these measurements should not be trusted: shapes left with fewer than 2 samples, or a
     held-out error above `max_holdout_error`; each names the noisiest shapes and what to do."""
     advice = ("rerun with --threads 1 pinned to one core (taskset -c 0), on a quieter machine, or give it "
-              "more time (--max-seconds) or fewer shapes (--quick)")  # fmt: skip
+              "more time (--max-seconds) or fewer shapes (--quick)")
     items = measurements["prefill"] + measurements["decode"] + measurements.get("packed", [])
     short = [_label(i) for i in items if not i.get("plain_ms", i.get("cb_step_ms"))]
     noisy = sorted(items, key=_spread, reverse=True)
     noisy_text = ", ".join(f"{_label(i)} ({_spread(i):.0%})" for i in noisy[:4] if _spread(i) > MAX_SPREAD)
     worst = sorted((r for r in report.rows if r.kind != "decode"), key=lambda r: -abs(r.relative_error))
     worst_text = ", ".join(f"{r.rows}:{r.width}{' held out' if r.holdout else ''} ({r.relative_error:+.0%})"
-                           for r in worst[:4])  # fmt: skip
+                           for r in worst[:4])
     cause = f"; noisy shapes (spread > {MAX_SPREAD:.0%}): {noisy_text}" if noisy_text else ""
     cause += f"; worst-predicted prefill shapes: {worst_text}" if worst_text else ""
     problems = []
     if short:
         listed = ", ".join(short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
         problems.append(f"{plan.max_seconds:.0f} s measured only {len(items) - len(short)} of {len(items)} shapes "
-                        f"(not measured: {listed}): use --quick, or raise --max-seconds")  # fmt: skip
+                        f"(not measured: {listed}): use --quick, or raise --max-seconds")
     held_out = report.median_error(holdout=True)
     if held_out is None and measurements.get("rounds", 2) < 2:
         problems.append(f"one round of samples and no held-out shapes: nothing validates the fit: {advice}")

@@ -85,7 +85,7 @@ def default_plan(
         for b, f in ((32, 1 / 32), (8, 1 / 4), (32, 1 / 4), (8, 1), (32, 1))
     )
     return CalibrationPlan(fitted, holdout, tuple(dict.fromkeys(decode)), decode_new_tokens, repeats,
-                           packed_shapes=packed_shapes_for(fitted))  # fmt: skip
+                           packed_shapes=packed_shapes_for(fitted))
 
 
 def packed_shapes_for(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
@@ -104,7 +104,7 @@ def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float =
     holdout = tuple(Shape(b, max(1, longest // d)) for b, d in ((2, 2), (8, 8), (1, 2), (4, 8)))
     decode = (Shape(4, widths[0]), Shape(8, widths[1]))
     return CalibrationPlan(prefill, holdout, decode, 6, repeats, warmup=0, max_seconds=max_seconds,
-                           packed_shapes=packed_shapes_for(prefill))  # fmt: skip
+                           packed_shapes=packed_shapes_for(prefill))
 
 
 def _default_max_length(max_positions: int | None, max_length: int | None, new_tokens: int) -> int:

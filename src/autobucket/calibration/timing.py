@@ -43,7 +43,7 @@ def time_prefill_insert(
     rows, width = len(prompts), max(len(p) for p in prompts)
     device = next(model.parameters()).device
     runner = ModelRunner(model, forward_spec(model), CacheShape(2 * rows, width + new_tokens), 0,
-                         vocab_size(model), track_seen=False)  # fmt: skip
+                         vocab_size(model), track_seen=False)
     lengths, first = [len(p) for p in prompts], torch.zeros(rows, dtype=torch.long, device=device)
     _synchronize(device)
     started = time.perf_counter()

@@ -14,6 +14,8 @@ from typing import Any
 
 ONLINE_COSTS = "online"  # RolloutConfig.costs's word for "learn them" (engine.cost_source.ONLINE)
 _LENGTH_ITEM = re.compile(r"(\d+)(?:[xX](\d+))?", re.ASCII)
+# the library's advice on a calibration file of another setup; each command's words for it are its flag
+OVERRIDE_PHRASE = "pass RolloutConfig(costs_strict=False) / load_calibration(strict=False) / --allow-mismatch"
 MODEL_HELP = (
     "a model folder, a Hugging Face id in the local cache, smollm2 (the embedded SmolLM2-135M-Instruct), "
     "a tiny-*/bench-qwen2 name (random weights), or an HF config.json path (random weights)"
@@ -107,9 +109,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = N
     plus --threads: the same flags and accepted forms on every command that loads a model."""
     parser.add_argument("--model", required=default is None, default=default,
                         help=MODEL_HELP + (f" (default: {default})" if default else ""))  # fmt: skip
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's weights and activations (default: float32)")  # fmt: skip
     parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
+                        help="transformers' attention: sdpa (default) or eager")  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")
     add_threads_argument(parser)
 
@@ -186,14 +190,15 @@ def finish_parser(
 
 def in_cli_words(message: str, words: dict[str, str]) -> str:
     """Library error text in the command's words: phrases first, then `name=value` -> `--flag value`,
-    then bare multi-word names (`prefill_max_tokens` -> `--prefill-max-tokens`)."""
+    then bare multi-word names (`prefill_max_tokens` -> `--prefill-max-tokens`). A name in double quotes
+    is a key of the user's JSON (a prompts line's "max_new_tokens"), not the flag: it stays."""
     for api, cli in words.items():
         if " " in api:
             message = message.replace(api, cli)
     for api, cli in words.items():
         if " " in api:
             continue
-        message = re.sub(rf"(?<![\w-]){re.escape(api)}=", f"{cli} ", message)
+        message = re.sub(rf'(?<![\w"-]){re.escape(api)}=', f"{cli} ", message)
         if "_" in api:
-            message = re.sub(rf"(?<![\w-]){re.escape(api)}(?!\w)", cli, message)
+            message = re.sub(rf'(?<![\w"-]){re.escape(api)}(?![\w"])', cli, message)
     return message

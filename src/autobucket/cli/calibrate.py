@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--max-holdout-error", type=non_negative_float, default=0.2, metavar="FRACTION",
                         help="refuse the fit when the median relative error of the held-out shapes exceeds "
                         "this (default 0.2)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the measured prompts' random token ids (default 0)")
     finish_parser(parser, _run_calibrate)
 
 

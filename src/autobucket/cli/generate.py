@@ -17,6 +17,7 @@ _COMPILE = {"off": False, "auto": "auto", "on": True}  # --compile -> RolloutCon
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from autobucket.cli.args import (
+        OVERRIDE_PHRASE,
         add_model_arguments,
         costs_argument,
         finish_parser,
@@ -38,9 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_model_arguments(parser, default="smollm2")
     parser.add_argument("--prompts", required=True, metavar="FILE",
-                        help='JSONL with "prompt" or "prompt_ids" (optional "id", and "max_new_tokens" for that '
-                        'prompt\'s own budget) per line, a text file with '
-                        "one prompt per line, or - for stdin")  # fmt: skip
+                        help='JSONL with one of "prompt", "prompt_ids" or "messages" per line (optional "id", and '
+                        '"max_new_tokens" for that prompt\'s own budget; other keys are refused), a text file with '
+                        'one prompt per line (lines end at "\\n" only), or - for stdin')  # fmt: skip
     parser.add_argument("--format", dest="input_format", choices=("auto", "jsonl", "txt"), default="auto",
                         help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
@@ -52,14 +53,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--stop", dest="stop_strings", action="append", metavar="TEXT",
                         help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
                         "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip
-    parser.add_argument("--route", choices=ROUTES, default="auto")
+    parser.add_argument("--route", choices=ROUTES, default="auto",
+                        help="auto (default): the cost model picks per call; or a route by name")  # fmt: skip
     parser.add_argument("--costs", type=costs_argument, default="online", metavar="FILE|online",
                         help="cost coefficients or calibration JSON for --route auto, or online (default): "
                         "learned from the calls")  # fmt: skip
+    parser.add_argument("--allow-mismatch", action="store_true",
+                        help="use a --costs calibration measured on another model, dtype, device or attention "
+                        "backend (warns)")  # fmt: skip
     parser.add_argument("--kernels", choices=KERNELS, default="hf",
                         help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
                         "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
-    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N")
+    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
+                        help="most prompts decoded at once (default 32)")  # fmt: skip
     engine = parser.add_argument_group("engine (RolloutConfig)")
     engine.add_argument("--prefix-cache-mb", type=non_negative_float, default=0.0, metavar="MB",
                         help="keep prompts' and completions' K/V up to MB across the run's calls (a few "
@@ -74,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     engine.add_argument("--packed-weights-mb", type=non_negative_float, default=None, metavar="MB",
                         help="--kernels invariant: most MB of packed weight copies (default: no limit); a "
                         "weight past it is read where it is")  # fmt: skip
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                        help="HF's repetition penalty on the prompt's and completion's tokens (1.0, default: off)")  # fmt: skip
     sampling = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
     sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0: off)")
@@ -99,11 +106,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                             help="any other GenerationConfig field for every call, VALUE as JSON (e.g. "
                             "'sequence_bias=[[[17], -5.0]]', begin_suppress_tokens=[2]); repeat for several")  # fmt: skip
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (transformers' loading bar included) and no summary; warnings "
+                        "and errors still print")  # fmt: skip
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
     phrases = {"runs kernels='hf'": "runs --kernels hf", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs",
                "pass a non-empty string, a list of them ([] disables stop strings), or None for the model's generation "
-               "config": "give each --stop some text"}  # fmt: skip
+               "config": "give each --stop some text", OVERRIDE_PHRASE: "pass --allow-mismatch"}  # fmt: skip
     finish_parser(parser, _run_generate, phrases=phrases)
 
 
@@ -137,11 +146,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         **model_arguments(args),  # the --model group, named as `autobucket.load_model` takes it
         rollout=RolloutConfig(route=args.route, costs=args.costs, kernels=args.kernels,
                               prefix_cache_mb=args.prefix_cache_mb, prefill_max_tokens=args.prefill_max_tokens,
-                              compile=_COMPILE[args.compile], packed_weights_mb=args.packed_weights_mb),
+                              compile=_COMPILE[args.compile], packed_weights_mb=args.packed_weights_mb,
+                              costs_strict=not args.allow_mismatch),
         sampling=sampling,
         generation_options=generation_options,
     )
     if args.quiet:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # transformers' and huggingface_hub's loading and download bars
         run_generate_job(job)
         return 0
     summary = _run_with_progress(job)
@@ -183,8 +196,9 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     ]
     if ignored:
         raise ValueError(
-            f"{' and '.join(ignored)} only apply when sampling, and --temperature is 0 (greedy: every sample "
-            "would be the same, top-k / top-p ignored): add --temperature T > 0, e.g. --temperature 1.0"
+            f"{' and '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} when sampling, and "
+            "--temperature is 0 (greedy: every sample would be the same, top-k / top-p ignored): add "
+            "--temperature T > 0, e.g. --temperature 1.0"
         )
 
 
@@ -197,7 +211,8 @@ def _run_with_progress(job: Any) -> dict[str, Any]:
 
     logging.disable_progress_bar()  # transformers' loading bars would tear through the live bar
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    console = Console(stderr=True)  # a bar in a log file is noise (and a stray blank line before an error)
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading model", total=None)
 
         def on_progress(done: int, total: int) -> None:
@@ -210,24 +225,32 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
+    for line in summary_lines(summary):
+        console.print(line, markup=False)
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The run's summary as printed on stderr: what ran, what it cost, where the rows went."""
+    from autobucket.tools.wording import counted
+
     calls = sum(summary["routes_run"].values())
-    routes = ", ".join(f"{route} in {count} of {calls} calls" for route, count in summary["routes_run"].items())
+    routes = ", ".join(f"{route} in {count} of {calls} {'call' if calls == 1 else 'calls'}"
+                       for route, count in summary["routes_run"].items())  # fmt: skip
     widths = [w for chunk in summary["bucket_widths"] for w in chunk]
     buckets = f"first-admission prefill widths {_short_list(widths)}" if widths else "no prefill groups recorded"
     reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(summary["finish_reasons"].items()))
-    console.print(
-        f"generate: {summary['prompts']} prompts ({summary['prompt_tokens']} prompt tokens) -> "
-        f"{summary['output_tokens']} tokens in {summary['generate_s']:.2f} s ({summary['tokens_per_s']:.1f} tok/s); "
-        f"model load {summary['load_s']:.1f} s"
-    )
-    console.print(f"route {summary['route']} ran {routes}; {buckets}")
     cached = summary["cached_prompt_tokens"]
-    console.print(
-        f"{summary['prefill_forwards']} prefill forwards ({summary['prefill_tokens']} padded tokens"
-        f"{f', {cached} prompt tokens from the prefix cache' if cached else ''}), "
-        f"{summary['decode_forwards']} decode forwards; finish: {reasons}; out: {summary['out']}"
-    )
-    console.print(cost_model_line(summary))
+    cache = f", {counted(cached, 'prompt token')} from the prefix cache" if cached else ""
+    return [
+        f"generate: {counted(summary['prompts'], 'prompt')} ({counted(summary['prompt_tokens'], 'prompt token')}) -> "
+        f"{counted(summary['output_tokens'], 'token')} in {summary['generate_s']:.2f} s "
+        f"({summary['tokens_per_s']:.1f} tok/s); model load {summary['load_s']:.1f} s",
+        f"route {summary['route']} ran {routes}; {buckets}",
+        f"{counted(summary['prefill_forwards'], 'prefill forward')} "
+        f"({counted(summary['prefill_tokens'], 'padded token')}{cache}), "
+        f"{counted(summary['decode_forwards'], 'decode forward')}; finish: {reasons}; out: {summary['out']}",
+        cost_model_line(summary),
+    ]
 
 
 def cost_model_line(summary: dict[str, Any]) -> str:

@@ -3,7 +3,8 @@
 Each command is one module with ``add_parser(subparsers)``, which registers its arguments and handler; a
 handler turns the parsed arguments into library inputs, calls one library function and prints the result.
 Decisions live in the library, never here. Torch is imported inside handlers only, so ``plan`` and
-``--help`` stay fast. Usage errors exit with status 2, like argparse's own.
+``--help`` stay fast. Usage errors exit with status 2, like argparse's own; Ctrl-C exits with 130 (128 +
+SIGINT, what a shell reports for a command it stopped) after one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import argparse
 import sys
 import warnings
 
+from autobucket import __version__
 from autobucket.cli import calibrate, demo, generate, plan, sweep
 from autobucket.cli.args import in_cli_words
 
 _USAGE_ERROR = 2
+_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,12 +39,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"{prefix}: error: {in_cli_words(str(exc), args.cli_words)}", file=sys.stderr)
             return _USAGE_ERROR
+        except KeyboardInterrupt as exc:  # a handler that saved its finished work says so in its text
+            print(f"{prefix}: {str(exc) or 'interrupted'}", file=sys.stderr)
+            return _INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autobucket", description="Fast batched generation for Hugging Face causal LMs."
     )
+    parser.add_argument("--version", action="version", version=f"autobucket {__version__}",
+                        help="print the version and exit")  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in (plan, generate, demo, calibrate, sweep):
         command.add_parser(subparsers)

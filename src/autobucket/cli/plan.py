@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             help="override this field of the geometry (from --model-config, else the "
             "20.3M-parameter benchmark Qwen2)",
         )
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
+                        help="new tokens per prompt (default: 16)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
                         help="most rows decoded at once (default: 32)")  # fmt: skip
     add_alias(parser, "--capacity", "--continuous-batch-size", "continuous_batch_size", type=positive_int)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autobucket.cli.args import (
+    OVERRIDE_PHRASE,
     add_alias,
     add_model_arguments,
     finish_parser,
@@ -22,7 +23,7 @@ from autobucket.cli.args import (
     parse_lengths,
     positive_int,
 )
-from autobucket.cli.console import progress_bar
+from autobucket.cli.console import progress_bar, report_console
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--allow-mismatch",
         action="store_true",
-        help="use a calibration measured on another model/dtype/device/backend (warns)",
+        help="use a --costs calibration measured on another model, dtype, device or attention backend (warns)",
     )
     parser.add_argument(
         "--workloads",
@@ -59,15 +60,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="an extra workload of these prompt lengths (repeatable), e.g. 512,16x31",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
+                        help="new tokens per prompt (default: 16)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
                         help="most rows decoded at once, every route (default: 32)")  # fmt: skip
     add_alias(parser, "--batch-size", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     parser.add_argument("--no-hf-batch", action="store_true", help="skip transformers' generate_batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("sweep.json"), help="report JSON (raw samples)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the prompts' random token ids and of the HumanEval sample (default 0)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("sweep.json"), metavar="FILE",
+                        help="report JSON with the raw samples (default: sweep.json in the current folder)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="PNG of ms per route per workload")
-    finish_parser(parser, _run_sweep)
+    finish_parser(parser, _run_sweep, phrases={OVERRIDE_PHRASE: "pass --allow-mismatch"})
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
@@ -77,6 +81,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     options = SweepOptions(repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed,
                            continuous_batch_size=args.continuous_batch_size, with_hf_batch=not args.no_hf_batch)
+    if args.out.is_dir():
+        raise ValueError(f"cannot write --out {str(args.out)!r}: it is a folder; name a .json file")
     model, tokenizer = load_model_from_args(args)
     workloads, notes = select_workloads(args.workloads, tokenizer, args.lengths, args.seed)
     if not workloads:
@@ -86,6 +92,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
     online = args.costs == "online"
     costs = "online" if online else load_calibration(Path(args.costs), model=model, strict=not args.allow_mismatch)
     contenders = 4 + (options.with_hf_batch and has_generate_batch(model))
+    # said before the long part, and the default file lands in whatever folder the user is in
+    Console(stderr=True).print(f"sweep: the report goes to {args.out.resolve()} when it ends (--out FILE to "
+                               "choose)", highlight=False, soft_wrap=True)  # fmt: skip
     with progress_bar(len(workloads) * contenders * (options.warmup + options.repeats), "sweeping") as step:
         report = run_sweep(model, costs, workloads, options, progress=step)
     notes += report["notes"]
@@ -121,9 +130,7 @@ def plot_title(report: dict[str, Any], model: str, dtype: str) -> str:
 def _print_report(report: dict[str, Any], hf_name: str, notes: list[str]) -> None:
     from autobucket.tools.sweep import auto_choice_text
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = 160  # a log file: do not wrap the table at 80 columns
+    console = report_console()
     console.print(sweep_table(report, auto_choice_text))
     summary = report["summary"]
     console.print(

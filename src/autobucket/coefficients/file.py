@@ -45,7 +45,7 @@ _VOLATILE_CONFIG_KEYS = frozenset({
     "_attn_implementation", "_attn_implementation_internal", "_attn_implementation_autoset",
     "attn_implementation",
 })  # fmt: skip
-_OVERRIDE_HINT = "pass strict=False / --allow-mismatch to use it anyway"
+_OVERRIDE_HINT = "pass RolloutConfig(costs_strict=False) / load_calibration(strict=False) / --allow-mismatch to use it anyway"
 
 
 def config_hash(config: Any) -> str:
@@ -91,7 +91,7 @@ def host_cpu() -> str:
     flags = set(fields.get("flags", "").split())
     extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if flag in flags]
     described = [fields.get("model name", "unknown"), f"family {fields.get('cpu family', '?')}",
-                 f"model {fields.get('model', '?')}", *extensions]  # fmt: skip
+                 f"model {fields.get('model', '?')}", *extensions]
     return " ".join(described)
 
 
@@ -146,7 +146,7 @@ def save_calibration(
     if missing:
         raise ValueError(f"calibration metadata lacks {missing}; build it with calibration_metadata(model)")
     document = {"schema_version": SCHEMA_VERSION, "costs": costs.to_dict(), "metadata": metadata,
-                **(extra or {}), "measurements": measurements or {}}  # fmt: skip
+                **(extra or {}), "measurements": measurements or {}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -215,7 +215,7 @@ def _check_against_model(
 ) -> None:
     current = {**model_metadata(model), **environment_metadata()}
     differing = [f"{name}: file {metadata[name]!r} vs now {current[name]!r}"
-                 for name in MUST_MATCH if metadata[name] != current[name]]  # fmt: skip
+                 for name in MUST_MATCH if metadata[name] != current[name]]
     if differing:
         message = (
             f"calibration file {str(path)!r} was measured on a different setup ({'; '.join(differing)}): "
@@ -225,7 +225,7 @@ def _check_against_model(
             raise ValueError(message)
         warnings.warn(message, stacklevel=3)
     drifted = [f"{name}: file {metadata[name]!r} vs now {current[name]!r}"
-               for name in WARN_ONLY if metadata[name] != current[name]]  # fmt: skip
+               for name in WARN_ONLY if metadata[name] != current[name]]
     if drifted:
         warnings.warn(
             f"calibration file {str(path)!r} comes from a different environment ({'; '.join(drifted)}); "

@@ -117,7 +117,7 @@ class FitReport:
                  "predicted_ms": r.predicted_ms, "relative_error": r.relative_error, "holdout": r.holdout}
                 for r in self.rows
             ],
-        }  # fmt: skip
+        }
 
 
 def prefill_features(rows: int, width: int, kv_copy: bool, geometry: ModelGeometry) -> np.ndarray:
@@ -173,7 +173,7 @@ def fit_costs(
     costs = CostCoefficients(**prefill_values, **decode_values, **shared_values)
     costs = replace(costs, packed_prompt_ms=fit_packed_prompt_ms(packed, geometry, costs))
     packed_rows = [FitRow("packed", p.rows, p.width, p.measured_ms, predict_packed_ms(p, geometry, costs), False,
-                          p.measured_ms) for p in packed]  # fmt: skip
+                          p.measured_ms) for p in packed]
     report = FitReport(costs, _prefill_rows(prefill, geometry, costs) + packed_rows + _decode_rows(decode, geometry, costs))
     median = report.median_error(holdout=False)
     if median is not None and median > max_median_error:
@@ -216,7 +216,7 @@ def _with_extension_if_better(points: Sequence[PrefillPoint], reference: dict, g
     if not held_out or len(fitted) <= len(PREFILL_TERMS) + 1:
         return reference
     design = np.stack([np.append(prefill_features(p.rows, p.width, p.kv_copy, geometry), (p.rows * p.width / 1e3) ** 2)
-                       for p in fitted])  # fmt: skip
+                       for p in fitted])
     measured = np.array([p.measured_ms for p in fitted])
     values = weighted_nnls(design, measured, measured)
     extended = dict(zip((*PREFILL_TERMS, EXTENSION_TERM), values.tolist(), strict=True))
@@ -271,7 +271,7 @@ def _prefill_rows(
         FitRow("prefill+kv" if p.kv_copy else "prefill", p.rows, p.width, p.measured_ms,
                predict_prefill_ms(p, geometry, costs), p.holdout, p.measured_ms)
         for p in points
-    ]  # fmt: skip
+    ]
 
 
 def _decode_rows(
@@ -282,4 +282,4 @@ def _decode_rows(
         FitRow("decode", p.rows, p.width, _step_difference_ms(p, geometry, costs.kv_ms),
                float(decode_features(p, geometry) @ coefficients), False, p.ordinary_step_ms)
         for p in points
-    ]  # fmt: skip
+    ]

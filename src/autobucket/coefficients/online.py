@@ -141,7 +141,7 @@ def predicted_ms(timings: Sequence[Timing], geometry: ModelGeometry, costs: Cost
 
 def median_relative_error(timings: Sequence[Timing], geometry: ModelGeometry, costs: CostCoefficients) -> float:
     errors = [abs(timing_ms(t.kind, t.rows, t.width, geometry, costs) - t.ms) / max(t.ms, _MIN_MS)
-              for t in timings]  # fmt: skip
+              for t in timings]
     return statistics.median(errors) if errors else 0.0
 
 
@@ -179,7 +179,7 @@ def fit_block(
 ) -> dict[str, float]:
     """Non-negative relative least squares of `names`, anchored to `prior`, outliers rejected (robust)."""
     design = np.array([[timing_features(t.kind, t.rows, t.width, geometry).get(n, 0.0) for n in names]
-                       for t in timings])  # fmt: skip
+                       for t in timings])
     measured = np.array([max(t.ms, _MIN_MS) for t in timings])
     anchor = np.array([getattr(prior, name) for name in names])
     inliers = np.ones(len(timings), dtype=bool)
@@ -208,7 +208,7 @@ def anchored_nnls(design: np.ndarray, measured: np.ndarray, anchor: np.ndarray) 
     ridge = np.sqrt(PRIOR_WEIGHT) * np.diag(scale[touched])
     left = np.vstack([relative[:, touched], ridge])
     right = np.concatenate([np.ones(len(measured)) - relative[:, ~touched] @ anchor[~touched],
-                            ridge @ anchor[touched]])  # fmt: skip
+                            ridge @ anchor[touched]])
     solution[touched], _ = nnls(left, right)
     return solution
 

@@ -42,9 +42,9 @@ _UNWRITABLE: set[Path] = set()  # entries whose save failed in this process: war
 
 def store_metadata(model: torch.nn.Module, kernels: str = "hf") -> dict[str, Any]:
     """Everything an entry must match to be trusted for `model` in this process, with `kernels`
-    (`RolloutConfig.kernels`). The kernel set and the host CPU are part of the key: the same call took
-    0.45-0.68x the time on the invariant kernels on an AMD EPYC, and 2-5x less on an Intel Xeon than on
-    an AMD EPYC, so costs learned for one must not plan the other (a home folder shared by a cluster's
+    (`RolloutConfig.kernels`). The kernel set and the host CPU are part of the key: the same call takes
+    a different time on the two kernel sets, and on two CPU kinds by a wide margin, so costs learned for
+    one must not plan the other (a home folder shared by a cluster's
     nodes, or two Rollouts of one model with different kernels, would otherwise overwrite each other's)."""
     return {
         **model_metadata(model),
@@ -143,9 +143,9 @@ def _parsed_entry(document: Any, metadata: dict[str, Any]) -> tuple[CostCoeffici
     if not isinstance(document, dict) or document.get("schema_version") != STORE_SCHEMA_VERSION:
         raise ValueError(f"not a schema_version {STORE_SCHEMA_VERSION} entry")
     differing = [f"{name} {document['metadata'].get(name)!r} != {value!r}"
-                 for name, value in metadata.items() if document["metadata"].get(name) != value]  # fmt: skip
+                 for name, value in metadata.items() if document["metadata"].get(name) != value]
     if differing:
         raise ValueError("stale or for another setup (" + "; ".join(differing) + ")")
     observations = [Timing(str(kind), int(rows), int(width), float(ms))
-                    for kind, rows, width, ms in document["observations"]]  # fmt: skip
+                    for kind, rows, width, ms in document["observations"]]
     return CostCoefficients.from_dict(document["costs"]), observations, str(document["source"])

@@ -38,8 +38,8 @@ from autobucket.prompts import random_prompts
 ONLINE = "online"
 PROBE_BUDGET_MS = 3000.0  # the built-in probe's target duration
 # Online learning refits (and persists) only once the calls since its last refit ran 1 / REFIT_SHARE times
-# as long as that refit took, so it costs at most this share of generate time: a refit of bench-qwen2's
-# window takes ~5 ms, 3% of a 160 ms call of 32 short prompts (every call refitted before). Timings of
+# as long as that refit took, so it costs at most this share of generate time (a refit after every call
+# would cost a visible share of a short call). Timings of
 # the calls in between join the window at once; they count at the next refit.
 REFIT_SHARE = 0.02
 RunRoute = Callable[[str, list[list[int]], SamplingConfig], Profile]  # (route, prompts, sampling) -> profile
@@ -147,7 +147,7 @@ def _fresh_learning() -> dict:
     """What online learning holds for one fingerprint (`CostSource.follow` sets it aside and restores it),
     as a new CostSource starts it: its stored entry or a probe, at first need."""
     return {"learner": None, "source": ONLINE, "pending": [], "_entry_read": False, "_refit_ms": 0.0,
-            "_since_refit_ms": 0.0}  # fmt: skip
+            "_since_refit_ms": 0.0}
 
 
 def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:
@@ -166,7 +166,7 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> lis
     # extrapolating it from them was off by 10x and more on a slow machine.
     long = max(2 * unit, min(512, ((positions or 1024) - 8) // 2))
     calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, long]),
-             ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))  # fmt: skip
+             ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))
     timings = list(first.timings)
     for seed, (route, lengths) in enumerate(calls, start=2):
         timings += run(route, random_prompts(lengths, vocab, seed=seed), sampling).timings

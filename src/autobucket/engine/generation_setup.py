@@ -52,7 +52,7 @@ class EngineGenerationConfig(GenerationConfig):
             kwargs = {
                 key: value for key, value in kwargs.items()
                 if key in ("defaults_only", "allow_custom_entries") or neutral.get(key, _MISSING) == value
-            }  # fmt: skip
+            }
         return super().update(**kwargs)
 
 
@@ -139,7 +139,7 @@ def resolve_generation(
     processors = row_processors(
         config, processor_keywords.get("logits_processor"), processor_keywords.get("prefix_allowed_tokens_fn"),
         eos, vocab_size, next(model.parameters()).device,
-    )  # fmt: skip
+    )
     return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, min_new_tokens, config, processors)
 
 

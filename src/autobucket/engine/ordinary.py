@@ -174,6 +174,10 @@ def _generate_batch(
         generation_config=config,
         logits_processor=LogitsProcessorList([clock, selector] if selector else [clock]),
         stopping_criteria=StoppingCriteriaList(criteria),
+        # HF turns on lockstep for an FSDP or ZeRO-3 model at world size > 1 (an all-reduce per step, so
+        # ranks generating different batches would wait on each other); the engine gathers the weights
+        # for the call instead, so each rank's steps are its own
+        synced_gpus=False,
         **exact,
     )
     eos = frozenset(generation.eos_token_ids)

@@ -46,6 +46,12 @@ from autobucket.engine.model_access.hf_compat import (
     unwrap_model,
     vocab_size,
 )
+from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
+from autobucket.engine.model_access.sharded_weights import (
+    gathered_weights,
+    gathering_communicates,
+    is_sharded,
+)
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.sampling.streams import request_seeds
@@ -71,6 +77,9 @@ class Rollout:
 
     def __init__(self, model: Any, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
         self.model = unwrap_model(model)
+        # what a call gathers when sharded: the wrapper as handed over (FSDP's root may sit above the
+        # unwrapped model, a PeftModel's say, holding the embeddings' shards)
+        self._wrapper = model
         check_weights_loaded(self.model)
         check_tokenizer(tokenizer)
         self.tokenizer = tokenizer
@@ -103,8 +112,9 @@ class Rollout:
 
     @property
     def costs(self) -> CostCoefficients:
-        """The coefficients the next call plans with (online: probed now if nothing was learned yet)."""
-        with self._call_lock:
+        """The coefficients the next call plans with (online: probed now if nothing was learned yet). On a
+        sharded model the probe runs on the gathered weights: every rank reads it together."""
+        with self._call_lock, self._gathered():
             self._follow_model()
             return self.cost_source.current(self._probe_runner())
 
@@ -149,16 +159,26 @@ class Rollout:
 
     def _generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None, overrides: dict) -> RolloutResult:
         started = time.perf_counter()
-        sampling = sampling_or_default(sampling)
-        generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
-        stops = self._stop_strings(generation.stop_strings)
-        self._follow_model()
-        _warn_if_autocast_forward(self.model, self.config)
-        token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
-        check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
-        if not token_prompts:
-            profile = Profile(route=self.config.route)
-            return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
+        # a refusal on one rank stops every rank, when the gathering below would communicate
+        communicates = gathering_communicates(self._wrapper)
+        with failures_shared(communicates and distributed_ready()):
+            sampling = sampling_or_default(sampling)
+            generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
+            stops = self._stop_strings(generation.stop_strings)
+            self._follow_model()
+            _warn_if_autocast_forward(self.model, self.config)
+            token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
+            check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
+        with self._gathered():  # every rank of a sharded model, even one with no prompts, joins the gather
+            if not token_prompts:
+                profile = Profile(route=self.config.route)
+                return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
+            return self._generate_checked(token_prompts, sampling, generation, stops, started)
+
+    def _generate_checked(
+        self, token_prompts: list[list[int]], sampling: SamplingConfig, generation: ResolvedGeneration,
+        stops: StopStrings | None, started: float,
+    ) -> RolloutResult:  # fmt: skip
         # Only the planning routes need coefficients: the others never trigger the online probe, nor do
         # models continuous batching cannot run (auto runs ordinary generate for them, bucketed refuses).
         # the model was followed above: the cost source directly, not `self.costs` (which follows again)
@@ -169,6 +189,18 @@ class Rollout:
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
+
+    @contextmanager
+    def _gathered(self) -> Iterator[None]:
+        """A sharded model's full weights for the call (`sharded_weights`), once per call on every rank.
+        FSDP's all-gather writes the full weights without bumping their version counters, so what was
+        derived from them (packed copies, prefix-cache K/V) is rebuilt every call."""
+        if not is_sharded(self._wrapper):
+            yield
+            return
+        with gathered_weights(self._wrapper):
+            self.refresh_weights()
+            yield
 
     def _run_route(
         self,

@@ -48,7 +48,7 @@ class SamplerSettings:
         return warp_logits(
             logits, self.temperature, self.top_k, self.top_p, min_p=self.min_p, typical_p=self.typical_p,
             epsilon_cutoff=self.epsilon_cutoff, eta_cutoff=self.eta_cutoff,
-        )  # fmt: skip
+        )
 
 
 

@@ -1,7 +1,9 @@
 """DeepSpeed's rollout interface served by autobucket (`pip install "autobucket[deepspeed]"`, deepspeed 0.19.8).
 
 `AutobucketRollout(engine, tokenizer)` is a `deepspeed.runtime.rollout.RolloutEngine`: a DeepSpeed user
-swaps `HybridEngineRollout(engine, tokenizer)` for it and keeps the rest of the loop.
+swaps `HybridEngineRollout(engine, tokenizer)` for it and keeps the rest of the loop, DeepSpeed's own
+`SamplingConfig` included (autobucket's `SamplingConfig` is refused with a TypeError saying what to pass:
+translating it would drop the fields DeepSpeed's interface has no place for, such as seed and stop strings).
 
 Output layout = `HybridEngineRollout`'s ordinary route, tensor for tensor, so downstream code cannot
 tell them apart in greedy decoding:
@@ -17,9 +19,9 @@ the ordinary route's even then (DeepSpeed's own CB path would narrow responses t
 Generation runs through `autobucket.Rollout` on `engine.module`, never through DeepSpeed's own
 continuous-batching path (which breaks on transformers >= 5.14). Weights are read live, so
 `sync_weights(step)` only records the step, which keys the sampling streams: sampled tokens depend on
-(seed, step, call, prompt, sample), not on the route or batch plan. ZeRO stage 3 is refused: autobucket
-runs a data-dependent number of forwards per rank, and partitioned parameters need every rank to run
-the same ones."""
+(seed, step, call, prompt, sample), not on the route or batch plan. At ZeRO stage 3 each call gathers the
+full weights once on every rank and generates with no collectives (`zero3_weights.py`): every rank
+calls `generate` together, and a call one rank refuses raises on every rank after it, with the reason."""
 
 from __future__ import annotations
 
@@ -33,14 +35,16 @@ from deepspeed.runtime.rollout import SamplingConfig as DeepSpeedSamplingConfig
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import optional_int, require_int
 from autobucket.engine.generation_setup import eos_token_ids
+from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
+from autobucket.integrations.zero3_weights import gathered_zero3, zero_stage
 from autobucket.result import RolloutResult
 
 
 class AutobucketRollout(RolloutEngine):
     """A `RolloutEngine` over a DeepSpeed engine's module, generating with autobucket.
 
-    engine: the `DeepSpeedEngine` (ZeRO stage 0-2); its `.module` is the Hugging Face causal LM.
+    engine: the `DeepSpeedEngine` (any ZeRO stage); its `.module` is the Hugging Face causal LM.
     tokenizer: anything with `pad_token_id` and `eos_token_id` (pad falls back to EOS, as in DeepSpeed).
     config: how autobucket runs (default `RolloutConfig(route="auto")`).
     seed: base of the sampling streams (with the step from `sync_weights` and a per-step call count).
@@ -50,7 +54,7 @@ class AutobucketRollout(RolloutEngine):
     name = "autobucket"
 
     def __init__(self, engine: Any, tokenizer: Any, config: RolloutConfig | None = None, seed: int = 0) -> None:
-        _check_zero_stage(engine)
+        _check_engine(engine)
         self.engine = engine
         self.tokenizer = tokenizer
         self.pad_token_id = _pad_token_id(tokenizer)
@@ -64,11 +68,16 @@ class AutobucketRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: DeepSpeedSamplingConfig) -> RolloutBatch:
-        rows, n = request.prompt_ids.shape[0], _check_sampling(sampling)
-        if rows == 0:
-            raise ValueError("the rollout request is empty (prompt_ids has 0 rows): pass at least one prompt")
-        settings = self._sampling(sampling, rows * n)
-        result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
+        sharded = zero_stage(self.engine) == 3 and distributed_ready()
+        with failures_shared(sharded):  # before the gather, which a rank refusing here would not join
+            rows, n = request.prompt_ids.shape[0], _check_sampling(sampling)
+            if rows == 0:
+                raise ValueError("the rollout request is empty (prompt_ids has 0 rows): pass at least one prompt")
+            settings = self._sampling(sampling, rows * n)
+        # at stage 3 the gather is the call's one collective; a refusal inside the call (the prompts'
+        # checks) is shared after it, when every rank has released the gathered weights
+        with failures_shared(sharded), gathered_zero3(self.engine):
+            result = self.rollout.generate_padded(request.prompt_ids.cpu(), request.prompt_attention_mask.cpu(), settings)
         self.last_result = result
         self.last_logprobs = _response_logprobs(result, n, sampling.max_new_tokens, request.prompt_ids.device)
         return _rollout_batch(request, result.flat_tokens(), n, sampling.max_new_tokens, self.pad_token_id, self.eos_token_ids)
@@ -108,20 +117,37 @@ class AutobucketRollout(RolloutEngine):
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
-def _check_zero_stage(engine: Any) -> None:
-    stage_of = getattr(engine, "zero_optimization_stage", None)
-    stage = stage_of() if callable(stage_of) else 0
-    if stage == 3:
-        raise ValueError(
-            "zero_optimization.stage=3 is not supported by AutobucketRollout: ranks would run different numbers "
-            "of forwards over partitioned parameters; use ZeRO stage 0-2 (or HybridEngineRollout for stage 3)"
-        )
+def _check_engine(engine: Any) -> None:
     if not hasattr(engine, "module"):
         raise ValueError(f"engine of type {type(engine).__name__} has no .module: pass the DeepSpeedEngine")
 
 
+# The fields of DeepSpeed's SamplingConfig that `generate` reads.
+_DEEPSPEED_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "n_samples_per_prompt",
+                              "continuous_batch_size")  # fmt: skip
+
+
+def _check_sampling_type(sampling: Any) -> None:
+    """TypeError for settings that are not DeepSpeed's SamplingConfig (autobucket's own has other fields:
+    `n`, not `n_samples_per_prompt`), naming what to pass."""
+    fix = (
+        "pass DeepSpeed's, as to HybridEngineRollout: `from deepspeed.runtime.rollout import SamplingConfig`, "
+        "SamplingConfig(max_new_tokens=..., temperature=..., top_p=..., top_k=..., n_samples_per_prompt=...)"
+    )
+    if isinstance(sampling, SamplingConfig):
+        raise TypeError(
+            f"sampling is autobucket's SamplingConfig, which AutobucketRollout.generate does not take: {fix} "
+            "(autobucket's n is n_samples_per_prompt there; min_p, typical_p and the repetition penalty come "
+            "from the model's generation_config, as in HybridEngineRollout)"
+        )
+    missing = [field for field in _DEEPSPEED_SAMPLING_FIELDS if not hasattr(sampling, field)]
+    if missing:
+        raise TypeError(f"sampling of type {type(sampling).__name__} has no {', '.join(missing)}: {fix}")
+
+
 def _check_sampling(sampling: DeepSpeedSamplingConfig) -> int:
     """The request's samples per prompt, after checking the fields autobucket reads."""
+    _check_sampling_type(sampling)
     for field in ("max_new_tokens", "n_samples_per_prompt"):
         require_int(field, getattr(sampling, field))
     optional_int("continuous_batch_size", sampling.continuous_batch_size, 1, "or None for all rows at once")

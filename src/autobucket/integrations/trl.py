@@ -22,14 +22,20 @@ Zero sampler-trainer mismatch (`rollout_config=RolloutConfig(kernels="invariant"
 per-token logprob computation (`_get_per_token_logps_and_entropies`, for the loss, the old policy and
 the reference model) runs its forward under `autobucket.invariant(model)`, with position ids counted
 over real tokens as generation counts them (TRL's fused LM head counts them from column 0 of the
-left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise); every
-training step logs `mismatch/k3` and `mismatch/max_abs_logp_diff` from TRL's per-token logprobs against
-the sampling logprobs; both are exactly 0 in fp32 and bf16 (tests/test_integration_trl.py).
-So where TRL runs a no-grad forward only for `old_per_token_logps` (`num_iterations > 1` or
-`steps_per_generation > gradient_accumulation_steps`), the trainer returns the sampling logprobs instead
-and skips it (`reuse_sampling_logps=True`, the default; counted in `autobucket_old_logps_reused`): only
-for single-turn batches (tool-result tokens carry logprob 0.0), without active dropout or mixed-precision
-autocast; the loss and the final weights are bitwise TRL's (benchmarks/trl_old_logps.py times it).
+left-padded row and tiles the head's GEMM by batch size, so neither can equal a rollout bitwise).
+`mismatch/k3` and `mismatch/max_abs_logp_diff` compare TRL's per-token logprobs of the loss with the
+sampling logprobs on the weights that sampled them: they are logged for the micro-batches trained before
+any optimizer step since their generation batch (the first of `num_iterations`; later iterations differ
+by the policy's own change, which is not mismatch, and log nothing there), and are exactly 0 in fp32 and
+bf16 (tests/integrations/test_integration_trl.py). A stock `GRPOTrainer` given
+`make_rollout_func(RolloutConfig(kernels="invariant"))` gets the same scoring and metrics
+(`trl_scoring.score_on_invariant_kernels`), but not the reuse below.
+Being bitwise, where `AutobucketGRPOTrainer` sees TRL run a no-grad forward only for
+`old_per_token_logps` (`num_iterations > 1` or `steps_per_generation > gradient_accumulation_steps`),
+it returns the sampling logprobs instead and skips it (`reuse_sampling_logps=True`, the default;
+counted in `autobucket_old_logps_reused`): only for single-turn batches (tool-result tokens carry
+logprob 0.0), without active dropout or mixed-precision autocast; the loss and the final weights are
+bitwise TRL's (benchmarks/studies/trl_old_logps.py times it).
 
 Tool calling (`tools=` / `environment_factory=`): TRL's `_tool_call_loop` runs the tools and calls
 `_generate_single_turn` again for each later turn, with prompt + completion + tool-result ids and
@@ -61,12 +67,19 @@ from trl import GRPOTrainer
 
 from autobucket import RolloutConfig
 from autobucket.checks import optional_int
-from autobucket.engine.trainer_logprobs import mismatch_metrics
 from autobucket.integrations.trl_generation import (
     check_args_supported,
     check_trainer_supported,
     generate_completions,
     reject_multimodal,
+)
+from autobucket.integrations.trl_scoring import (
+    invariant_per_token_logps,
+    log_mismatch,
+    mark_sampling_weights,
+    needs_trl_forward,
+    refresh_packs_once_per_step,
+    score_on_invariant_kernels,
 )
 
 # Prefix cache of a trainer with tools and no rollout_config: one generation batch's conversations (it is
@@ -127,7 +140,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):  # fmt: skip
+                                           **multimodal):
         """TRL's per-token logprobs (and entropies); with invariant kernels the forward runs under
         `autobucket.invariant(model)`, so they are bitwise the rollout's for the same weights. TRL's
         old-policy call (no grad, right after generation) returns the sampling logprobs instead when
@@ -136,11 +149,11 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         reused = self._take_sampling_logps(model, input_ids, logits_to_keep, compute_entropy, compute_aux_loss, multimodal)
         if reused is not None:
             return reused, None, None
-        if not self.invariant_kernels or compute_aux_loss or any(v is not None for v in multimodal.values()):
+        if not self.invariant_kernels or needs_trl_forward(compute_aux_loss, multimodal):
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
-            )  # fmt: skip
+            )
         else:
             logps, entropies = invariant_per_token_logps(
                 model, input_ids, attention_mask, logits_to_keep, self.temperature, batch_size, compute_entropy
@@ -162,36 +175,15 @@ class AutobucketGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _compute_loss(self, model, inputs):
+        """TRL's loss; logs the mismatch metrics when the loss ran on the weights that sampled the batch
+        (`trl_scoring.log_mismatch`: the first iteration over a generation batch, not later ones)."""
         self._autobucket_last_logps = None
         loss = super()._compute_loss(model, inputs)
-        trainer_logps, sampling_logps = self._autobucket_last_logps, inputs.get("sampling_per_token_logps")
-        if trainer_logps is not None and sampling_logps is not None:
-            mode = "train" if self.model.training else "eval"
-            mask = inputs["completion_mask"]
-            if inputs.get("tool_mask") is not None:  # tool-result tokens were not sampled (logprob 0.0)
-                mask = mask * inputs["tool_mask"]
-            for name, value in mismatch_metrics(trainer_logps, sampling_logps, mask).items():
-                self._metrics[mode][name].append(value)
+        log_mismatch(self, inputs, self._autobucket_last_logps)
         return loss
 
     def _refresh_after_optimizer_step(self) -> None:
-        """Once per optimizer step, mark the rollout's packed weights and the trainer scope's packs stale and
-        empty the prefix cache: TRL's ref-model sync writes weights through `.data`, which no version
-        counter sees (optimizer steps, fused ones included, the engine sees itself)."""
-        step = self.state.global_step
-        if self._autobucket_weights_step == step:
-            return
-        self._autobucket_weights_step = step
-        cached = getattr(self, "_autobucket_rollout", None)
-        if cached is not None:
-            cached[2].refresh_weights()
-        if self.invariant_kernels:
-            from autobucket.engine.kernels.trainer_scope import packs_for
-            from autobucket.engine.model_access.hf_compat import unwrap_model
-
-            for model in (self.model, getattr(self, "ref_model", None)):
-                if model is not None:
-                    packs_for(unwrap_model(model)).refresh()
+        refresh_packs_once_per_step(self, self.invariant_kernels)
 
     def _generate(self, prompts):
         """TRL's generation batch (the prompts' turn, then its tool-calling turns). The prefix cache is
@@ -200,6 +192,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         self._refresh_after_optimizer_step()
         self.autobucket_turns = []
         self._autobucket_old_logps = None
+        mark_sampling_weights(self)
         self._forget_prefixes()
         try:
             output = super()._generate(prompts)
@@ -295,33 +288,6 @@ def _logits_dtype(model: Any) -> torch.dtype:
     return head.weight.dtype if head is not None else torch.float32
 
 
-def invariant_per_token_logps(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, temperature: float,
-    batch_size: int | None, compute_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] prompt+completion ids and mask -> per-token logprobs [B, logits_to_keep] (and entropies) of
-    the last `logits_to_keep` tokens, from the model's own forward on the invariant kernels."""
-    from trl.trainer.utils import entropy_from_logits
-
-    from autobucket import invariant, trainer_logprobs
-    from autobucket.engine.batching.prefill import positions_from_mask
-
-    batch_size = batch_size or input_ids.shape[0]
-    logps, entropies = [], []
-    for start in range(0, input_ids.shape[0], batch_size):
-        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-        with invariant(model):
-            logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),  # over real tokens
-                logits_to_keep=logits_to_keep + 1,
-                use_cache=False,
-            ).logits[:, :-1]  # [b, logits_to_keep, vocab]: the logits each completion token was sampled from
-        logps.append(trainer_logprobs(logits, ids[:, -logits_to_keep:], temperature))
-        if compute_entropy:  # with its graph, as TRL's own: the entropy bonus (entropy_coef) backpropagates it
-            entropies.append(entropy_from_logits(logits / temperature))
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
-
-
 def make_rollout_func(
     rollout_config: RolloutConfig | None = None, continuous_batch_size: int | None = None
 ) -> Callable[[list, Any], dict[str, Any]]:
@@ -329,6 +295,13 @@ def make_rollout_func(
 
     It tokenises prompts exactly as the trainer's own path does (chat template for conversational
     prompts) and returns `prompt_ids`, `completion_ids` and `logprobs`.
+
+    With `kernels="invariant"`, its first call also makes the trainer's scoring the invariant one
+    (`trl_scoring.score_on_invariant_kernels`: TRL's per-token logprob forward replaced on that trainer
+    instance, its training step inside `autobucket.invariant(model)`), so the loss's logprobs are
+    bitwise the sampling ones, and the trainer logs `mismatch/k3` and `mismatch/max_abs_logp_diff` for
+    each micro-batch trained on the weights that sampled it. The training step already running at that
+    first call computes its loss without gradient checkpointing (its backward runs outside the scope).
     """
     config = _rollout_config_or_default(rollout_config)
 
@@ -339,12 +312,30 @@ def make_rollout_func(
                 "tools with make_rollout_func() are not supported: TRL's tool loop would generate every turn "
                 "after the first with its own backend, not autobucket; use AutobucketGRPOTrainer(tools=...)"
             )
+        _score_as_configured(trainer, config)
         prompt_ids, images, multimodal_fields = trainer._tokenize_prompts(prompts)
         reject_multimodal(images, multimodal_fields)
         completion_ids, logprobs = generate_completions(trainer, prompt_ids, config, continuous_batch_size)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     return rollout_func
+
+
+def _score_as_configured(trainer: Any, config: RolloutConfig) -> None:
+    """Before a rollout function's generation batch: note the sampling weights, and with invariant
+    kernels make the trainer's scoring invariant (an `AutobucketGRPOTrainer` scores as its own
+    rollout_config says, so the two must agree)."""
+    if isinstance(trainer, AutobucketGRPOTrainer):
+        if trainer.invariant_kernels != (config.kernels == "invariant"):
+            raise ValueError(
+                f"make_rollout_func(RolloutConfig(kernels={config.kernels!r})) on an AutobucketGRPOTrainer whose "
+                f"rollout_config has kernels={trainer.rollout_config.kernels!r}: the trainer scores completions as "
+                "its own rollout_config says; pass the same kernels to both (or drop rollout_func)"
+            )
+        return  # its _generate marks the sampling weights
+    mark_sampling_weights(trainer)
+    if config.kernels == "invariant":
+        score_on_invariant_kernels(trainer)
 
 
 def _rollout_config_or_default(config: RolloutConfig | None) -> RolloutConfig:

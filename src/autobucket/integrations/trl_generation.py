@@ -20,6 +20,8 @@ from trl.models import unwrap_model_for_generation
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine.generation_setup import first_unsupported_option
+from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
+from autobucket.engine.model_access.sharded_weights import gathered_weights, gathering_communicates
 from autobucket.engine.sampling.row_processors import ROW_PROCESSOR_OPTIONS
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
 
@@ -226,13 +228,19 @@ def generate_completions(
         torch.no_grad(),
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
-        if continued:
-            budgets = context_budgets(runs, base.max_new_tokens, model)
-        else:
-            check_prompt_context(prompt_ids, base.max_new_tokens, model)
-            budgets = [base.max_new_tokens] * len(runs)
-        rollout = _rollout_for(trainer, model, config)
-        samples, results = _generate_runs(rollout, runs, seeds, budgets, base, processor_options(trainer.generation_config))
+        wrapped = trainer.model_wrapped
+        communicates = gathering_communicates(wrapped) and distributed_ready()
+        with failures_shared(communicates):  # a rank refusing here would not join the gather below
+            if continued:
+                budgets = context_budgets(runs, base.max_new_tokens, model)
+            else:
+                check_prompt_context(prompt_ids, base.max_new_tokens, model)
+                budgets = [base.max_new_tokens] * len(runs)
+            rollout = _rollout_for(trainer, model, config)
+        # FSDP2: one gather for all of this rank's calls (one per distinct run length, which can differ
+        # between ranks when a prompt group is split across them); the calls inside communicate nothing
+        with gathered_weights(wrapped):
+            samples, results = _generate_runs(rollout, runs, seeds, budgets, base, processor_options(trainer.generation_config))
     trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
     trainer.autobucket_profiles = [r.profile for r in results]
     completions = [tokens for tokens, _ in samples]

@@ -9,7 +9,7 @@ saving exceeds their predicted compile time:
     compile_ms = new_graphs · graph_compile_ms
     eager_step_ms(rows) = step_fixed_ms + step_ms_per_gflop · 2 · parameters · rows / 1e9
 
-The coefficients are this module's own (measured on the development CPU, docs/benchmarks.md), not
+The coefficients are this module's own (set from one CPU's timings, docs/benchmarks.md), not
 calibrated per model: the decision is coarse by design, since one compile costs as much as thousands
 of decode steps of a small model."""
 
@@ -24,10 +24,10 @@ COMPILE_SETTINGS = ("auto", True, False)
 
 @dataclass(frozen=True, slots=True)
 class CompileCosts:
-    graph_compile_ms: float = 30_000.0  # one decode graph, inductor on CPU (measured 10-180 s, busy 2-core machine)
+    graph_compile_ms: float = 30_000.0  # one decode graph, inductor on CPU (varies with the machine's load)
     step_fixed_ms: float = 2.0  # eager decode step at zero FLOPs (Python + launch overhead)
-    step_ms_per_gflop: float = 30.0  # eager decode step per GFLOP of 2 * parameters * rows (~33 GFLOPS)
-    compiled_fraction: float = 0.85  # compiled step time / eager step time (measured 0.85 at B=32, context 512)
+    step_ms_per_gflop: float = 30.0  # eager decode step per GFLOP of 2 * parameters * rows (one CPU core's rate)
+    compiled_fraction: float = 0.85  # compiled step time / eager step time (a decode step of 32 rows)
 
     def __post_init__(self) -> None:
         for name in ("graph_compile_ms", "step_fixed_ms", "step_ms_per_gflop"):

@@ -58,7 +58,7 @@ class CostCoefficients:
     step_kv_ms: float = 0.0  # shared decode work per MiB of KV attended per decode forward
     forward_sq_ms: float = 0.0  # per (thousand padded tokens in one prefill forward)²; 0: the reference
     # per prompt in a packed prefill forward (planning/forms.py): calibration fits it from packed forwards;
-    # files and caches without it load this default (0.14-0.75 ms measured on bench-qwen2, one core)
+    # files and caches without it load this default (within the range calibration finds on small models)
     packed_prompt_ms: float = 0.3
 
     def __post_init__(self) -> None:
@@ -244,7 +244,7 @@ def split_forward_tokens(costs: CostCoefficients) -> int | None:
 def planning_token_limit(prefill_max_tokens: int | None, costs: CostCoefficients, longest: int) -> int | None:
     """The per-forward token limit the bucket DP plans with: the caller's, lowered to
     `split_forward_tokens` (never below the longest prompt, which cannot be split). The DP's per-row costs
-    leave out the super-linear term; capping the forward size is how it respects it (see architecture.md)."""
+    leave out the super-linear term; capping the forward size is how it respects it (`split_forward_tokens`)."""
     cap = split_forward_tokens(costs)
     if cap is None:
         return prefill_max_tokens
@@ -300,7 +300,7 @@ def timing_features(kind: str, rows: int, width: float, geometry: ModelGeometry)
     if kind == PREFILL_FORWARD:
         return {"fixed_ms": 1.0, "token_ms": float(rows * width),
                 "attention_ms": attention_gflops(rows, width, geometry),
-                "forward_sq_ms": (rows * width / 1e3) ** 2}  # fmt: skip
+                "forward_sq_ms": (rows * width / 1e3) ** 2}
     if kind == KV_COPY:
         return {"kv_ms": kv_mib(rows, width, geometry)}
     attended_mib = kv_mib(rows, width, geometry)

@@ -67,8 +67,8 @@ class FormCosts:
     # `CostCoefficients.packed_prompt_ms`, which calibration fits
     packed_prompt_ms: float = CostCoefficients().packed_prompt_ms
     # Most tokens in one packed row. On one CPU core a packed forward slows per token as it grows (its
-    # activations leave the cache: spread's 8,448 tokens took 1.31x longer in one forward than in rows
-    # of <= 2,048, see docs/benchmarks.md); the token costs are linear, so this bound stands in for it.
+    # activations leave the cache, docs/benchmarks.md); the token costs are linear, so this bound stands
+    # in for that growth.
     packed_max_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ def packed_cost_ms(
         costs.fixed_ms + costs.token_ms * total + costs.kv_ms * kv_mib(1, total, geometry)
         + form_costs.packed_prompt_ms * len(lengths) + costs.attention_ms * attention_gflops(1, 1, geometry) * pairs
         + costs.forward_sq_ms * (total / 1e3) ** 2
-    )  # fmt: skip
+    )
 
 
 def chunked_cost_ms(length: int, chunk_tokens: int, geometry: ModelGeometry, costs: CostCoefficients) -> float:
@@ -118,7 +118,7 @@ def chunked_cost_ms(length: int, chunk_tokens: int, geometry: ModelGeometry, cos
     return (
         chunks * costs.fixed_ms + costs.token_ms * length + costs.attention_ms * attention_gflops(1, length, geometry)
         + costs.kv_ms * kv_mib(1, length + recopied, geometry) + costs.forward_sq_ms * sum((c / 1e3) ** 2 for c in sizes)
-    )  # fmt: skip
+    )
 
 
 def plan_forms(
@@ -249,4 +249,4 @@ class _FormsDP:
             ((best_ms[i] - prefix[i] + tail + pair_ms * (tokens[x] - tokens[i]) ** 2, i)
              for i in range(max(self.lowest, x - DENSE_MAX_PROMPTS), x)),
             default=(math.inf, x - 1),
-        )  # fmt: skip
+        )

@@ -91,7 +91,7 @@ def choose_route(
     blocked = _ordinary_blockers(
         checked, max_new_tokens, continuous_batch_size, prefill_max_tokens, max_positions, ordinary_blocked_reason,
         samples_per_prompt,
-    )  # fmt: skip
+    )
     if not checked:
         return _empty_decision(blocked)
     shared_costs = shared_prefill_costs(costs, samples_per_prompt)
@@ -197,12 +197,12 @@ def _compare_routes(
         route = ROUTE_ORDINARY
         reason = (
             f"ordinary estimated cheaper or equal (ordinary {ordinary_ms:.1f} ms <= bucketed "
-            f"{bucketed_ms:.1f} ms in {count} buckets)"
+            f"{bucketed_ms:.1f} ms in {_buckets(count)})"
         )
     else:
         route = ROUTE_BUCKETED
         reason = (
-            f"bucketed estimated cheaper ({count} buckets, {bucketed_ms:.1f} ms < ordinary "
+            f"bucketed estimated cheaper ({_buckets(count)}, {bucketed_ms:.1f} ms < ordinary "
             f"{ordinary_ms:.1f} ms)"
         )
     buckets = plan.groups if isinstance(plan, FormPlan) else plan.buckets
@@ -215,3 +215,7 @@ def _empty_decision(blocked: str) -> RouteDecision:
         return RouteDecision(ROUTE_BUCKETED, (), (), None, 0.0, 0.0, reason)
     reason = "no prompts: nothing to run (both estimates 0 ms; ties choose ordinary)"
     return RouteDecision(ROUTE_ORDINARY, (), (), 0.0, 0.0, 0.0, reason)
+
+
+def _buckets(count: int) -> str:
+    return f"{count} bucket" if count == 1 else f"{count} buckets"

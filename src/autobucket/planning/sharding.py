@@ -16,9 +16,9 @@ times. Two deliberate simplifications:
   steps) and so weighs long prompts a little more than their measured share.
 
 Both are uniform over prompts, so they shift the balance only through the long/short mix; measured
-imbalance is reported next to the predicted one so a bad estimate shows. On the 20.3M benchmark Qwen2
-(docs/benchmarks.md) a worker's predicted time is 1.6x below its measured time, yet round robin's
-measured imbalance matches its prediction within 0.02: the relative costs are what balancing needs.
+imbalance is reported next to the predicted one so a bad estimate shows. The absolute prediction can
+be well off a worker's time while the predicted imbalance still matches the measured one
+(docs/benchmarks.md): the relative costs are what balancing needs.
 
 **Balancing.** Longest-processing-time greedy: groups by cost, descending, each to the currently
 cheapest worker. Its makespan is within ``4/3 - 1/(3·workers)`` of the optimum (Graham 1969) and is

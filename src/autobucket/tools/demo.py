@@ -44,11 +44,13 @@ class DemoConfig:
     costs: Path | None = None  # calibration / coefficients JSON for auto; None: learned online
     repeats: int = 1
     with_hf_batch: bool = True  # also time transformers' own continuous batching when the version has it
+    allow_mismatch: bool = False  # take a `costs` file measured on another model, dtype, device or backend
 
     def __post_init__(self) -> None:
         SamplingConfig(max_new_tokens=self.max_new_tokens)  # validates the budget
         require_int("repeats", self.repeats, fix="time each route at least once")
         require_bool("with_hf_batch", self.with_hf_batch)
+        require_bool("allow_mismatch", self.allow_mismatch)
 
 
 @dataclass(frozen=True)
@@ -133,14 +135,15 @@ def _humaneval_items() -> list[tuple[str, str]]:
     return [(task, CODE_INSTRUCTION.format(prompt=problems[task]["prompt"])) for task in HUMANEVAL_TASKS]
 
 
-def demo_costs(model: Any, costs_path: Path | None) -> tuple[CostCoefficients, str]:
+def demo_costs(model: Any, costs_path: Path | None, strict: bool = True) -> tuple[CostCoefficients, str]:
     """The coefficients auto uses here and a label that says where they came from; a calibration file
-    is checked against the model exactly as `Rollout` checks it."""
+    is checked against the model exactly as `Rollout` checks it (`strict`: `RolloutConfig.costs_strict`)."""
     from autobucket.config import RolloutConfig
     from autobucket.engine.rollout import Rollout
 
     if costs_path is not None:
-        return Rollout(model, None, RolloutConfig(route="auto", costs=costs_path)).costs, f"from {costs_path}"
+        config = RolloutConfig(route="auto", costs=costs_path, costs_strict=strict)
+        return Rollout(model, None, config).costs, f"from {costs_path}"
     rollout = Rollout(model, None, RolloutConfig(route="auto"))  # online: cached entry, else a short probe
     costs = rollout.costs
     return costs, (
@@ -172,7 +175,7 @@ def run_demo(config: DemoConfig, on_status: Status | None = None) -> DemoReport:
     started = time.perf_counter()
     status("loading SmolLM2-135M-Instruct (the first run converts the GGUF once, ~20-40 s)")
     model, tokenizer = load_model("smollm2")
-    costs, label = demo_costs(model, config.costs)
+    costs, label = demo_costs(model, config.costs, strict=not config.allow_mismatch)
     report = DemoReport(config, demo_prompts(tokenizer), costs, label, time.perf_counter() - started)
     prompts = [p.ids for p in report.prompts]
     hf = config.with_hf_batch and has_generate_batch(model)

@@ -1,8 +1,9 @@
 """`autobucket generate` as library functions: a prompts file -> token ids -> `Rollout` -> JSONL.
 
 The input is parsed and checked completely before the model loads, so a bad line fails at once and
-names its line number. The output is written to a temporary file and renamed only after every prompt
-has finished, so a failed run never leaves a partial output file. Prompts run in chunks of a few
+names its line (`FILE:LINE:`). The output is written to a temporary file and renamed only after every
+prompt has finished, so a failed run never leaves a partial output file; an interrupted one (Ctrl-C)
+writes the rows of the prompts that had finished, so the time spent is not lost. Prompts run in chunks of a few
 continuous batches (one `generate` call each) only so that progress can be reported; tokens do not
 depend on the chunking: every route is exact per request, and each chunk passes its prompts the stream
 keys one call over the whole file would give them, so sampled tokens are the same too."""
@@ -10,18 +11,16 @@ keys one call over the whole file would give them, so sampled tokens are the sam
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
+import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from autobucket.checks import optional_int, require_bool, require_int
+from autobucket.checks import optional_int, require_bool
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.prompts import conversation_ids, is_conversation, message_problem
+from autobucket.prompts import conversation_ids
 from autobucket.tools.generate_output import (
     STDIO,
     Sample,
@@ -30,23 +29,12 @@ from autobucket.tools.generate_output import (
     prompt_samples,
     write_jsonl,
 )
+from autobucket.tools.prompt_file import PromptRecord, read_prompts
 
 INPUT_FORMATS = ("auto", "jsonl", "txt")
 CHUNK_BATCHES = 4  # continuous batches per generate call: progress granularity for long runs
 
 Progress = Callable[[int, int], None]  # (finished prompts, all prompts)
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One input prompt: text, token ids or chat messages, and where it came from."""
-
-    id: Any  # the line's "id", else the prompt's 0-based position
-    line: int  # 1-based line number in the input
-    text: str | None = None
-    ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None  # a conversation, through the tokenizer's chat template
-    max_new_tokens: int | None = None  # the line's own budget (None: the job's)
 
 
 @dataclass(frozen=True)
@@ -83,94 +71,6 @@ class GenerateJob:
 
 
 # ------------------------------------------------------------------ input
-def read_prompts(source: str | Path, input_format: str = "auto") -> list[PromptRecord]:
-    """Prompt records from a JSONL or text file ("-": stdin); errors name the line."""
-    name = "<stdin>" if str(source) == STDIO else str(source)
-    if str(source) == STDIO:
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            lines = Path(source).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read prompts from {name!r}: {exc}") from exc
-    return parse_prompt_lines(lines, _input_format(name, lines, input_format), name)
-
-
-def _input_format(name: str, lines: Sequence[str], input_format: str) -> str:
-    """"auto": by suffix (.jsonl/.json, .txt), else JSONL when the first non-blank line is an object."""
-    if input_format != "auto":
-        return input_format
-    suffix = Path(name).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return "jsonl"
-    if suffix == ".txt":
-        return "txt"
-    first = next((line for line in lines if line.strip()), "")
-    return "jsonl" if first.lstrip().startswith("{") else "txt"
-
-
-def parse_prompt_lines(lines: Iterable[str], input_format: str, name: str = "<prompts>") -> list[PromptRecord]:
-    """JSONL: one object per line with "prompt" (text), "prompt_ids" (token ids) or "messages" (a chat
-    conversation, [{"role": ..., "content": ...}, ...]), optional "id" and "max_new_tokens" (that prompt's
-    budget, in place of the job's).
-    txt: one text prompt per line. Blank lines are skipped in both."""
-    records: list[PromptRecord] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if input_format == "txt":
-            records.append(PromptRecord(id=len(records), line=number, text=line))
-        else:
-            records.append(_jsonl_record(line, number, len(records), name))
-    if not records:
-        raise ValueError(f"{name} holds no prompts: give one prompt per line")
-    return records
-
-
-def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRecord:
-    where = f"{name}:{number}"
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f'{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be an object like '
-            '{"prompt": "..."}, {"prompt_ids": [1, 2, 3]} or {"messages": [{"role": "user", "content": "..."}]}'
-        ) from None
-    if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected a JSON object with \"prompt\", \"prompt_ids\" or \"messages\", got "
-                         f"{type(item).__name__}")  # fmt: skip
-    if sum(field in item for field in ("prompt", "prompt_ids", "messages")) != 1:
-        raise ValueError(f'{where}: give exactly one of "prompt" (text), "prompt_ids" (token ids) or "messages" '
-                         "(a chat conversation)")  # fmt: skip
-    record_id = item.get("id", position)
-    budget = item.get("max_new_tokens")
-    if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
-        raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1 (this prompt\'s budget), got {budget!r}')
-    if "messages" in item:
-        messages = item["messages"]
-        if not is_conversation(messages) or message_problem(messages) is not None:
-            raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
-                             f"objects, got {messages!r}")  # fmt: skip
-        return PromptRecord(id=record_id, line=number, messages=messages, max_new_tokens=budget)
-    if "prompt" in item:
-        text = item["prompt"]
-        if not isinstance(text, str) or not text:
-            raise ValueError(f'{where}: "prompt" must be a non-empty string, got {text!r}')
-        return PromptRecord(id=record_id, line=number, text=text, max_new_tokens=budget)
-    ids = item["prompt_ids"]
-    if not isinstance(ids, list) or not ids or not all(_is_token_id(token) for token in ids):
-        raise ValueError(f'{where}: "prompt_ids" must be a non-empty list of token ids (ints >= 0), got {ids!r}')
-    return PromptRecord(id=record_id, line=number, ids=ids, max_new_tokens=budget)
-
-
-def _is_token_id(value: Any) -> bool:
-    try:
-        require_int("token id", value, minimum=0)
-    except ValueError:
-        return False
-    return True
-
-
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """`text` as one user turn in the tokenizer's chat template, ready for the assistant's answer."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -187,31 +87,65 @@ def encode_prompts(
         if record.ids is not None:
             if chat:
                 raise ValueError(
-                    f"line {record.line}: --chat applies to text prompts but this line gives prompt_ids; "
+                    f"{record.where}: --chat applies to text prompts but this line gives prompt_ids; "
                     "drop --chat or give the text as \"prompt\""
                 )
             ids = record.ids
         elif tokenizer is None:
             kind = "chat messages" if record.messages is not None else "a text prompt"
             raise ValueError(
-                f"line {record.line}: {kind}, but {model_name} has no tokenizer: give token ids as "
+                f"{record.where}: {kind}, but {model_name} has no tokenizer: give token ids as "
                 '{"prompt_ids": [...]}'
             )
         elif record.messages is not None:  # templated whether or not --chat is given
-            ids = conversation_ids(tokenizer, record.messages, f"line {record.line}")
+            ids = conversation_ids(tokenizer, record.messages, record.where)
         else:
             assert record.text is not None, "read_prompts gives every record its ids or its text"
             ids = chat_prompt_ids(tokenizer, record.text) if chat else tokenizer(record.text)["input_ids"]
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
-            raise ValueError(f"line {record.line}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{record.where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
         encoded.append(list(ids))
     return encoded
 
 
+def check_context_fits(
+    records: Sequence[PromptRecord], prompts: Sequence[list[int]], sampling: SamplingConfig, max_positions: int | None
+) -> None:
+    """Each prompt plus its budget fits the model's positions; the error names the line and the budget
+    it took: the line's own "max_new_tokens" or the job's (--max-new-tokens)."""
+    if max_positions is None:
+        return
+    job_budgets = sampling.request_budgets(len(records))
+    for record, ids, job_budget in zip(records, prompts, job_budgets, strict=True):
+        budget = record.max_new_tokens or job_budget
+        if len(ids) + budget <= max_positions:
+            continue
+        given, fix = ((f'its "max_new_tokens": {budget}', 'this line\'s "max_new_tokens"') if record.max_new_tokens
+                      else (f"--max-new-tokens {budget}", "--max-new-tokens"))  # fmt: skip
+        raise ValueError(f"{record.where}: the prompt has {len(ids)} tokens; with {given} it needs "
+                         f"{len(ids) + budget} positions but the model has {max_positions}: shorten it or lower {fix}")  # fmt: skip
+
+
 # ------------------------------------------------------------------ run
+class GenerateInterrupted(KeyboardInterrupt):
+    """Ctrl-C (KeyboardInterrupt) while `run_generate_job` generated, after the rows of the `finished`
+    prompts (the chunks that had returned) were written to `out`; nothing was written when it is 0."""
+
+    def __init__(self, finished: int, total: int, out: str) -> None:
+        super().__init__(finished, total, out)
+        self.finished, self.total, self.out = finished, total, out
+
+    def __str__(self) -> str:
+        if not self.finished:
+            return f"interrupted before any of the {self.total} prompts finished: nothing written"
+        target = "stdout" if self.out == STDIO else repr(self.out)
+        return f"interrupted: wrote the rows of the first {self.finished} of {self.total} prompts to {target}"
+
+
 def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> dict[str, Any]:
-    """Read, generate, write; returns the summary (route, buckets, times, tokens/s)."""
+    """Read, generate, write; returns the summary (route, buckets, times, tokens/s). Interrupted, it
+    writes the finished prompts' rows and raises `GenerateInterrupted`."""
     from autobucket.engine.rollout import Rollout
     from autobucket.models import load_model
 
@@ -228,27 +162,64 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
         )
     rollout = Rollout(model, tokenizer, job.rollout)
     prompts = encode_prompts(records, tokenizer, job.chat, rollout.vocab_size, repr(job.model))
+    check_context_fits(records, prompts, job.sampling, rollout.max_positions)
     chunk = job.chunk_prompts or CHUNK_BATCHES * job.sampling.continuous_batch_size
+    results: list[Any] = []
     started = time.perf_counter()
-    results = generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress,
-                                 job.generation_options)  # fmt: skip
+    try:
+        generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress,
+                           job.generation_options, results)  # fmt: skip
+    except KeyboardInterrupt:
+        raise _write_finished(job, records, results, tokenizer) from None
+    except ValueError as exc:
+        named = _named_by_line(exc, records[sum(len(r.tokens) for r in results) :])
+        if named is exc:
+            raise
+        raise named from exc
     generate_s = time.perf_counter() - started
     samples = prompt_samples(results, job.sampling.n)
     write_jsonl(output_rows(records, samples, tokenizer), job.out)
     return summarize(job, prompts, results, samples, load_s, generate_s)
 
 
+def _write_finished(
+    job: GenerateJob, records: Sequence[PromptRecord], results: Sequence[Any], tokenizer: Any
+) -> GenerateInterrupted:
+    """Write the rows of the prompts whose chunk had returned (input order: the first `finished`)."""
+    samples = prompt_samples(results, job.sampling.n)
+    if samples:
+        write_jsonl(output_rows(records[: len(samples)], samples, tokenizer), job.out)
+    return GenerateInterrupted(len(samples), len(records), job.out)
+
+
+_PROMPT_INDEX = re.compile(r"\bprompt (\d+)\b")
+
+
+def _named_by_line(error: ValueError, chunk: Sequence[PromptRecord]) -> ValueError:
+    """A chunk's error that names a prompt by its index in the chunk ("prompt 1 has ..."), with that
+    prompt's FILE:LINE instead; any other error unchanged."""
+    indices = {int(index) for index in _PROMPT_INDEX.findall(str(error))}
+    if not indices or max(indices) >= len(chunk):
+        return error
+    if len(indices) == 1:
+        (index,) = indices
+        return ValueError(f"{chunk[index].where}: {_PROMPT_INDEX.sub('the prompt', str(error))}")
+    return ValueError(_PROMPT_INDEX.sub(lambda match: f"the prompt on {chunk[int(match[1])].where}", str(error)))
+
+
 def generate_in_chunks(
     rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None,
-    generation_options: dict[str, Any] | None = None,
+    generation_options: dict[str, Any] | None = None, results: list[Any] | None = None,
 ) -> list[Any]:  # fmt: skip
     """One `rollout.generate` per `chunk` prompts (input order), each with `generation_options` as its
     overrides; `on_progress` after each. Each chunk gets its prompts' stream keys and budgets from the whole
     file's (`subset_sampling`), so a sampled prompt draws what one call over every prompt would draw for
-    it, whatever the chunk size (per-sequence logits processors see one prompt's ids only)."""
+    it, whatever the chunk size (per-sequence logits processors see one prompt's ids only). Each chunk's
+    result is appended to `results` (a new list if None) as it returns, so a caller interrupted midway
+    holds the finished ones."""
     from autobucket.engine.sampling.streams import subset_sampling
 
-    results = []
+    results = [] if results is None else results
     if on_progress is not None:
         on_progress(0, len(prompts))
     for start in range(0, len(prompts), chunk):

@@ -1,7 +1,7 @@
-"""What `autobucket generate` writes: one JSON object per prompt and sample, all rows or none.
+"""What `autobucket generate` writes: one JSON object per prompt and sample, all the given rows or none.
 
-The rows are written to a temporary file in the target's folder and renamed over it only once every
-prompt has finished (`tempfile` + `os.replace`), so a failed run never leaves a partial output file."""
+The rows are written to a temporary file in the target's folder and renamed over it (`tempfile` +
+`os.replace`), so a failed write never leaves a partial output file."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ STDIO = "-"
 
 
 class InputPrompt(Protocol):
-    """What a row needs of its input line (generate_job's `PromptRecord`)."""
+    """What a row needs of its input line (prompt_file's `PromptRecord`)."""
 
     @property
     def id(self) -> Any: ...

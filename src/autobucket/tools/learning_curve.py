@@ -19,7 +19,7 @@ def plot_learning_curve(curve: Sequence[dict[str, Any]], path: str, title: str =
     for source in dict.fromkeys(p["source"] for p in points):
         chosen = [p for p in points if p["source"] == source]
         axes.plot([p["call"] + 1 for p in chosen], [p["predicted_ms"] / p["measured_ms"] for p in chosen],
-                  "o", label=source)  # fmt: skip
+                  "o", label=source)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_yscale("log")
     axes.set_xlabel("Auto call")

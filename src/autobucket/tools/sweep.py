@@ -29,6 +29,7 @@ from autobucket.config import SamplingConfig
 from autobucket.planning.costs import CostCoefficients
 from autobucket.prompts import random_prompts
 from autobucket.tools.baselines import HF_BATCH, has_generate_batch, hf_batch_contender, hf_generate_batch
+from autobucket.tools.wording import counted
 from autobucket.tools.workloads import (
     Contender,
     ContenderRun,
@@ -258,8 +259,8 @@ def auto_choice_text(workload: dict[str, Any]) -> str:
     if auto["route"] != "bucketed":
         return str(auto["route"])
     buckets = ", ".join(f"{rows}x{width}" for rows, width in auto["buckets"])
-    refills = f", {auto['admissions'] - 1} refills" if auto["admissions"] > 1 else ""
-    return f"bucketed: {len(auto['buckets'])} buckets ({buckets}{refills})"
+    refills = f", {counted(auto['admissions'] - 1, 'refill')}" if auto["admissions"] > 1 else ""
+    return f"bucketed: {counted(len(auto['buckets']), 'bucket')} ({buckets}{refills})"
 
 
 # -------------------------------------------------------------------------------------------- plot
@@ -286,7 +287,7 @@ def plot_sweep(report: dict[str, Any], path: str, title: str = "") -> None:
     for index, workload in enumerate(workloads):
         choice = workload["auto"]["route"]
         if choice == "bucketed":
-            choice = f"{len(workload['auto']['buckets'])} buckets"
+            choice = counted(len(workload["auto"]["buckets"]), "bucket")
         label = f"auto/best {workload['auto_over_best']:.2f}\n({choice})"
         axes.text(index, max(all_ms) * 1.3, label, ha="center", va="bottom", fontsize=8)
     axes.set_ylim(min(all_ms) / 2, max(all_ms) * 8)

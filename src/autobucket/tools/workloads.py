@@ -56,7 +56,7 @@ def sharegpt_like_lengths(count: int, seed: int) -> tuple[int, ...]:
     draw = random.Random(seed)
     low, high = SHAREGPT_RANGE
     return tuple(min(max(round(draw.lognormvariate(math.log(SHAREGPT_MEDIAN), SHAREGPT_SIGMA)), low), high)
-                 for _ in range(count))  # fmt: skip
+                 for _ in range(count))
 
 
 @dataclass

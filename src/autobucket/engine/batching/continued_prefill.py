@@ -17,8 +17,7 @@ column chunks, each attending to what the previous ones wrote.
 
 The buffer is the output: the cache admits it as one block, as it does a padded prefill. Before, the
 prefixes sat in a DynamicCache of their own right-aligned columns, every forward concatenated it with the
-new K/V, and the result was gathered into this layout: three more copies of every layer's K/V, ~50 ms
-of a 1.2 s turn of 16 episodes (bench-qwen2, AMD EPYC).
+new K/V, and the result was gathered into this layout: three more copies of every layer's K/V per turn.
 """
 
 from __future__ import annotations

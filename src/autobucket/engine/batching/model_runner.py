@@ -34,9 +34,8 @@ from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
 
 # Sharing a copy adds two attention kernels and a few gathers per layer and step, whatever the groups; it
-# pays once the copies it avoids are large: measured on bench-qwen2 (one core), 8 prompts of ~40 tokens x 4
-# samples (1,000 columns saved) decoded 12% slower shared, 8 prompts of 300 x 4 (7,200) 3% faster, 8 of
-# 120-900 x 8 (24,000) 30% faster.
+# pays once the copies it avoids are large: with a thousand columns saved the extra kernels cost more
+# than the reads they save, and the gain grows with the columns saved (docs/benchmarks.md, cascade decode).
 SHARED_MIN_SAVED_COLUMNS = 4096
 
 
@@ -146,7 +145,7 @@ class ModelRunner:
         prefix_groups = self._shared_prefix_groups(output, rows)
         shared = {s: n for s, n in self._shared_sources(rows).items() if s not in prefix_groups}
         groups = {source: self.store.add_group(*output.prompt_key_values(source, length, 0, copy=True))
-                  for source, length in shared.items()}  # fmt: skip
+                  for source, length in shared.items()}
         groups.update(prefix_groups)
         # Admit in order: runs of plain rows (copied), of one prompt's samples (nothing copied), of one
         # shared prefix's members (their own columns after the prefix copied).
@@ -267,7 +266,7 @@ class ModelRunner:
         output = self.model(
             input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
             **{self.spec.cache_keyword: self.cache},
-        )  # fmt: skip
+        )
         return output.logits
 
     def advance(self, tokens: torch.Tensor) -> None:

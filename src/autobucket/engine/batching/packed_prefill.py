@@ -76,7 +76,7 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
         sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
              within_window(None, window, e - s, e - s, query.device) if window else None, **kwargs)[0]
         for s, e in packing.bounds
-    ]  # fmt: skip
+    ]
     return torch.cat(outputs, dim=1), None
 
 

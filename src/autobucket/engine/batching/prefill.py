@@ -2,7 +2,8 @@
 
 The forward goes through the model's own cache path (a fresh DynamicCache), exactly as HF
 `generate` prefills a left-padded batch: 2-D attention mask, position ids counted over real tokens
-only, and `logits_to_keep=1` (full logits for B=32, L=512 cost ~5x the forward on a small model).
+only, and `logits_to_keep=1` (full logits are a [B, L, vocab] head GEMM and tensor, on a small model
+several times the rest of the forward).
 The returned per-layer K/V is then copied right-aligned into the static cache by the caller."""
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ class CascadeLayout:
     slots: int  # most rows in one group
     calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
     # per layer: the invariant kernel's tiles of keys[l] (`shared_prefix_tiles`), made at their first read and
-    # kept with the stacked keys while the groups stay (every step read them transposed anew: ~26% of the
-    # cascade's attention, 64 rows over 8 prompts, Intel Xeon); None: not kept (made per call). They hold
+    # kept with the stacked keys while the groups stay (made anew, every step would transpose every
+    # layer's shared keys again, a large share of the cascade's attention); None: not kept (made per call). They hold
     # the shared keys once more in fp32 (bf16: keys and values), beside the n - 1 copies the cascade saves
     tiles: list[torch.Tensor | None] | None = None
 
@@ -70,15 +70,15 @@ class CascadeAttention:
     """transformers' attention-function interface for one decode forward over `layout`; `invariant`: on
     the batch-invariant kernel, which reads the shared keys first in the row's own key order (bitwise
     the per-row result), instead of two flash parts merged; `own_kernel` (the default kernels' decode):
-    on that kernel too wherever it can take the call (measured faster: a GRPO-like call's decode 2.73
-    vs 3.13 s), else the flash parts. The kernel decode step (`kernel_decode.py`) reads `layout` and
+    on that kernel too wherever it can take the call (faster than the flash parts on a GRPO-like call's
+    decode, docs/benchmarks.md), else the flash parts. The kernel decode step (`kernel_decode.py`) reads `layout` and
     `invariant` to call the same kernel itself."""
 
     def __init__(self, layout: CascadeLayout, invariant: bool = False, own_kernel: bool = False) -> None:
         self.layout, self.invariant, self.own_kernel = layout, invariant, own_kernel
 
     def __call__(self, module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                 **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+                 **kwargs) -> tuple[torch.Tensor, None]:
         if dropout and not dropout_suppressed():
             raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
         layout, layer = self.layout, module.layer_idx
@@ -90,7 +90,7 @@ class CascadeAttention:
             output = invariant_attention_shared(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
                 layout.shared_length, layout.row_group, layout.shared_tiles(layer), window,
-            )  # fmt: skip
+            )
         else:
             output = _attend(query, key, value, attention_mask, scale, layout, layer, window)
         layout.calls += 1
@@ -119,7 +119,7 @@ _MATH_PARTS = False  # tests: run the math form on a CPU too
 
 
 def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int,
-            window: int = 0) -> torch.Tensor:  # fmt: skip
+            window: int = 0) -> torch.Tensor:
     """query [rows, heads, 1, head_dim]; key, value [rows, kv_heads, own, head_dim] (each row's own
     columns, masked by `attention_mask`) -> [rows, 1, heads, head_dim] in the query's dtype.
 
@@ -162,7 +162,7 @@ def _own_keys_allowed(attention_mask: torch.Tensor | None, rows: int, columns: i
 
 
 def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: int,
-                 first_shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 first_shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: attention output (fp32) and logsumexp over its group's shared keys, [rows, kv_heads,
     per_kv, head_dim] and [rows, kv_heads, per_kv]; 0 and -inf for a row without a group, or whose
     window (first_shared [rows]: the first shared key a row reads; None: all) holds none of them."""

@@ -3,8 +3,8 @@
 A decoder layer's q, k and v projections read one normed hidden state, and so do its gate and up
 projections (a LoRA layer's `lora_A` reads its base layer's input too). Run as one GEMM on the
 concatenated weight, each call pays oneDNN's per-call cost and the wrapper's Python once instead of
-two or three times: the three 256 -> 256, 128, 128 projections of bench-qwen2 at 32 rows took
-163 vs 90 us (fp32, Intel Xeon). The model is not changed and nothing is assumed about its module
+two or three times, which on a small model's decode step is a large share of each GEMM's time
+(`benchmarks/kernels/fused_linears.py`). The model is not changed and nothing is assumed about its module
 names: the engine watches which weights each input tensor meets (`observe`), and a weight that met
 the same input as the ones before it becomes a member of that input's group. From the next forward
 on, the group's first weight runs the fused GEMM (`PackedLinears`) and hands its members their
@@ -113,7 +113,7 @@ class LinearFusion:
         if (
             handed is not None and handed.group is group and handed.x is x and handed.version == _version(x)
             and _same(group.weights[handed.index], weight) and _same(group.biases[handed.index], bias)
-        ):  # fmt: skip
+        ):
             return handed.columns
         group.broken = True
         return None

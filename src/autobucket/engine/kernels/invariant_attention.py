@@ -225,18 +225,18 @@ def kernel_takes(query, key, attention_mask, dropout: float, kwargs: dict) -> bo
         and query.dtype in (torch.float32, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0 and query.shape[1] // key.shape[1] <= 16
         and (attention_mask is None or _allowed_or_none(attention_mask, query.shape[0], key.shape[2]) is not None)
-    )  # fmt: skip
+    )
 
 
 def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:
     """The default kernels' (`kernels="hf"`) decode attention over the static cache: the engine's kernel,
     which reads only each row's own keys (SDPA's flash kernel reads every column of the longest row for
     every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
     mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""
     if not kernel_takes(query, key, attention_mask, dropout, kwargs):
         return hf_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         is_causal=is_causal, **kwargs)  # fmt: skip
+                         is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return invariant_attention(query, key, value, attention_mask, scale, False), None
 

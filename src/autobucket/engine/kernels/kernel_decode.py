@@ -4,15 +4,15 @@ Under `kernels="invariant"`, every leaf of an fp32 Llama-family decode step alre
 engine's kernels: each linear the fixed-order panels (`packed_linear.py`), each RMSNorm, the rotary
 embedding and the MLP's SiLU-and-multiply their fused kernels (`elementwise/`), the attention the
 invariant kernel. `DirectDecode` still reaches them through the model's modules, the routers and each
-kernel's checks, per layer: about a fifth of a small model's step (bench-qwen2, B = 16, context 256:
-~1 ms of 5.3). `KernelDecode.step` calls the same ops with the same inputs in the direct step's order,
+kernel's checks, per layer: a visible share of a small model's step (`benchmarks/kernels/decode_step.py`).
+`KernelDecode.step` calls the same ops with the same inputs in the direct step's order,
 so its logits are bitwise the direct step's (tested per architecture, with the direct step as the
 oracle), and checks once per step what the routers check per call.
 
 A cascade step (rows reading a shared prompt's one copy of K/V, `cascade_attention.py`) is taken too: its
 attention is the cascade's own invariant call, `invariant_attention_shared` on the step's layout. A GRPO-like
-call runs every step so; with the direct step it took 1.07x the time on 2 threads and level on one (Zen 3,
-benchmarks/cascade_kernel_step.py): the step's Python weighs more as the kernels split among threads.
+call runs every step so (`benchmarks/kernels/cascade_kernel_step.py` compares it with the direct step): the
+step's Python weighs more as the kernels split among threads.
 
 A call past the model's sliding window (Mistral, Qwen2/3 with `use_sliding_window`) is taken too: each
 sliding layer's allowed keys are narrowed as the dispatcher narrows the direct step's mask
@@ -56,7 +56,7 @@ class KernelDecode:
             *(getattr(part, name) for layer in self.layers
               for part, names in ((layer.self_attn, _ATTENTION_PARTS), (layer.mlp, _MLP_PARTS)) for name in names),
             self.model.lm_head,
-        ]  # fmt: skip
+        ]
         qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in self.layers] if direct.qk_norm else []
         self.norms = [
             *(norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)),
@@ -114,7 +114,7 @@ class KernelDecode:
             type(linear) is torch.nn.Linear and call_unobserved(linear)
             and (linear.bias is None or linear.bias.dtype == torch.float32)
             for linear in self.linears
-        )  # fmt: skip
+        )
         plain_norms = all(rms_norm.routed_module(norm) and call_unobserved(norm) for norm in self.norms)
         plain_mlps = all(gated_mlp.routed_module(mlp) and call_unobserved(mlp) for mlp in self.mlps)
         no_dropout = all(
@@ -180,7 +180,7 @@ class _Calls:
         return self.linear(output.reshape(rows, 1, -1).contiguous())  # o_proj
 
     def _attend(self, attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                allowed: torch.Tensor, window: int) -> torch.Tensor:  # fmt: skip
+                allowed: torch.Tensor, window: int) -> torch.Tensor:
         """The invariant kernel the step's attention function calls: over each row's allowed keys, or in a
         cascade step over its group's shared keys first, those its window covers (`CascadeAttention`'s
         invariant call, counted as the runner checks)."""
@@ -191,7 +191,7 @@ class _Calls:
         output = torch.ops.autobucket.invariant_attention_shared(
             query, key, value, allowed, scale, layout.keys[layer], layout.values[layer], layout.shared_length,
             layout.row_group, layout.shared_tiles(layer), window,
-        )  # fmt: skip
+        )
         layout.calls += 1
         return output
 

@@ -3,8 +3,8 @@
 
 Every kernel of `kernels="invariant"` lives in one library (the attention, the fixed-order linear, the
 fused elementwise ops, the sampler, the first argmax, the trainer's logprob reductions). It is compiled
-with the machine's own instruction set at first use (`torch.utils.cpp_extension`, about a minute on two
-cores, cached by source, flags, torch version and CPU flags in torch's extension folder).
+with the machine's own instruction set at first use (`torch.utils.cpp_extension`, a minute or more on
+a small machine, cached by source, flags, torch version and CPU flags in torch's extension folder).
 `load_invariant_kernels` builds and loads it or raises a ValueError naming the fix;
 `kernel_library_builds` answers whether it does, for callers with a fallback computing the same values."""
 
@@ -31,8 +31,7 @@ _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "
 # the vector kernel must round the same sums the same way)
 BUILD_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-fast-math", "-ffp-contract=off"]
 # at::parallel_for is ATen's OpenMP loop, inlined from its headers: without -fopenmp it runs on one thread
-# (the kernels' fixed-order linear took 13.4 ms on 2 threads against 14.2 on 1, F.linear 12.9 against
-# 20.7, Zen 3). With it, the loops split among torch's threads (`torch.set_num_threads`) through the
+# (so the kernels would not gain from threads as torch's own ops do). With it, the loops split among torch's threads (`torch.set_num_threads`) through the
 # OpenMP runtime torch already loaded (libgomp.so.1, one runtime in the process). Every kernel's values are
 # independent of how its loop is split, so threads change its speed only.
 PARALLEL_FLAGS = ["-fopenmp"]

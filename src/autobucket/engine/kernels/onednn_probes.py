@@ -1,18 +1,18 @@
 """What oneDNN's GEMMs can do on this CPU, probed once per shape and process, and the fp32 precision guard.
 
 bf16 weights run oneDNN's bf16 GEMM (AMX / AVX512-BF16) in fixed blocks of `ROW_BLOCK` rows. That GEMM
-picks its kernel by the number of rows, so a row's output depends on M (measured on `[M, 1024] x
-[1024, 256]` and five other shapes); inside one fixed block shape a row's output was bitwise the same
+picks its kernel by the number of rows, so a row's output depends on M (`[M, 1024] x [1024, 256]` and
+other shapes show it); inside one fixed block shape a row's output was bitwise the same
 wherever it sat and whatever the other rows were, on every shape probed. So every call is cut into
 32-row blocks (the last zero-padded), and each weight shape is probed once per process
 (`bf16_blocks_invariant`) before its bf16 pack is trusted; a call of at most 16 rows runs as one 16-row
 block where a second probe finds 16-row calls bitwise the 32-row block's (`bf16_small_blocks_agree`),
 and a prefill-sized call runs its leading rows as single calls of 128 to 2,048 rows where a probe
-per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: 2-8x faster).
-A shape that fails, or a CPU without a native bf16 GEMM (`native_bf16_gemm`), gets its weight packed as
-fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on every shape probed, 2-4x slower.
-Why 32 rows: a decode step's batch; a 16-row step padded to 32 took 1.4 ms on the 256 -> 32,000 head,
-padded to 128 it took 4.0 ms (Intel Xeon, AMX).
+per shape and size finds them bitwise the 32-row blocks' (`bf16_large_block_agrees`: one large call
+streams the weight once). A shape that fails, or a CPU without a native bf16 GEMM (`native_bf16_gemm`),
+gets its weight packed as fp32 (exact) and the fp32 GEMM's output rounded to bf16: invariant on every
+shape probed, and slower than the bf16 GEMM where there is one. Why 32 rows: a decode step's batch; a
+larger block would make a small step pay for rows it pads and throws away.
 
 Each probe runs random data from a private generator (the caller's RNG is untouched) and is cached for
 the process: the answers are properties of the CPU, the torch build and the shape."""
@@ -31,8 +31,7 @@ SMALL_BLOCK = 16  # rows of a call of at most 16 rows, where the shape's probe f
 
 # Outputs a probe compares before it trusts a call size. Where a size runs another kernel whose fp32 sums
 # differ in their last bits, few bf16 outputs show it: on [1,024 -> 256] at 64 rows one round of 16,384
-# outputs passed 2 times in 8 draws, at 96 rows once (Intel Xeon, AMX); a size whose kernel is the 32-row
-# one passed every draw. About 4M outputs (64 rounds at most, for narrow weights: 1M at 64 rows of
+# outputs can pass a few draws in a row; a size whose kernel is the 32-row one passes every draw. About 4M outputs (64 rounds at most, for narrow weights: 1M at 64 rows of
 # [1,024 -> 256]) leave such a size no realistic chance.
 PROBE_OUTPUTS = 1 << 22
 PROBE_MAX_ROUNDS = 64
@@ -58,9 +57,8 @@ class SlowBf16GemmWarning(RuntimeWarning):
 @functools.cache  # a property of the CPU and the torch build
 def native_bf16_gemm() -> bool:
     """Whether oneDNN runs bf16 GEMMs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AMX and
-    AVX512-BF16 where present). Without them, torch's bf16 `F.linear` took 5-10x the fp32 time (AMD
-    EPYC Zen 3, AVX2: 64 x 256 x 32,000 127 against 26 ms, 1,884 x 256 x 1,024 120 against 12 ms), and
-    the invariant kernels pack bf16 weights as fp32."""
+    AVX512-BF16 where present). Without them torch's bf16 `F.linear` runs a slow reference path, several
+    times the fp32 time (docs/benchmarks.md), and the invariant kernels pack bf16 weights as fp32."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -108,8 +106,8 @@ def bf16_blocks_invariant(in_features: int, out_features: int) -> bool:
 @functools.cache  # once per weight shape and process
 def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     """Whether 16-row calls of oneDNN's bf16 GEMM give bitwise the rows' outputs inside a 32-row call on
-    a packed [out, in] weight (so a decode step of <= 16 rows need not pad to 32: 0.055 vs 0.094 ms on
-    576 -> 576, Intel Xeon); probed like `bf16_blocks_invariant`, which must hold first."""
+    a packed [out, in] weight (so a decode step of <= 16 rows need not pad to 32 and compute rows it
+    throws away); probed like `bf16_blocks_invariant`, which must hold first."""
     if not bf16_blocks_invariant(in_features, out_features):
         return False
     generator, packed = _probe_weight(in_features, out_features, in_features * 7 + out_features * 3)
@@ -121,14 +119,14 @@ def bf16_small_blocks_agree(in_features: int, out_features: int) -> bool:
     return True
 
 
-@functools.cache  # once per group shape and process: 24 ms for SmolLM2's gate/up
+@functools.cache  # once per group shape and process: the probe runs GEMMs of the group's size
 def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bias: bool) -> bool:
     """Whether one oneDNN bf16 GEMM block on the concatenated [sum N_i, K] weight gives each member's
     columns bitwise its own GEMM's output in the same `ROW_BLOCK` rows (every bf16 call is made of such
     blocks, so one block shape decides it). Random data, a private generator."""
     generator = torch.Generator().manual_seed(in_features * 31 + sum(out_features))
     weights = [(torch.randn(n, in_features, generator=generator, dtype=torch.float32) * in_features**-0.5).bfloat16()
-               for n in out_features]  # fmt: skip
+               for n in out_features]
     biases = [torch.randn(n, generator=generator, dtype=torch.float32).bfloat16() if has_bias else None for n in out_features]
     packs = [torch.ops.mkldnn._reorder_linear_weight(weight, ROW_BLOCK) for weight in weights]
     fused_pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), ROW_BLOCK)
@@ -141,25 +139,23 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
     return True
 
 
-# Row counts of one bf16 call for prefill-sized inputs, largest first. On bench-qwen2's and SmolLM2's
-# projections one 2,048-row call took 2-8x less than 64 calls of 32 rows (Intel Xeon, AMX). Whether it
+# Row counts of one bf16 call for prefill-sized inputs, largest first. One large call streams the weight
+# once where 32-row calls stream it once per block, so it is several times faster. Whether it
 # gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
 # multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
 # bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape.
 LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
 LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up of 2 x 8,192 included)
-# Wider weights (output heads) get a shorter ladder: on 256 -> 32,000 one 2,048-row call was 1.7x slower
-# than 32-row calls, while on SmolLM2's 576 -> 49,152 1,024 rows took 405 ms in 32-row calls, 203 ms in
-# 512-row calls, 149 ms in 256- or 128-row calls and 232 ms in one (MKL's F.linear: 233 ms); the probe
-# allows 512 there, not 256 or 128, and no size on Qwen2.5-0.5B's 896 -> 151,936 (Intel Xeon, AMX). Two
-# sizes only: each probe builds a random weight of the head's shape, once per process (Qwen2.5-0.5B's:
-# 4.7 s at 512 rows, 2.1 s at 256), paid by the first call of at least that many rows.
+# Wider weights (output heads) get a shorter ladder: there one call of thousands of rows writes an
+# output too large for the caches and is slower than 32-row calls, while a few hundred rows beat both
+# (on some heads the probe passes no size, and 32-row calls stay). Two sizes only: each probe builds a
+# random weight of the head's shape, once per process (seconds on a large vocabulary), paid by the
+# first call of at least that many rows.
 HEAD_BLOCKS = (512, 256)
 # Row counts of one bf16 call for a decode step of 33-128 rows (a GRPO call's 64 rows): the call padded up
 # to the smallest size that passes its probe, instead of 32-row blocks that each stream the whole weight.
-# On bench-qwen2's shapes, 64 rows took 0.38-0.43x the time of two 32-row calls (the head 1.31 against
-# 3.50 ms, weights from DRAM; Intel Xeon, AMX), and the probe passes on most of them (not [1,024 -> 256]
-# at 64 or 128 rows, nor SmolLM2's at any size); heads included, as at these sizes compute is cheap.
+# With the weights streamed from DRAM, one 64-row call costs much less than two 32-row calls, and the
+# probe passes on most shapes (not on every one); heads included, as at these sizes compute is cheap.
 DECODE_BLOCKS = (64, 96, 128)
 
 

@@ -1,10 +1,9 @@
 """Linear layers on prepacked weights that follow the live weights.
 
 `F.linear` on an unpacked weight lets MKL reorder the weight on every call and pick its blocking by the
-batch size, so a row's output can depend on how many other rows ride along (measured: 4.8e-7 between
-M = 1 and M = 2 on a 256 -> 1,024 linear, AMD EPYC). oneDNN on a weight reordered once
-(`mkldnn._reorder_linear_weight`) is faster on the decode shapes that dominate (the 8 x 256 x 32,000 head:
-1.44 vs 3.3 ms, Intel Xeon) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
+batch size, so a row's output can depend on how many other rows ride along (M = 1 and M = 2 differ
+in the last bits on some shapes). oneDNN on a weight reordered once (`mkldnn._reorder_linear_weight`)
+is faster on the decode shapes that dominate (no reorder per call) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
 probed; M = 1 took another path on one shape (1,536 -> 576), so a single row runs as a batch of two.
 
 Every linear the engine's forwards run is routed here by `packed_linears` (`function_routes.py`: the
@@ -62,7 +61,7 @@ class PackedLinears:
     `budget_bytes` bounds the copies (None: every linear packed). Past it, a weight is not kept: its
     GEMM reads the live weight in oneDNN's plain layout, which oneDNN reorders per call into the same
     blocked layout and runs on the same kernel, so the values are bitwise the packed ones (probed on
-    every shape of `tests/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM; a
+    every shape of `tests/engine/kernels/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM; a
     fixed-order weight gets its panels made for the call (the same values by construction). Weights
     are packed in the order the forward first meets them (the layers, then the output head)."""
 
@@ -187,10 +186,10 @@ class PackedLinears:
         dense, in_features = torch.cat(weights), weights[0].shape[1]  # [sum N_i, K]
         has_bias = pairs[0][1] is not None
         # bf16 row blocks only: there one block shape decides the probe. fp32 GEMMs are not fused: on
-        # oneDNN a probe would need every row count (0.4-1.3 s a shape) and the decode step gained nothing
-        # measurable (fused / unfused 0.99-1.01, Intel Xeon); on the fixed-order kernel fusing is exact by
-        # construction (each column its own chain) but made the bench-qwen2 step 3.5% slower (9.58 vs
-        # 9.24 ms, AMD EPYC: its per-call cost is small, and the members' column views cost downstream)
+        # oneDNN a probe would need every row count (a slow probe per shape) and the decode step gains
+        # nothing from it; on the fixed-order kernel fusing is exact by construction (each column its own
+        # chain) but slows the step (its per-call cost is small, and the members' column views cost
+        # downstream)
         agree = all(_bf16_blocks(weight) for weight in [dense, *weights]) and fused_columns_agree(
             in_features, tuple(group.out_features), has_bias
         )
@@ -346,7 +345,7 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu" and weight.dim() == 2 and x.dtype == weight.dtype and x.shape[-1] > 0
         and x.numel() > 0 and onednn_available(weight.dtype)
-    )  # fmt: skip
+    )
 
 
 def current_packs() -> PackedLinears | None:

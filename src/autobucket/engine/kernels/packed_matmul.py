@@ -4,9 +4,8 @@ fp32 GEMMs (fp32 weights, and bf16 weights where oneDNN's bf16 GEMM is not trust
 the engine's own fixed-order kernel where its library builds with AVX-512 or AVX2
 (`csrc/fixed_order_linear.cpp`: each output one FMA chain over k in order, so invariant by construction,
 no probe and no M = 1 workaround), else oneDNN's fp32 GEMM, a single row run as two (oneDNN's M = 1 path
-can differ). On an AMD EPYC (Zen 5) the fixed-order kernel took 0.35-0.84x oneDNN's time at a decode
-step's 8-32 rows and 1.00-1.11x at 1,024-2,048 rows; MKL (`F.linear`) ran its AVX2 code there, 2-3x
-slower than both (`benchmarks/fp32_linears.py`). A weight past the packed-weight budget is read where it
+can differ). The fixed-order kernel is faster than oneDNN at a decode step's few rows and about level
+at prefill sizes (`benchmarks/kernels/fp32_linears.py`, docs/kernels.md). A weight past the packed-weight budget is read where it
 is by the kernel's unpacked form (`fixed_order_linear_unpacked`: the same chains, bitwise). A bf16
 weight's panels stay bf16, widened in registers as the kernel reads them (exact), so they hold and
 stream half the bytes of fp32 panels of the same values.
@@ -65,7 +64,7 @@ def packed_matmul(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> tor
 
 def _in_fp32(rows: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
     """One fp32 GEMM over all rows, rounded to the input's dtype: [M, K] -> [M, N]."""
-    widened = rows.dtype != torch.float32  # fp32 inputs skip the conversions: ~6 us a call of ~45
+    widened = rows.dtype != torch.float32  # fp32 inputs skip the conversions, a fixed cost per call
     rows_fp32 = rows.float() if widened else rows
     bias_fp32 = None if bias is None else (bias.float() if bias.dtype != torch.float32 else bias)
     if pack.unpacked:
@@ -167,8 +166,9 @@ def panels_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 def fixed_order_panels(dense: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A [N, K] weight as `fixed_order_linear`'s panels [ceil(N / 32), K, 32] (bf16 for a bf16 weight,
     else fp32: `panels_dtype`), columns past N zero; written into `out` (an earlier pack of the same shape
-    and dtype) where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a repack
-    of bench-qwen2's 33 MB head took 26 ms through a padded copy and a new tensor, Intel Xeon)."""
+    and dtype) where given. One strided copy: no padded or widened temporary, and into `out` no new pages (a
+    repack through a padded copy into a new tensor writes a large head's bytes three times and faults in
+    its pages)."""
     out_features, in_features = dense.shape
     shape = panels_shape(out_features, in_features)
     panels, full = shape[0], out_features // FIXED_ORDER_PANEL

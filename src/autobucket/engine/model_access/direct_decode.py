@@ -2,8 +2,7 @@
 
 A continuous-batching decode step of a small model spends a share of its time in transformers' Python
 between kernels (module calls, kwargs plumbing, output capture, mask preprocessing, config attribute
-hooks, the cache interface, per layer): on bench-qwen2 (4 layers, 16 rows, context 256,
-`kernels="invariant"`) about 1.2 ms of a 5.6 ms step, the linears and the attention being the rest.
+hooks, the cache interface, per layer), a share that grows as the kernels get faster.
 
 For the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is a Llama) `DirectDecode.step` calls the
 model's *leaf* parts — embedding, rotary embedding, RMSNorms, linears (LoRA layers included, so the active
@@ -12,10 +11,9 @@ tensor shapes of the model's forward, and attends through the same dispatcher th
 reaches (`attention.dispatch_sdpa`: the engine's kernel for this thread, else transformers' SDPA). Every
 value is therefore bitwise what `model(...)` computes on the same kernels (tested per architecture, dtype
 and kernel set; a step that rotates only the keys is the negative control); only the orchestration is
-ours, and it is small enough to read against the model's source. Measured on whole calls
-(benchmarks/direct_decode.py, AMD EPYC Zen 5): 2-6% faster on bench-qwen2's short calls with the
-invariant kernels, 1-4% with the default ones, within noise where prefill or SmolLM2's 30 layers of
-kernels dominate.
+ours, and it is small enough to read against the model's source. It pays on short calls of small
+models, most with the invariant kernels, and is within noise where prefill or many layers of kernels
+dominate (benchmarks/studies/direct_decode.py).
 
 What it skips must not matter, so it is used only where nothing can observe the difference: the model's
 exact classes from transformers (a subclass may override a forward) with their own forwards (not replaced
@@ -103,7 +101,7 @@ class DirectDecode:
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             hidden = self._attention(index, layer.self_attn, hidden, position_embeddings, attention_mask,
-                                     position_ids, write)  # fmt: skip
+                                     position_ids, write)
             hidden = residual + hidden
             residual = hidden
             hidden = layer.post_attention_layernorm(hidden)
@@ -149,13 +147,13 @@ class DirectDecode:
             attention, query, key, value, attention_mask,
             dropout=0.0 if not attention.training else attention.attention_dropout,
             scaling=attention.scaling, **keywords,
-        )  # fmt: skip
+        )
         output = output.reshape(*input_shape, -1).contiguous()
         return call_linear(attention.o_proj, output)
 
 
 # The transformers releases whose Llama-family decoder layers the step was checked against, bitwise, by
-# tests/test_direct_decode.py (4.57.x, and 5.x up to this minor): a later release may reorder or add an
+# tests/engine/model_access/test_direct_decode.py (4.57.x, and 5.x up to this minor): a later release may reorder or add an
 # op inside a layer, so there the model's forward runs until the tests pass on it and this is raised.
 VERIFIED_TRANSFORMERS = ((4, 57), (5, 25))
 
@@ -182,7 +180,7 @@ def ineligible_reason(model: torch.nn.Module) -> str | None:
     if not installed_release_verified():
         return (f"transformers {transformers.__version__} is not a release the direct step was checked on "
                 f"({'.'.join(map(str, VERIFIED_TRANSFORMERS[0]))}.x, 5.x up to "
-                f"{'.'.join(map(str, VERIFIED_TRANSFORMERS[1]))})")  # fmt: skip
+                f"{'.'.join(map(str, VERIFIED_TRANSFORMERS[1]))})")
     family = LLAMA_FAMILY.get(type(model).__name__)
     module_name = type(model).__module__
     if family is None or not module_name.startswith("transformers.models."):

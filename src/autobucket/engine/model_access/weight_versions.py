@@ -5,8 +5,8 @@ old weights (packed linears, prefix-cache K/V) is ever used after an update.
   (an unfused optimizer step, `copy_` under `no_grad`, `load_state_dict`); `param.data = t` changes
   `data_ptr()`.
 - A process-wide count of optimizer steps: fused optimizers (`torch.optim.AdamW(fused=True)`, TRL's
-  default `adamw_torch_fused`) write the parameters in kernels that do not bump `_version` (measured:
-  `_version` stays 1 after a fused AdamW step). torch calls global optimizer step hooks after every
+  default `adamw_torch_fused`) write the parameters in kernels that do not bump `_version` (it stays 1
+  after a fused AdamW step, tested). torch calls global optimizer step hooks after every
   `Optimizer.step` of every optimizer, so one hook counting them (registered at first use, never
   removed, touching nothing but the counter) sees those updates too. Any optimizer's step counts — a
   reward model's included: a false alarm costs a repack, a miss would cost correctness.
@@ -99,8 +99,11 @@ def _module_forward_state(index: int, module: torch.nn.Module) -> tuple | None:
 # the embeddings' output, and trainers register a new one at every call of it (TRL's GRPO with gradient
 # checkpointing adds one per generation turn: keyed, it emptied the prefix cache between a tool episode's
 # turns, and would compile a new decode graph per call).
+# `autobucket.invariant`'s position hook supplies position ids only to forwards that pass none, and every
+# engine forward passes them (`kernels/trainer_positions.py`).
 _VALUE_NEUTRAL_HOOKS = frozenset({
     ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
+    ("autobucket.engine.kernels.trainer_positions", "count_positions_over_real_tokens"),
 })  # fmt: skip
 
 
@@ -109,7 +112,7 @@ def _value_hooks(hooks: dict) -> tuple:
     return tuple(
         handle for handle, hook in hooks.items()
         if (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)) not in _VALUE_NEUTRAL_HOOKS
-    )  # fmt: skip
+    )
 
 
 def _weak(value: object) -> Hashable:
@@ -131,7 +134,7 @@ def adapter_state(model: torch.nn.Module) -> tuple:
             id(module), tuple(module.active_adapters), bool(module.disable_adapters),
             tuple(module.merged_adapters),
             repr(getattr(module, "scaling", None)),  # LoRA's {adapter: float}; a repr whatever a tuner holds
-        )  # fmt: skip
+        )
         for module in _tuner_layers(model)
     )
 
@@ -150,5 +153,5 @@ def _tuner_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 def _is_tuner_class(cls: type) -> bool:
     """peft's `BaseTunerLayer` declares `active_adapters`, `disable_adapters` and `merged` as properties
     (`merged_adapters` is set per instance); read on the class, once per class (`hasattr` on each
-    module cost ~5 us a module through `nn.Module.__getattr__`)."""
+    module goes through `nn.Module.__getattr__`, a Python call per module and check)."""
     return all(isinstance(getattr(cls, name, None), property) for name in ("active_adapters", "disable_adapters", "merged"))

@@ -13,10 +13,9 @@ ARGMAX_BLOCK = 1024  # vocabulary entries per block of `first_argmax`'s first pa
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] -> [rows] int64: `argmax`'s answer (the first maximal value on ties; the first NaN
-    in a row that has one). torch's index-tracking reductions do not vectorize on a CPU (`[32, 32000]`
-    fp32, one thread: `argmax` 1.3-1.8 ms, `max(-1).indices` 1.1 ms, `amax` 0.15 ms). fp32 CPU logits take
-    the kernel library's one-sweep op (`csrc/first_argmax.cpp`: 0.17 ms there, Intel Xeon; 0.14 ms, AMD EPYC
-    Zen 3), where it builds with AVX-512 or AVX2."""
+    in a row that has one). torch's index-tracking reductions (`argmax`, `max(-1).indices`) do not
+    vectorize on a CPU, while `amax` does. fp32 CPU logits take the kernel library's one-sweep op
+    (`csrc/first_argmax.cpp`), where it builds with AVX-512 or AVX2."""
     kernel = _argmax_kernel()
     if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[-1] > 0:
         return kernel(logits)
@@ -28,7 +27,7 @@ def _argmax_kernel() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`first_argmax` in torch ops, where the kernel library does not build (0.36 ms at `[32, 32000]`):
+    """`first_argmax` in torch ops, where the kernel library does not build (vectorized `amax` first):
     pass one, each block's maximum (`amax`); pass two, `max` over the first block that holds the row's
     maximum only. A row with NaN keeps `max`'s answer (the first NaN, as `argmax` gives)."""
     rows, vocab = logits.shape

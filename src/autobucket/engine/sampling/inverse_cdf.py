@@ -20,12 +20,11 @@ def sample_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[to
     and are never chosen, and the draw is kept strictly below the total. A row holding NaN or +inf, or
     with every token filtered, defines no distribution: RuntimeError naming it.
 
-    Why in blocks: torch's `cumsum` over a row is one sequential loop (2.0 ms for [64, 32000], one
-    thread, AMD EPYC Zen 4). So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
+    Why in blocks: torch's `cumsum` over a row is one sequential loop, not vectorized. So the cumulative probability runs over `SAMPLE_BLOCK`-entry block sums
     (vectorized), and only the block the draw lands in is scanned entry by entry. CPUs with AVX2 or
     AVX-512 run that as one op (`csrc/sample_inverse_cdf.cpp`: two sweeps over a row, nothing written
-    but the answer; `benchmarks/sampler.py` has its times), elsewhere `blockwise_inverse_cdf` in torch
-    ops (0.51-0.73x the full-row form's time). Every value is a function of the row alone (the same on
+    but the answer; `benchmarks/kernels/sampler.py` has its times), elsewhere `blockwise_inverse_cdf` in torch
+    ops (faster than the full-row form). Every value is a function of the row alone (the same on
     every route and batch); rounding moves token boundaries by ~1e-7 of probability mass against the
     exact CDF, differently in the two forms.
     """
@@ -69,9 +68,8 @@ def _sampler_kernel() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tens
 @functools.cache
 def vector_op(name: str) -> Callable | None:
     """`torch.ops.autobucket.<name>` where the kernel library builds with a vector form (AVX-512 or AVX2),
-    else None: the selection ops' scalar loops are slower than their torch-op fallbacks (first_argmax on
-    AMD EPYC Zen 3, [32, 32000], interleaved: 0.96 against 0.42 ms; the AVX2 form 0.14), and the sampler
-    registers only its vector form."""
+    else None: the selection ops' scalar loops are slower than their torch-op fallbacks (a scalar loop
+    over the vocabulary against vectorized torch ops), and the sampler registers only its vector form."""
     from autobucket.engine.kernels.library import kernel_library_builds
 
     if not kernel_library_builds() or torch.ops.autobucket.vector_bits() < 256:

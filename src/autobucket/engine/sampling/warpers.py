@@ -3,7 +3,7 @@
 Temperature, top-k (ties at the k-th logit kept), top-p (smallest set whose probability exceeds top_p),
 min-p, typical, epsilon, eta; each keeps at least one token, and each works on the scores the previous
 one left (so e.g. the epsilon cutoff compares against the top-k survivors' renormalised probabilities).
-tests/test_sampling_warpers.py checks each against HF's own warper."""
+tests/engine/sampling/test_sampling_warpers.py checks each against HF's own warper."""
 
 from __future__ import annotations
 

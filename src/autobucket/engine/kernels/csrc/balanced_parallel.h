@@ -1,8 +1,8 @@
 // Work items of unequal cost among torch's threads, split by cost instead of by count.
 //
 // at::parallel_for hands each thread an equal run of consecutive indices. That is right for equal items,
-// but a cascade's groups cost their shared prompt's length (ShareGPT-like prompts: 100 to 850 keys), and
-// with 8 groups on 2 threads one thread took 1.7x the other's keys. Here the runs stay consecutive (a
+// but a cascade's groups cost their shared prompt's length (real prompts differ several-fold), so with a
+// few groups per thread one thread can get far more keys than another. Here the runs stay consecutive (a
 // kernel's next item is the one it prefetches, and rows next to each other share lines) but end where the
 // running cost crosses each thread's equal share. Every item still runs once, whole, on one thread, with
 // per-item results: where the runs end changes the time only, never a value.

@@ -1,6 +1,6 @@
 // Greedy selection's argmax over fp32 logits in one vectorized sweep per row: `torch.argmax`'s answer
 // (the first index of the row's maximum; the first NaN where the row has one). torch's index-tracking
-// reductions do not vectorize on a CPU ([32, 32,000]: `argmax` 1.8 ms), and the two-pass form in
+// reductions do not vectorize on a CPU (a scalar loop over every logit), and the two-pass form in
 // selection.py (`amax` per block, then `max` over one block) costs ~8 dispatched ops a step. Here:
 // pass one, the row's maximum as 16-lane (AVX-512) or 8-lane (AVX2) vector maxima (plus whether any lane
 // saw a NaN); pass two, the first index equal to it. `max` of floats is exact and order-free, and
@@ -54,7 +54,7 @@ int64_t row_argmax(const float* row, int64_t count) {
     if (row[i] == maximum) return i;
   return 0;  // unreachable: the maximum is one of the row's values
 #elif defined(__AVX2__)
-  // the same two passes on 8-lane vectors (AMD EPYC Zen 3, [32, 32,000]: 0.14 ms, the scalar loop below 0.96)
+  // the same two passes on 8-lane vectors (the scalar loop below is the portable form's)
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 nan = _mm256_setzero_ps();
   int64_t i = 0;

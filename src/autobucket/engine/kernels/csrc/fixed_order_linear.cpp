@@ -7,12 +7,10 @@
 // The weight is packed once per version (packed_linear.py) as panels of 32 output columns,
 // [panels, K, 32]: one k step of a panel is two 16-float vectors. A bf16 weight's panels stay bf16 and are
 // widened in registers as they are read (a bf16 is its fp32's upper half: exact, the same chains, so the
-// same bits as fp32 panels of the widened weight) for half the bytes held and streamed per call (Zen 3,
-// benchmarks/bf16_panels.py: 0.72-0.96x the time from DRAM, level from cache; SmolLM2 bf16 peak memory
-// 1.46x -> 1.21x the default kernels'). A tile of R rows x 32 columns keeps 2R accumulators in registers
-// and broadcasts each row's k-th input from the row itself (AVX-512: copying the rows into [K][R]
-// micro-panels first was slower on every shape, 140 vs 198 GFLOPS at 2,048 x 256 x 128; AVX2 calls of
-// 512+ rows do copy them, where it paid: kPackRowsFrom). Loops, outermost first:
+// same bits as fp32 panels of the widened weight) for half the bytes held and streamed per call
+// (benchmarks/kernels/bf16_panels.py). A tile of R rows x 32 columns keeps 2R accumulators in registers
+// and broadcasts each row's k-th input from the row itself (AVX-512 has the registers to broadcast from
+// rows K apart; AVX2 calls of many rows copy them first: kPackRowsFrom). Loops, outermost first:
 // blocks of kRowBlock rows (in L2), panels (split across threads),
 // kDepth-long slices of K (a panel slice, 32 KB, stays in L1 for the block's tiles), tiles. Calls of
 // many rows take two full panels at a time in 6-row pair tiles (one broadcast feeds 4 FMAs). A tile
@@ -20,10 +18,7 @@
 // the chain is unbroken. The tiles of a slice prefetch the next panel's slice into L2, spread over their
 // k steps (`SpreadPrefetch`).
 //
-// Measured (one core, weights from DRAM, benchmarks/fp32_linears.py). AMD EPYC Zen 5: 0.35-0.84x oneDNN
-// packed's time at a decode step's 8-32 rows, 1.00-1.11x at 1,024-2,048 rows; MKL ran 2-3x slower than
-// both there (its AVX2 code). Intel Xeon (AVX-512, AMX): 0.35-0.92x oneDNN at 8-32 rows, 0.99-1.09x at
-// 1,024-2,048 rows, MKL level with oneDNN at prefill sizes. See docs/benchmarks.md.
+// Its speed against oneDNN and MKL per CPU kind: benchmarks/kernels/fp32_linears.py, docs/kernels.md.
 //
 // Built with invariant_attention.cpp (same flags: -ffp-contract=off, so the compiler never fuses or
 // splits an operation the source did not write).
@@ -46,8 +41,7 @@
 #include <immintrin.h>
 #endif
 
-// The vector form this build runs: AVX-512 (Intel Xeon, AMD Zen 4/5), AVX2 with FMA (AMD Zen 2/3,
-// older Intel) or none (portable std::fma loops). Every form computes the same chains, so the same bits.
+// The vector form this build runs: AVX-512, AVX2 with FMA, or none (portable std::fma loops). Every form computes the same chains, so the same bits.
 #if defined(__AVX512F__)
 #define AUTOBUCKET_FIXED_ORDER_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -63,13 +57,13 @@ constexpr int64_t kRowTile = 12;    // rows per tile: 12 x 2 accumulators of the
 #else
 // AVX2 has 16 vector registers of 8 floats: a tile runs its panel as two 16-column halves of 6 rows x 2
 // accumulators each (the 6 x 16 register block of AVX2 SGEMMs: 12 accumulators, 2 weight vectors, 1
-// broadcast). Zen 3, interleaved: slices of 256 k beat 128 and 64 on every shape (32 x 576 x 49,152:
-// 27.1, 29.0, 32.7 ms), as on the AVX-512 CPUs. Neither constant changes a value.
+// broadcast). Slices of 256 k, as on AVX-512: a longer slice is fewer partial-sum reloads per panel.
+// Neither constant changes a value.
 constexpr int64_t kRowTile = 6;
 #endif
 // AVX2 tiles a block's rows as evenly as they go, since a tile of 2 rows (4 FMA chains) waits on the FMA
-// latency: Zen 3, interleaved, 0.89-0.97x the time at 8-64 rows (bench-qwen2's head at 8 rows 3.56 ->
-// 3.18 ms), level at 20 rows and at prefill sizes. AVX-512 keeps full tiles (not measured there).
+// latency, while two tiles of 4 rows do not. AVX-512 keeps full tiles (its FMA chains per tile are twice
+// as many).
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX2)
 constexpr bool kBalancedTiles = true;
 #else
@@ -77,27 +71,23 @@ constexpr bool kBalancedTiles = false;
 #endif
 constexpr int64_t kRowBlock = 120;  // rows per block: 10 tiles of 12 (AVX-512), 20 of 6 (AVX2)
 // AVX2 calls of at least this many rows copy each block's rows into per-tile micro-panels [K][6] first,
-// so a tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. Zen 3,
-// interleaved against reading them in place, bitwise equal (benchmarks/linear_ab.py --op-rows): at
-// 1,920 rows 0.88-0.96x the time on bench-qwen2's and SmolLM2's shapes, at 600 rows 0.89-0.95x where
-// K >= 1,024 but 0.96-1.06x where K = 256, at 100 rows 0.90-1.13x (the copy is paid before few panels).
-// A block then holds at most kPackedBlockFloats of them (an L2-sized share: 60 rows at K = 1,024; the
-// same smaller blocks without the copy were level, 0.97-1.01x). No value depends on either choice.
+// so a tile broadcasts its six inputs of a k step from one 24-byte run instead of six rows K apart. The
+// copy is paid before the panels, so it pays only where many rows share it (few rows: too few panels per
+// copy). A block then holds at most kPackedBlockFloats of them (an L2-sized share: 60 rows at K = 1,024).
+// No value depends on either choice (benchmarks/kernels/linear_ab.py --op-rows compares them).
 constexpr int64_t kPackRowsFrom = 512;
 constexpr int64_t kPackedBlockFloats = 65536;
 constexpr int64_t kPairRows = 6;    // rows per pair tile: 6 x 4 accumulators
 constexpr int64_t kPairMinRows = 33;  // calls of at least this many rows use pair tiles where two panels are full
-// (Xeon, interleaved, from 33 against from 65 rows: bench-qwen2's head at 64 rows 0.88x the time, 48 rows
-// 0.95x, 33-40 and 96-120 rows within 1-2%; at 13-32 rows pairs were 2-5% slower than 12-row tiles)
+// (below it, a decode step's rows fill too few pair tiles to beat the 12-row ones)
 constexpr int64_t kSmallWeightBytes = int64_t{8} << 20;  // weights this small skip the next-slice prefetch on AMD (below)
 constexpr int64_t kStagedStride = 80;  // floats per row of a block's staged outputs (>= 64; not a multiple of 4 KB)
 
 // Prefetches of the next panel slice into L2, spread evenly over a tile's k steps. In a call of one row
 // block (a decode step's rows) each tile issues its rows' share of the slice's lines, so the next slice
-// arrives beside every tile's FMAs instead of queuing behind the first tile's: on the Xeon (weights from
-// L3, interleaved against the first tile fetching the whole slice) 32-64-row shapes took 0.80-0.83x the
-// time (bench-qwen2's head 5.0 -> 4.1 ms), 16 rows 0.93x, 8 rows level. Calls of many row blocks keep
-// the first tile fetching it all (spread there, 1,024-2,048-row calls were 6-13% slower).
+// arrives beside every tile's FMAs instead of queuing behind the first tile's. Calls of many row blocks
+// keep the first tile fetching it all (there the other blocks' tiles already hide the fetch, and spreading
+// it costs every tile instructions).
 // A hint only: no value depends on it.
 struct SpreadPrefetch {
   const char* next;      // the next line to fetch
@@ -204,7 +194,7 @@ void tile(const float* rows, int64_t row_stride, const W* panel, int64_t depth, 
 }
 
 // A pair tile: two adjacent full panels (64 columns, 4 vectors a row) for R <= kPairRows rows, so one
-// broadcast feeds 4 FMAs instead of 2 (many-row calls: 2,048 x 256 x 256 195 -> 217 GFLOPS). The same
+// broadcast feeds 4 FMAs instead of 2 (fewer loads per FMA on many-row calls). The same
 // chains as `tile`, so the same values.
 template <int R, typename W>
 void pair_tile(const float* rows, int64_t row_stride, const W* panel, const W* second_panel, int64_t depth,
@@ -331,7 +321,7 @@ constexpr std::array<TileFunction<W>, sizeof...(R)> packed_tile_table(std::integ
 }
 constexpr bool kPackRows = true;
 #else
-constexpr bool kPackRows = false;  // AVX-512 tiles read their rows in place (packing not measured there)
+constexpr bool kPackRows = false;  // AVX-512 tiles read their rows in place (the copy is for AVX2's registers)
 #endif
 
 // Rows of the next tile of a block: at most `tile_height`, as even as they go where kBalancedTiles (AVX2:
@@ -420,18 +410,15 @@ void run_fixed_order(const float* rows_data, int64_t count, int64_t in_features,
   static const std::array<PairFunction<W>, kPairRows> pair_tiles = {};
 #endif
   const int64_t panel_count = (out_features + kPanel - 1) / kPanel;
-  // Output rows a multiple of 4 KB apart share L1 sets, so on an AMD EPYC a tile's 12 rows evict its own
-  // inputs: a block of many rows there computes into a staging buffer and copies out (Zen 5, 2,048 x 256
-  // x 1,024: 158 -> 177 GFLOPS). On an Intel Xeon the staging itself is the cost (the same shape: 153
-  // unstaged, 129 staged; oneDNN 151), so only AMD stages. A decode step's few rows store directly
-  // (staging cost a head 5%). Staged or not, every output is the same chain: the choice changes no value.
+  // Output rows a multiple of 4 KB apart share L1 sets, so on AMD CPUs a tile's 12 rows evict its own
+  // inputs: a block of many rows there computes into a staging buffer and copies out. On Intel CPUs the
+  // staging itself costs more than it saves, so only AMD stages. A decode step's few rows store directly
+  // (too few to evict, and the copy would be pure cost). Staged or not, every output is the same chain: the choice changes no value.
   const bool staged = rounded_out != nullptr ||
                       (stage_aliased_rows && (out_features * static_cast<int64_t>(sizeof(float))) % 4096 == 0 && count > 64);
   // The next panel's slice is prefetched (SpreadPrefetch) except on AMD CPUs for weights of at most
-  // kSmallWeightBytes, where the hardware's own prefetch did better: on a Zen 3, interleaved, with the
-  // weights from DRAM, no software prefetch took 0.80-0.93x the time on 0.5-1.5 MB layers at 8-64 rows
-  // (bench-qwen2's and SmolLM2's projections; 0.75-0.95x with the weights in L3), while the 33 and 113
-  // MB heads took 1.03-1.20x without it. Intel CPUs keep it everywhere (measured to pay from L3 there).
+  // kSmallWeightBytes, where the hardware's own prefetch does better on layers of a few MB; the large
+  // output heads still gain from it. Intel CPUs keep it everywhere (it pays from L3 there).
   const bool prefetch_next = cpu_vendor() != CpuVendor::kAmd || weight_bytes > kSmallWeightBytes;
   at::parallel_for(0, panel_count, 1, [&](int64_t first_panel, int64_t end_panel) {
     std::vector<float> staging(staged ? static_cast<size_t>(kRowBlock * kStagedStride) : 0);
@@ -533,7 +520,7 @@ at::Tensor fixed_order_linear_bf16(const at::Tensor& input, const at::Tensor& pa
 
 at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  // staged everywhere but on Intel CPUs, where it cost (measured above; other CPUs keep the old choice)
+  // staged everywhere but on Intel CPUs, where it costs (above)
   static const bool stage_aliased_rows = cpu_vendor() != CpuVendor::kIntel;
   return fixed_order_linear_staging(input, panels, bias, out_features, stage_aliased_rows);
 }
@@ -544,7 +531,7 @@ at::Tensor fixed_order_linear(const at::Tensor& input, const at::Tensor& panels,
 // rows at a time), each output's weight at step k is broadcast, and an accumulator vector holds one
 // output for a vector of rows. fma(x, w, acc) and fma(w, x, acc) round alike, so every output is still
 // one FMA chain over k = 0 .. K-1 in order, then + bias: bitwise `fixed_order_linear` on the weight's
-// panels (tested). Slower than the panels at most shapes (measured in docs/benchmarks.md), far faster
+// panels (tested). Slower than the panels at most shapes (docs/benchmarks.md), far faster
 // than making the panels for each call. A bf16 weight is read as it is, each value widened as it is
 // broadcast (no fp32 copy of it per call: the budget bounds what a call holds).
 #if defined(AUTOBUCKET_FIXED_ORDER_AVX512) || defined(AUTOBUCKET_FIXED_ORDER_AVX2)

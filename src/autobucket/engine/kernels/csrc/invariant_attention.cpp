@@ -23,9 +23,8 @@
 // key list transposed once, 16 keys' scores per vector, the queries of a tile sharing each key block in
 // L1). Both end in the same softmax_block and add_values, which run the P.V of several heads together
 // without changing any head's sums.
-// Measured (Intel Xeon, one core): bench-qwen2 fp32 decode step at 32 rows x 512 keys 8.1 ms per step over
-// 4 layers (portable 12.5, SDPA flash 12.3); see benchmarks/prefill_attention.py for prefill, and
-// docs/benchmarks.md for the AVX2 form on an AMD EPYC Zen 3.
+// Their speed against the portable form and SDPA: benchmarks/kernels/decode_attention.py and
+// prefill_attention.py, with the figures per CPU kind in docs/kernels.md.
 //
 // Built at first use by torch.utils.cpp_extension (see invariant_attention.py); no -ffast-math, so the
 // compiler never reassociates a sum, and -ffp-contract=off, so it never fuses a multiply and an add
@@ -39,7 +38,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -119,13 +117,9 @@ using namespace autobucket_lanes;
 inline float exp_nonpositive_scalar(float x) { return first_lane(exp_nonpositive(splat(x))); }
 
 // Whether decode forms its scores eight keys at a time (sum_lanes8) rather than key by key; the same bits.
-// AVX2 builds: on a Zen 3, with the block-ahead prefetch below and interleaved in one process against the
-// per-key form without it (benchmarks/attention_ab.py), 0.93-0.98x the attention's time in fp32 and
-// 0.96-0.99x in bf16 (either change alone was level or slower: the eight-key form 1.05x, the prefetch
-// 0.99-1.06x). AVX-512 builds on Intel CPUs too: on a Xeon (family 6 model 207), interleaved against the
-// per-key form, bitwise equal, decode attention 0.91-0.94x the time in fp32 and bf16 (32 rows x 512 keys,
-// 64 x 800), the cascade 0.96-0.97x. AVX-512 AMD CPUs (Zen 4, Zen 5) keep the per-key form they were
-// measured with (the eight-key form was not measured there).
+// Eight at once folds eight keys' lane trees together, so fewer horizontal adds per key: every AVX2 build
+// (where it pays together with the block-ahead prefetch below, not alone) and AVX-512 builds on Intel CPUs.
+// AVX-512 AMD CPUs keep the per-key form, the one benchmarks/kernels/attention_ab.py has compared there.
 inline bool eight_scores_at_once() {
 #if defined(__AVX512F__)
   static const bool on = cpu_vendor() == CpuVendor::kIntel;
@@ -221,9 +215,8 @@ inline void add_values(const float* const* p, const int64_t* n, const float* res
 }
 
 // Rows taken together by add_values: enough FMA chains to hide the latency (R * C >= 8), one value load
-// shared by several rows, and at most 16 accumulators in registers. Interleaved against 12 / C and
-// 24 / C on the Xeon (benchmarks/prefill_attention.py shapes): within noise at head_dim 64, 2-5%
-// faster than one row at head_dim 128.
+// shared by several rows, and at most 16 accumulators in registers (more rows would spill them; fewer
+// leave the FMA latency exposed at head_dim 128).
 #if defined(__AVX512F__)
 constexpr int kAccumulatorLanes = 16;  // Lanes accumulators add_values keeps in registers (32 registers)
 #else
@@ -286,33 +279,35 @@ inline void write_normalized(const HeadState<C>& head, bool any_keys, float* out
   for (int64_t d = 0; d < 16 * C; ++d) out[d] = any_keys ? head.acc[d] / head.sum : 0.0f;
 }
 
-// How decode asks for its K/V ahead of use (`attend_query`); a hint only, no value depends on it.
+// How decode asks for its K/V ahead of use (`attend_query`); a hint only, no value depends on it. A decode
+// step's attention streams its cache from DRAM (the weights streamed through the caches just before), so
+// the reads' latency is what a fetch ahead hides, most of all each value vector's, read while the scores
+// are formed rather than after.
 // - kKeysAhead (Intel CPUs): while the first head scores key j, key j + kPrefetchKeys's K and V into L1.
-//   On the Xeon a decode step's attention streams its cache from DRAM and took 0.85x the time in fp32 and
-//   0.76x in bf16 with it (32 rows x 512 and 1,024 keys x 4 layers, benchmarks/decode_attention.py),
-//   most of it from reading each value vector while the scores are formed rather than after.
 // - kBlockAhead (AMD CPUs): while the first head scores key j, key j's V into L1 (the block's P.V reads
-//   it next) and the next block's key j's K into L2 (the next block's scores read it). On an AMD EPYC
-//   Zen 3 with the eight-key scores, interleaved in one process against them without it: 0.84-0.90x
-//   the time in both dtypes (32 rows x 512 keys, 4 layers). Keys a few ahead into L1 (the Intel form)
-//   measured level with it there (0.84-0.92x) but 1.04-1.05x in fp32 a session earlier (per-key scores),
-//   and on a Zen 4 the next 32-128 keys into L1 were 7-15% slower; a block ahead into L2 does not compete
-//   with the block in use in L1. Beside the per-key scores the block-ahead form was level (0.99-1.06x),
-//   so it runs beside the eight-key form only.
-// `set_decode_prefetch` turns it off or on for benchmarks.
+//   it next) and the next block's key j's K into L2 (the next block's scores read it). Keys ahead into L1
+//   compete there with the block in use, a block ahead into L2 does not; beside the per-key scores it does
+//   not pay, so it runs beside the eight-key form only.
+// The speed of each form per CPU kind: benchmarks/kernels/decode_attention.py, docs/kernels.md.
 enum class DecodePrefetch { kKeysAhead, kBlockAhead };
-constexpr int64_t kPrefetchKeys = 4;  // kKeysAhead's distance (2-12 measured alike on the Xeon; 0.83-0.88x)
+constexpr int64_t kPrefetchKeys = 4;  // kKeysAhead's distance (a wide range of distances does alike)
 
 DecodePrefetch decode_prefetch_form() {
   static const DecodePrefetch form = cpu_vendor() == CpuVendor::kIntel ? DecodePrefetch::kKeysAhead : DecodePrefetch::kBlockAhead;
   return form;
 }
 
-// On where it was measured to pay: Intel CPUs, and AMD ones running the eight-key scores (AVX2 builds; an
-// AVX-512 AMD CPU, a Zen 4, keeps the hardware's prefetch alone, as measured there).
-std::atomic<bool>& decode_prefetch() {
-  static std::atomic<bool> on{cpu_vendor() == CpuVendor::kIntel || (cpu_vendor() == CpuVendor::kAmd && eight_scores_at_once())};
+// Where it pays: Intel CPUs, and AMD ones running the eight-key scores (AVX2 builds; an AVX-512 AMD CPU
+// keeps the hardware's prefetch alone). A build that defines AUTOBUCKET_DECODE_PREFETCH (1 on, 0 off) fixes
+// the choice whatever the CPU, so the kernel can be built both ways beside the library and the two
+// compared bitwise and timed (tests/test_invariant_attention.py, benchmarks/kernels/decode_attention.py).
+bool decode_prefetch() {
+#if defined(AUTOBUCKET_DECODE_PREFETCH)
+  return AUTOBUCKET_DECODE_PREFETCH != 0;
+#else
+  static const bool on = cpu_vendor() == CpuVendor::kIntel || (cpu_vendor() == CpuVendor::kAmd && eight_scores_at_once());
   return on;
+#endif
 }
 
 // `bytes` from p into L1 (T0) or L2 (T1), one line at a time.
@@ -347,7 +342,7 @@ inline void prefetch_for_key(DecodePrefetch form, const KV* const* keys, const K
 template <int C, typename KV, int Pending = rows_together(C)>
 void attend_blocks(const float* q, int64_t group, const KV* const* keys, const KV* const* values, int64_t count,
                    float scale, HeadState<C>* heads, bool fresh) {
-  const bool prefetch_ahead = decode_prefetch().load(std::memory_order_relaxed);
+  const bool prefetch_ahead = decode_prefetch();
   const DecodePrefetch form = decode_prefetch_form();
   const bool eight_at_once = eight_scores_at_once();
   PendingRows<C, KV, Pending> pending;
@@ -403,7 +398,8 @@ void attend_query(const float* q, int64_t group, const KV* const* keys, const KV
 // The states of `heads` heads, q [heads][16 C] fp32, after the keys [0, count) of one list read in place
 // (a cascade's shared prefix, whole blocks): states_out [heads] HeadState<C>. Up to kPrefixPending heads'
 // scores of a block run before their P.V, so the block's keys, then its values, stay in L1 across them
-// (P.V right after each head's scores, as decode runs it: 0.94x the tiles' time instead of 0.84-0.87x).
+// (P.V right after each head's scores, as decode runs it, evicts the block's keys between heads and
+// gives up most of what reading the prefix in place saves over the tiles).
 constexpr int kPrefixPending = 32;
 template <int C, typename KV>
 void prefix_states_in_place(const float* q, int64_t heads, const KV* const* keys, const KV* const* values,
@@ -644,8 +640,7 @@ struct Shared {
 constexpr int64_t kQueryChunk = 64;
 constexpr int64_t kQueryTile = 16;
 // Items of at most this many queries run attend_query on the cache in place (a decode step's one query per
-// row: transposing would write and read every key once more for one use). bench-qwen2 bf16 decode step
-// at 32 rows x 512 keys: 8.9 -> 5.7 ms of attention per step (SDPA flash 6.6), Intel Xeon.
+// row: transposing would write and read every key once more for one use).
 constexpr int64_t kInPlaceQueries = 4;
 
 #if defined(AUTOBUCKET_LANES)
@@ -670,11 +665,9 @@ inline void transpose8x8(__m256* rows) {
 #endif
 
 // keys[j][0, head_dim) -> tiles [ceil(n / 16)][head_dim][16] fp32, lanes past n zero. A bf16 list's whole
-// runs of 8 keys are widened and transposed 8 x 8 in registers where the CPU has AVX2: on a Zen 3,
-// benchmarks/attention_ab.py against the key-by-key scatter, interleaved, three runs, bitwise equal: bf16
-// spread prefill 0.89-0.98x the time, bf16 cascade decode (it re-tiles each group's shared keys in every
-// layer) 0.94-0.98x (untouched shapes moved up to 1.07x in the same runs). fp32 lists keep the scatter:
-// there the same change read 0.97-1.01x on prefill and 1.01-1.08x on the cascade.
+// runs of 8 keys are widened and transposed 8 x 8 in registers where the CPU has AVX2 (bitwise the
+// key-by-key scatter; it pays on bf16 prefill and on the cascade, which re-tiles each group's shared keys
+// in every layer). fp32 lists keep the scatter: with no widening to share the pass, it did not pay there.
 template <typename T>
 void transpose_into_tiles(const T* const* keys, int64_t n, int64_t head_dim, float* tiles) {
   int64_t j = 0;
@@ -752,17 +745,16 @@ inline void load_query_group(const T* q, Strides qs, int64_t row, int64_t kv_hea
 // group but its query. So the group's queries take them together in attend_queries_tiled (16 keys' scores
 // per vector, each key block read from L1 by all of them), and each row goes on from its states
 // (attend_query's `resume`) over the prefix's last partial block and its own keys: the same blocks in the
-// same order, so bitwise the per-row result. Zen 3, benchmarks/attention_ab.py (64 rows over 8 prompts of
-// 108-856 keys, 4 layers): 0.91x the per-row walk's time in fp32, 0.93x in bf16 (the group's rows already
-// found the shared keys in L2). Groups with fewer rows in the call than this keep the per-row form.
+// same order, so bitwise the per-row result. It saves the per-row walk's repeated score work; the keys'
+// reads it saves less, since the group's rows already find the shared keys in L2. Groups with fewer rows
+// in the call than this keep the per-row form.
 constexpr int64_t kCascadeMinRows = 2;
 // AVX2 builds take an fp32 prefix in place instead (prefix_states_in_place): the group's heads walk the
 // cache's keys block by block with decode's eight-key scores, all of a block's scores before its P.V
 // (each K and V block read from L1 by every head), and no transposed copy. The same scores, softmax and
-// P.V, so the same bits. Zen 3, benchmarks/attention_ab.py --repeats 41, interleaved against the tiles,
-// bitwise equal: 0.84-0.87x the time of the 64-row case, 0.82-0.89x of one prompt's 8 rows over one K/V
-// head. A bf16 prefix keeps the tiles (in place it widens every key once per head: 1.07x), and AVX-512
-// builds keep them as measured there (the in-place form was not measured on those CPUs).
+// P.V, so the same bits, without writing and reading the transposed copy. A bf16 prefix keeps the tiles
+// (in place it would widen every key once per head rather than once), and AVX-512 builds keep them (the
+// form benchmarks/kernels/attention_ab.py has compared there).
 #if defined(__AVX512F__)
 constexpr bool kCascadePrefixInPlace = false;
 #else
@@ -1088,11 +1080,10 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           };
           // Without a mask every query's list is a prefix of the item's last query's (its shared keys, then
           // its own columns up to its causal limit): that list is built once and the others are counts, not
-          // rebuilt and compared key by key (O(L^2) pointer work per item: about a fifth of a 1,024-token
+          // rebuilt and compared key by key (O(L^2) pointer work per item, a large share of a long
           // prefill's kernel time). With a mask of its own per query (a padded causal batch, a trainer's
           // forward), a query reads a prefix of the list held iff its mask row equals the held query's up to
-          // its own last allowed column: a comparison of mask bytes, not of key pointers (1,024 tokens, 4
-          // rows: 37.9 -> 28.5 ms, against 23.8 without a mask).
+          // its own last allowed column: a comparison of mask bytes, not of key pointers.
           const bool prefixes_of_last = !has_mask;
           const bool* held_row = nullptr;  // the mask row of the query whose list `list` holds
           int64_t held_last = -1;          // its last allowed column
@@ -1278,7 +1269,7 @@ at::Tensor blocked_linear(const at::Tensor& rows, const at::Tensor& packed, cons
   return padded == count ? out : out.narrow(0, 0, count);
 }
 
-// Turns decode's K/V prefetch on or off for this process (benchmarks/decode_attention.py) and returns
+// Turns decode's K/V prefetch on or off for this process (benchmarks/kernels/decode_attention.py) and returns
 // whether it was on; portable builds never prefetch. No value depends on it.
 // The widest vectors this build of the library was compiled for (-march=native on the machine that built
 // it): 512 (AVX-512), 256 (AVX2) or 0. The fused elementwise kernels need 512 (SiLU-and-multiply) or 256
@@ -1303,15 +1294,6 @@ bool splits_among_threads() {
 #endif
 }
 
-bool set_decode_prefetch(bool on) {
-#if defined(AUTOBUCKET_ATTENTION_VECTORS)
-  return decode_prefetch().exchange(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY(autobucket, m) {
@@ -1321,7 +1303,6 @@ TORCH_LIBRARY(autobucket, m) {
         "int window=0) -> Tensor");
   m.def("shared_prefix_tiles(Tensor shared_key, Tensor shared_value, Tensor shared_length) -> Tensor");
   m.def("blocked_linear(Tensor rows, Tensor packed, Tensor? bias, int block) -> Tensor");
-  m.def("set_decode_prefetch(bool on) -> bool", &set_decode_prefetch);
   m.def("vector_bits() -> int", &vector_bits);
   m.def("splits_among_threads() -> bool", &splits_among_threads);
 }

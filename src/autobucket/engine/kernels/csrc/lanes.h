@@ -1,7 +1,7 @@
 // 16 fp32 lanes, written once for both vector widths (the attention and the sampler share them).
 //
-// It is written once against `Lanes`, 16 fp32 lanes: one AVX-512 register, or two AVX2 ones (AMD Zen 2/3
-// and other CPUs without AVX-512). Every operation is lane by lane (IEEE add, mul, max, fused
+// It is written once against `Lanes`, 16 fp32 lanes: one AVX-512 register, or two AVX2 ones (CPUs
+// without AVX-512). Every operation is lane by lane (IEEE add, mul, max, fused
 // multiply-add) or a fixed tree over the lanes, so both widths compute the same values: an AVX2 machine
 // and an AVX-512 one give a token bitwise the same attention output.
 //
@@ -153,9 +153,8 @@ inline float max_lanes(Lanes x) {
 }
 
 // Always inlined: GCC kept it out of line, so every softmax block passed each 16-lane vector through the
-// stack and called it. Inlined (the same instructions, so the same bits), on a Zen 3 interleaved in one
-// process against the out-of-line build (seven runs): spread's prefill attention (32 prompts of 16-512
-// tokens) 0.79-0.90x the time in fp32 and 0.78-0.85x in bf16; a decode step's 0.91-1.03x.
+// stack and called it, a cost prefill's many blocks pay most. Inlined, it runs the same instructions, so
+// the same bits.
 __attribute__((always_inline)) inline Lanes exp_nonpositive(Lanes x) {
   x = max(x, splat(-87.0f));
   const Lanes shifter = splat(12582912.0f);  // 1.5 * 2^23: rounds to nearest

@@ -108,7 +108,7 @@ void normalize_rows(const T*, const T*, T*, int64_t, int64_t, int64_t, double) {
 // variance as ATen rounds them: `/ H` (true division by the length, a float), `+ eps` (eps rounded to
 // float, one rounded add: ATen's fma(eps, 1, v) is the same) and `rsqrt` (ATen's 1 / sqrt, two rounded
 // operations, in vector lanes and scalar tails alike); then the products. Saves the three ATen calls
-// (and their scalar wrapping) per norm: ~10 us each on a decode step. Rows are independent, so they
+// (and their scalar wrapping) per norm, a fixed cost that dominates a decode step's few rows. Rows are independent, so they
 // split among torch's threads (a prefill's thousands of rows) where a call holds more than ATen's grain of
 // elements; a decode step's few rows stay on one thread, below the cost of waking the others.
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {

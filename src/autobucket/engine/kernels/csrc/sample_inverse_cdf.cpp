@@ -3,9 +3,8 @@
 // The token is the first whose cumulative weight exceeds the draw u x total, the weights being
 // exp(score - row max) and filtered tokens (-inf) weighing exactly 0 (selection.sample_inverse_cdf
 // states the contract; its torch form is the fallback). Why a kernel: that torch form runs softmax
-// (writing a [rows, vocab] fp32 tensor), 128-entry block sums, a cumulative sum and gathers: 5.7 ms at
-// [64, 32,000] on one Zen 3 core, and ~9 ms inside a GRPO-like call's decode step, where the head's
-// 33 MB weight has just pushed the logits out of cache. Here, per row: sweep one, the maximum (and
+// (writing a [rows, vocab] fp32 tensor), 128-entry block sums, a cumulative sum and gathers, each a pass
+// over the logits, which in a decode step the head's weight has just pushed out of cache. Here, per row: sweep one, the maximum (and
 // whether any score is NaN); sweep two, each 128-entry block's weight sum in 16-lane vectors
 // (lanes.h: the same bits on AVX2 and AVX-512); then the block the draw lands in, found over the
 // blocks' running sum in double, is recomputed (the same vector code, so the same weights) and scanned
@@ -42,7 +41,7 @@ struct RowMax {
 };
 
 // 16 scores from `at`; past the row's end (fewer than 16 left) -inf, as a filtered token. Whole vectors
-// are plain loads: masked ones in every step cost the kernel a third of its time (Zen 3).
+// are plain loads: a masked load in every step costs far more than the one masked tail it saves.
 inline Lanes scores16(const float* at, int64_t left) {
   return left >= 16 ? load16(at) : load_or(splat(kMinusInf), lanes_below(left), at);
 }

@@ -2,8 +2,8 @@
 // the [rows, vocab] temporaries the eager ops write: TRL's `selective_log_softmax` takes
 // `logit - torch.logsumexp(logits)` for fp32 logits and `torch.log_softmax(logits).gather(token)` for bf16.
 //
-// fp32, `trainer_logsumexp` [rows, vocab] -> [rows, 1] (8 MB written and re-read a decode step of 64 rows
-// over a 32,000 vocabulary by the eager op, 4 ms). ATen's logsumexp (ReduceOps.cpp) is: maxes = amax(x,
+// fp32, `trainer_logsumexp` [rows, vocab] -> [rows, 1] (the eager op writes and re-reads a [rows, vocab]
+// fp32 temporary). ATen's logsumexp (ReduceOps.cpp) is: maxes = amax(x,
 // -1, keepdim); maxes.masked_fill_(|maxes| == inf, 0); sum((x - maxes).exp_(), -1).log_().add_(maxes).
 // Done here the same way, operation by operation:
 // - amax: exact in any order; NaN if the row holds one (ATen's max propagates NaN);
@@ -26,8 +26,8 @@
 // pairs, neighbours); exp and log are Vectorized<float>'s, Sleef_expf8_u10 and Sleef_logf8_u10 (exported
 // by libtorch_cpu); the sum is stored as bf16 (rounded), its log computed in fp32 and rounded to bf16;
 // the output is bf16((x - max) - log), two fp32 subtractions. That is ATen's AVX2 kernel: AVX-512 CPUs
-// run 16-float vectors and another lane tree, which this file does not copy (no such machine measured
-// it), so only AVX2 builds register the form and elsewhere the caller keeps torch's op.
+// run 16-float vectors and another lane tree, which this file does not copy (nothing here tests it against
+// that kernel), so only AVX2 builds register the form and elsewhere the caller keeps torch's op.
 //
 // The caller also checks each op against torch's once per process (engine/kernels/trainer_reductions.py),
 // and sends what ATen reduces another way to torch's op: a single fp32 row long enough for ATen to split

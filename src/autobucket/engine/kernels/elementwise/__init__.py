@@ -2,7 +2,6 @@
 embedding, the MLP's SiLU-and-multiply and RMSNorm, each bitwise the eager code's values, reached by
 routers on the modeling module while a call is in flight (`routes.py`)."""
 
-from autobucket.engine.kernels.elementwise.routes import set_fused
 from autobucket.engine.kernels.elementwise.scope import fused_elementwise
 
-__all__ = ["fused_elementwise", "set_fused"]
+__all__ = ["fused_elementwise"]

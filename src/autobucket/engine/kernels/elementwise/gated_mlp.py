@@ -58,12 +58,12 @@ def _plain_silu(act_fn: Any) -> bool:
 
 
 def _fusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    # fp32 only: the kernel is bitwise in bf16 too (tested), but no faster there (Xeon, 2,000 x 1,024:
-    # 1.60 against 1.59 ms; the bf16 temporaries are half the traffic and the exp dominates)
+    # fp32 only: the kernel is bitwise in bf16 too (tested), but no faster there (the bf16 temporaries
+    # are half the traffic, and the exp dominates)
     return (
         gate.dtype == torch.float32 and up.dtype == gate.dtype and gate.device.type == "cpu"
         and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and not wants_grad(gate, up)
-    )  # fmt: skip
+    )
 
 
 def routed_module(mlp: Any) -> bool:

@@ -49,7 +49,7 @@ def _takes(norm: Any, hidden: Any) -> bool:
         and hidden.dim() >= 1 and hidden.numel() > 0 and hidden.is_contiguous() and weight.is_contiguous()
         and weight.dim() == 1 and weight.shape[0] == hidden.shape[-1]
         and isinstance(getattr(norm, "variance_epsilon", None), float) and not wants_grad(hidden, weight)
-    )  # fmt: skip
+    )
 
 
 def routed_module(norm: Any) -> bool:
@@ -59,7 +59,7 @@ def routed_module(norm: Any) -> bool:
     return (
         is_router(type(norm).forward) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
         and weight.dim() == 1 and weight.is_contiguous() and isinstance(getattr(norm, "variance_epsilon", None), float)
-    )  # fmt: skip
+    )
 
 
 def _fused_forward(norm: Any, hidden: Any) -> Any:

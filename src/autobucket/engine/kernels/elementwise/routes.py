@@ -23,18 +23,6 @@ from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
 from autobucket.engine.model_access.function_routes import builtin_behind, function_replaced
 
 FUSED_FORWARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_fused_elementwise", default=False)
-ENABLED = {"rotary": True, "gated_mlp": True, "rms_norm": True}  # the process's switches (`set_fused`)
-
-
-def set_fused(kernel: str, enabled: bool) -> bool:
-    """Turn one fused kernel ("rotary", "gated_mlp", "rms_norm") on or off for calls that start afterwards
-    (the benchmarks' A/B; the values are the same either way); returns the previous setting. A compiled
-    decode graph traced with the routers in guards on them, so switching between compiled calls makes
-    the step recompile (`Profile.recompiles`)."""
-    if kernel not in ENABLED:
-        raise ValueError(f"set_fused: kernel={kernel!r} is not one of {sorted(ENABLED)}")
-    previous, ENABLED[kernel] = ENABLED[kernel], bool(enabled)
-    return previous
 
 
 def fused_here() -> bool:

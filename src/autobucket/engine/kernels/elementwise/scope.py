@@ -9,7 +9,6 @@ import torch
 
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.routes import (
-    ENABLED,
     FUSED_FORWARDS,
     family_class,
     llama_modeling_module,
@@ -30,15 +29,14 @@ def fused_elementwise(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     with ExitStack() as stack:
-        if ENABLED["rotary"]:
-            stack.enter_context(routed(modeling, rotary.NAME, modeling, rotary.router_for))
+        stack.enter_context(routed(modeling, rotary.NAME, modeling, rotary.router_for))
         mlp_class = family_class(model, modeling, "MLP")
-        if ENABLED["gated_mlp"] and mlp_class is not None and gated_mlp.available():
+        if mlp_class is not None and gated_mlp.available():
             stack.enter_context(routed(mlp_class, "forward", modeling, gated_mlp.router_for))
         norm_class = family_class(model, modeling, "RMSNorm")
         # the Triton set routes the RMSNorms to its own kernel (`triton/norm_route.py`)
         triton_norms = runs_triton_set(next(model.parameters()).device)
-        if ENABLED["rms_norm"] and norm_class is not None and rms_norm.available() and not triton_norms:
+        if norm_class is not None and rms_norm.available() and not triton_norms:
             stack.enter_context(routed(norm_class, "forward", modeling, rms_norm.router_for))
         stack.enter_context(context_value(FUSED_FORWARDS, True))
         yield
