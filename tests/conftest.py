@@ -10,8 +10,13 @@ that folder's conftest.py.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# The Triton kernels' tests run them on CPU tensors through Triton's interpreter, which triton takes from the
+# environment when it is first imported: set before any test module (or torch's inductor) imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -143,14 +143,14 @@ def test_scope_refuses_eager_attention_models(tiny_models):
 
 
 def test_scope_refuses_a_model_off_the_cpu_naming_the_fix(tiny_models):
-    """The kernels are CPU kernels: a trainer's model on another device (a copy on 'meta' stands in for a
-    GPU here) is refused on entering the block, with the fix named, and the block never runs; the scope
-    still serves the CPU model afterwards."""
+    """The kernels run on CPUs and CUDA devices: a trainer's model on another device (a copy on 'meta') is
+    refused on entering the block, with the fix named, and the block never runs; the scope still serves
+    the CPU model afterwards."""
     model = model_in("tiny-llama", torch.float32, tiny_models)
     ids = torch.tensor([[3, 4, 5]])
     with invariant(model):
         expected = model(input_ids=ids).logits
-    message = r"runs on CPU models only, and this model is on meta: run its forward outside autobucket.invariant"
+    message = r"runs on CPU and CUDA models, and this model is on meta: run its forward outside autobucket.invariant"
     with pytest.raises(ValueError, match=message), invariant(copy.deepcopy(model).to("meta")) as packs:
         pytest.fail(f"the block ran ({packs})")
     with invariant(model):

@@ -31,7 +31,8 @@ from autobucket.engine.kernels.scope import (
     check_call_settings,
     check_invariant_model,
     check_kernel_device,
-    invariant_kernels,
+    kernel_set,
+    runs_triton_set,
 )
 from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
 from autobucket.engine.model_access.function_routes import has_conv1d
@@ -251,16 +252,23 @@ class Rollout:
 
     @contextmanager
     def _kernels(self, profile: Profile) -> Iterator[None]:
-        """The engine's own kernels for this call's forwards (`kernels="invariant"`), with what packing cost."""
-        packs = self.packed_linears
-        if packs is None:
+        """The engine's own kernels for this call's forwards (`kernels="invariant"`), with what packing cost
+        (the Triton set on a CUDA model packs nothing)."""
+        if self.config.kernels != "invariant":
             yield
             return
         check_call_settings(self.model)
+        if runs_triton_set(self.device):
+            with kernel_set(self.model, None, conv1d=self._conv1d):
+                yield
+            return
+        if self.packed_linears is None:  # created on a CUDA device, now on the CPU
+            self.packed_linears = _packed_linears_for(self.model, self.config)
+        packs = self.packed_linears
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
-            with invariant_kernels(packs, conv1d=self._conv1d):
+            with kernel_set(self.model, packs, conv1d=self._conv1d):
                 yield
         finally:
             profile.packs_made += packs.packs_made - made
@@ -348,6 +356,8 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     if config.kernels != "invariant":
         return None
     check_invariant_model(model)
+    if runs_triton_set(next(model.parameters()).device):  # the Triton set reads the weights in place
+        return None
     budget = None if config.packed_weights_mb is None else int(config.packed_weights_mb * 2**20)
     return PackedLinears(budget, fuse=True)
 

@@ -45,6 +45,7 @@ from autobucket.engine.compiled.compile_setup import (
 )
 from autobucket.engine.finished import Finished
 from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
+from autobucket.engine.kernels.scope import runs_triton_set
 from autobucket.engine.model_access.attention import AttentionFunction, dispatches, sliding_windows_applied
 from autobucket.engine.model_access.hf_compat import attention_implementation, continuous_batching_refusal
 from autobucket.engine.ordinary import run_ordinary
@@ -233,7 +234,10 @@ def _cascade_allowed(call: RouteCall) -> bool:
     kernel reads the shared keys as part of the row's own sequence (bitwise a per-row copy's). A prefix
     shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`). A
     call past the model's sliding window shares too: a sliding layer's rows read the shared keys their
-    window still covers (`CascadeAttention`)."""
+    window still covers (`CascadeAttention`). The Triton set has no shared-prefix kernel yet: its rows
+    read their own copies."""
+    if call.config.kernels == "invariant" and runs_triton_set(next(call.model.parameters()).device):
+        return False
     return dispatches(call.model)
 
 

@@ -479,10 +479,11 @@ def test_softcapped_attention_is_refused():
         invariant_sdpa(torch.nn.Module(), query, key, key, None, softcap=30.0)
 
 
-def test_a_model_off_the_cpu_is_refused_naming_the_fix(tiny_models, monkeypatch):
-    """The engine's kernels are CPU kernels: a model moved to a GPU between calls is refused before any
-    forward, naming kernels='hf' (no GPU here: the device the Rollout reads off the model is patched), and
-    the Rollout serves again once the model is back on the CPU."""
+def test_a_cuda_model_without_triton_is_refused_naming_the_fix(tiny_models, monkeypatch):
+    """A CUDA model runs the Triton kernel set: where triton is not installed, a model moved to a GPU
+    between calls is refused before any forward, naming the install and kernels='hf' (no GPU here: the
+    device the Rollout reads off the model is patched), and the Rollout serves again once the model is
+    back on the CPU."""
     model = tiny_models("tiny-llama")
     rollout = Rollout(model, config=RolloutConfig(kernels="invariant", route="aligned"))
     sampling = SamplingConfig(max_new_tokens=2, eos_token_id=[])
@@ -490,7 +491,8 @@ def test_a_model_off_the_cpu_is_refused_naming_the_fix(tiny_models, monkeypatch)
     on_cpu = Rollout._model_fingerprint
     monkeypatch.setattr(Rollout, "_model_fingerprint", lambda self: (*on_cpu(self)[:1], torch.device("cuda", 0),
                                                                       *on_cpu(self)[2:]))  # fmt: skip
-    message = r"kernels='invariant' runs on CPU models only, and this model is on cuda:0: use RolloutConfig\(kernels='hf'\)"
+    monkeypatch.setattr("autobucket.engine.kernels.scope.triton_available", lambda: False)
+    message = r"runs CUDA models on Triton kernels, and triton is not installed: pip install triton .*, or use RolloutConfig\(kernels='hf'\)"
     with pytest.raises(ValueError, match=message):
         rollout.generate([[3, 4]], sampling)
     monkeypatch.setattr(Rollout, "_model_fingerprint", on_cpu)

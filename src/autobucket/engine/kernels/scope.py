@@ -1,9 +1,11 @@
-"""The scope under which a forward runs the engine's own batch-invariant kernels: every linear on
-prepacked weights (`packed_linear.py`) and every attention call on the invariant kernel
-(`invariant_attention.py`), for this thread only; the model is not changed."""
+"""The scope under which a forward runs the engine's own batch-invariant kernels, for this thread only;
+the model is not changed. Two kernel sets, chosen by the model's device: on a CPU, every linear on
+prepacked weights (`packed_linear.py`) and every attention call on the C++ invariant kernel
+(`invariant_attention.py`); on a CUDA device, the Triton set (`triton/scope.py`)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ from autobucket.engine.kernels.invariant_attention import invariant_sdpa
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import check_fp32_precision, onednn_available
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
+from autobucket.engine.kernels.triton import available as triton_available
 from autobucket.engine.model_access.attention import dispatches, kernel_attention
 
 
@@ -29,7 +32,22 @@ def check_invariant_model(model: torch.nn.Module) -> None:
             f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
             "linears run (not batch-invariant)", RuntimeWarning, stacklevel=4,
         )  # fmt: skip
+    if runs_triton_set(next(model.parameters()).device):
+        check_call_settings(model)
+        return
     load_invariant_kernels()
+
+
+def runs_triton_set(device: torch.device) -> bool:
+    """Whether a forward on `device` runs the Triton set: CUDA devices, and CPU tensors under the tests'
+    `forced_on_cpu` switch (never on where its module was not imported: CPU callers skip triton's import)."""
+    if device.type == "cpu" and "autobucket.engine.kernels.triton.scope" not in sys.modules:
+        return False
+    if not triton_available():
+        return False
+    from autobucket.engine.kernels.triton.scope import runs_triton_set as chosen
+
+    return chosen(device)
 
 
 def check_call_settings(model: torch.nn.Module) -> None:
@@ -50,14 +68,22 @@ ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='hf') there (the model's own for
 
 
 def check_kernel_device(device: torch.device, fix: str = ROLLOUT_DEVICE_FIX) -> None:
-    """The kernels are CPU kernels (no GPU form yet). `Rollout`
-    checks the device it reads off the model at construction and before each call's other work, and
-    `autobucket.invariant` on entering its block (`fix` names what that caller should do instead)."""
-    if device.type != "cpu":
+    """The kernels run on CPUs (the C++ set) and CUDA devices (the Triton set, where triton is installed).
+    `Rollout` checks the device it reads off the model at construction and before each call's other work,
+    and `autobucket.invariant` on entering its block (`fix` names what that caller should do instead)."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if triton_available():
+            return
         raise ValueError(
-            f"kernels='invariant' runs on CPU models only, and this model is on {device}: {fix}, "
-            "or move the model to the CPU"
+            f"kernels='invariant' runs CUDA models on Triton kernels, and triton is not installed: "
+            f"pip install triton (torch's CUDA wheels bring it), or {fix}"
         )
+    raise ValueError(
+        f"kernels='invariant' runs on CPU and CUDA models, and this model is on {device}: {fix}, "
+        "or move the model to the CPU"
+    )
 
 
 def check_kernel_dtype(model: torch.nn.Module) -> None:
@@ -101,4 +127,21 @@ def invariant_kernels(packs: PackedLinears, recompute_safe: bool = False, conv1d
     `recompute_safe` for models that recompute forwards in backward (gradient checkpointing); `conv1d`
     for models with transformers `Conv1D` layers (`function_routes.has_conv1d`)."""
     with packed_linears(packs, recompute_safe, conv1d), kernel_attention(invariant_sdpa):
+        yield
+
+
+@contextmanager
+def kernel_set(
+    model: torch.nn.Module, packs: PackedLinears | None, recompute_safe: bool = False, conv1d: bool = False
+) -> Iterator[None]:
+    """`invariant_kernels` on a CPU; the Triton set's scope on a CUDA device (`packs` unused there: its
+    linear reads the weights in place)."""
+    if runs_triton_set(next(model.parameters()).device):
+        from autobucket.engine.kernels.triton.scope import triton_kernels
+
+        with triton_kernels(model, conv1d):
+            yield
+        return
+    assert packs is not None, "the CPU kernel set runs on packed weights"
+    with invariant_kernels(packs, recompute_safe, conv1d):
         yield

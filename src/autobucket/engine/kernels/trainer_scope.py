@@ -37,7 +37,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from autobucket.checks import require_finite
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, invariant_kernels
+from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, kernel_set
 from autobucket.engine.kernels.trainer_positions import positions_over_real_tokens
 from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
@@ -68,7 +68,8 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     PeftModel or a DDP / FSDP / DeepSpeed wrapper, as `Rollout` takes, but not compiled
     (`check_not_compiled`: pass the module a `torch.compile` wrapper holds, `._orig_mod`).
     `packed_weights_mb` is accepted for older callers and bounds nothing (a DeprecationWarning says so).
-    Raises ValueError for models the kernels cannot reach (eager attention, off the CPU, compiled), for
+    On a CUDA model the Triton set runs (`triton/scope.py`). Raises ValueError for models the kernels
+    cannot reach (eager attention, a device other than CPU and CUDA, CUDA without triton, compiled), for
     fp32 set to compute in a lower precision, or for a negative `packed_weights_mb`."""
     if packed_weights_mb is not None:
         require_finite("packed_weights_mb", packed_weights_mb, "pass megabytes >= 0, or None for no limit", minimum=0.0)
@@ -84,7 +85,7 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs = packs_for(inner)
     packs.budget_bytes = LIVE_WEIGHTS_BYTES
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with invariant_kernels(packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)), positions_over_real_tokens(inner):
+    with kernel_set(inner, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)), positions_over_real_tokens(inner):
         yield packs
 
 

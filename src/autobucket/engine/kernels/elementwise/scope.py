@@ -15,6 +15,7 @@ from autobucket.engine.kernels.elementwise.routes import (
     routed,
 )
 from autobucket.engine.kernels.library import kernel_library_builds
+from autobucket.engine.kernels.scope import runs_triton_set
 from autobucket.engine.model_access.function_routes import context_value
 
 
@@ -33,7 +34,9 @@ def fused_elementwise(model: torch.nn.Module) -> Iterator[None]:
         if mlp_class is not None and gated_mlp.available():
             stack.enter_context(routed(mlp_class, "forward", modeling, gated_mlp.router_for))
         norm_class = family_class(model, modeling, "RMSNorm")
-        if norm_class is not None and rms_norm.available():
+        # the Triton set routes the RMSNorms to its own kernel (`triton/norm_route.py`)
+        triton_norms = runs_triton_set(next(model.parameters()).device)
+        if norm_class is not None and rms_norm.available() and not triton_norms:
             stack.enter_context(routed(norm_class, "forward", modeling, rms_norm.router_for))
         stack.enter_context(context_value(FUSED_FORWARDS, True))
         yield

@@ -1,0 +1,334 @@
+"""The phases of `benchmarks/gpu_check.sh`, one per process (each time-boxed by the shell):
+
+  env       versions, device, TF32 (turned off for the kernel phases)
+  kernels   the Triton kernels' batch invariance on the hardware, fp32 and bf16, with negative controls
+  mismatch  zero mismatch end to end: a random-weight Qwen2.5-0.5B geometry, GRPO-shaped (n = 8, T = 1),
+            k3 and max |dlogp| of rollout vs trainer, invariant kernels vs default
+  speed     one process, contenders interleaved: HF generate, transformers' generate_batch, Auto with the
+            default kernels, Auto with the invariant kernels (eager: CUDA-graph decode is not built)
+  table     the phases' JSON files -> summary.json and a table
+
+`--rehearse`: the same code on the CPU at toy sizes, the Triton kernels under the interpreter
+(TRITON_INTERPRET=1, set by the shell) and forced onto CPU tensors; fp32 only (the interpreter's bf16 is wrong)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN_CONFIG = REPO / "benchmarks" / "configs" / "qwen2.5-0.5b.json"
+TOY_GEOMETRY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}  # fmt: skip
+
+
+def device(rehearse: bool) -> torch.device:
+    return torch.device("cpu") if rehearse else torch.device("cuda")
+
+
+def tf32_off() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def forced(rehearse: bool):
+    """The Triton set on CPU tensors for the rehearsal; nothing to force on a GPU."""
+    import contextlib
+
+    from autobucket.engine.kernels.triton.scope import forced_on_cpu
+
+    return forced_on_cpu() if rehearse else contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------ env
+def phase_env(rehearse: bool) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "rehearse": rehearse, "cuda": torch.cuda.is_available()}  # fmt: skip
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError as error:
+        info["triton"] = f"missing: {error}"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        info["tf32_matmul_default"] = torch.backends.cuda.matmul.allow_tf32
+    info["ok"] = "missing" not in str(info.get("triton"))
+    return info
+
+
+# ------------------------------------------------------------------ kernels
+def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a != b).reshape(a.shape[0], -1).any(dim=1).sum())
+
+
+def linear_invariance(dtype: torch.dtype, dev: torch.device, rows: int, width: int) -> dict:
+    """Each row alone vs inside batches of several sizes (at the tile position it has in the batch of
+    `rows`, which in-order and `tl.dot` forms both keep); control: BLOCK_K halved."""
+    from autobucket.engine.kernels.triton.linear import launch_linear
+    from autobucket.engine.kernels.triton.tiles import LinearTiles, linear_tiles
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, width, generator=g, device=dev).to(dtype)
+    weight = torch.randn(2 * width, width, generator=g, device=dev).to(dtype)
+    full = launch_linear(x, weight, None)
+    differing = sum(differing_rows(launch_linear(x[:size], weight, None), full[:size]) for size in (1, 3, 17, rows // 2))
+    tiles = linear_tiles(dtype)
+    halved = launch_linear(x, weight, None, LinearTiles(tiles.block_m, tiles.block_n, tiles.block_k // 2, tiles.num_warps))
+    torch_rows = sum(differing_rows(torch.nn.functional.linear(x[:size], weight), torch.nn.functional.linear(x, weight)[:size])
+                     for size in (1, 3, 17, rows // 2))  # fmt: skip
+    return {"differing": differing, "control_differing": differing_rows(halved, full), "torch_differing": torch_rows}
+
+
+def attention_invariance(dtype: torch.dtype, dev: torch.device, length: int) -> dict:
+    """One sequence's attention as one-shot prefill, chunked prefill over the cached prefix and decode
+    over a right-aligned cache with noise before the sequence; control: the chunks and decode walk blocks
+    of half the size."""
+    from autobucket.engine.kernels.triton.attention import key_order, launch_attention
+    from autobucket.engine.kernels.triton.tiles import ATTENTION_BLOCK_N
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    q, k, v = (torch.randn(1, h, length, 64, generator=g, device=dev).to(dtype) for h in (14, 2, 2))
+    causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
+
+    def run(query, key, value, allowed, block):
+        order, count = key_order(allowed)
+        return launch_attention(query, key, value, order, count, 0.125, block)
+
+    def forms(block):
+        chunks = torch.cat([run(q[:, :, s : s + 32], k[:, :, : s + 32], v[:, :, : s + 32], causal[None, s : s + 32, : s + 32], block)
+                            for s in range(0, length, 32)], dim=1)  # fmt: skip
+        offset, columns = 11, length + 20
+        caches = []
+        for t in (k, v):
+            cache = torch.randn(1, 2, columns, 64, generator=g, device=dev).to(dtype) * 50
+            cache[:, :, offset : offset + length] = t
+            caches.append(cache)
+        allowed = torch.zeros(length, 1, columns, dtype=torch.bool, device=dev)
+        allowed[:, 0, offset : offset + length] = causal
+        decode = torch.cat([run(q[:, :, i : i + 1], caches[0], caches[1], allowed[i : i + 1], block) for i in range(length)], 1)
+        return chunks, decode
+
+    one_shot = run(q, k, v, causal[None], ATTENTION_BLOCK_N)
+    chunks, decode = forms(ATTENTION_BLOCK_N)
+    control_chunks, control_decode = forms(ATTENTION_BLOCK_N // 2)
+    return {
+        "differing": differing_rows(chunks[0], one_shot[0]) + differing_rows(decode[0], one_shot[0]),
+        "control_differing": differing_rows(control_chunks[0], one_shot[0]) + differing_rows(control_decode[0], one_shot[0]),
+    }
+
+
+def row_invariance(dtype: torch.dtype, dev: torch.device, rows: int) -> dict:
+    from autobucket.engine.kernels.triton.row_reductions import launch_logsumexp, rms_norm
+
+    g = torch.Generator(device=dev).manual_seed(2)
+    h = torch.randn(rows, 896, generator=g, device=dev).to(dtype)
+    weight = torch.randn(896, generator=g, device=dev).to(dtype)
+    logits = (torch.randn(rows, 5000, generator=g, device=dev) * 4).to(dtype)
+    norm, lse = rms_norm(h, weight, 1e-6), launch_logsumexp(logits)
+    return {
+        "differing": differing_rows(rms_norm(h[:1], weight, 1e-6), norm[:1]) + differing_rows(launch_logsumexp(logits[:3])[:, None], lse[:3, None]),
+        "control_differing": differing_rows(launch_logsumexp(logits, block=512)[:, None], lse[:, None]),
+    }
+
+
+def phase_kernels(rehearse: bool) -> dict:
+    tf32_off()
+    dev = device(rehearse)
+    dtypes = [torch.float32] if rehearse else [torch.float32, torch.bfloat16]
+    rows, width, length = (12, 32, 24) if rehearse else (512, 896, 300)
+    results = {}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        results[f"linear/{name}"] = linear_invariance(dtype, dev, rows, width)
+        results[f"attention/{name}"] = attention_invariance(dtype, dev, length)
+        results[f"rows/{name}"] = row_invariance(dtype, dev, rows)
+    ok = all(r["differing"] == 0 and r["control_differing"] > 0 for r in results.values())
+    return {"results": results, "ok": ok}
+
+
+# ------------------------------------------------------------------ models and prompts
+def model_for(rehearse: bool, out: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from autobucket.models import random_model_from_config
+
+    config = json.loads(QWEN_CONFIG.read_text())
+    if rehearse:
+        config.update(TOY_GEOMETRY)
+    path = out / "model-config" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return random_model_from_config(path.parent, dtype=dtype, device=device(rehearse))
+
+
+def prompt_lengths(count: int, rehearse: bool) -> list[int]:
+    """ShareGPT-like prompt lengths (log-normal, median ~90 tokens, clipped), fixed seed; toy in rehearsal."""
+    g = torch.Generator().manual_seed(3)
+    if rehearse:
+        return [int(x) for x in torch.randint(3, 12, (count,), generator=g)]
+    return [int(min(max(x, 8), 1024)) for x in torch.exp(torch.randn(count, generator=g) * 0.9 + 4.5)]
+
+
+def prompts_for(lengths: list[int], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------ mismatch
+def phase_mismatch(rehearse: bool, out: Path) -> dict:
+    from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
+    from autobucket.engine.batching.prefill import positions_from_mask
+    from autobucket.engine.trainer_logprobs import mismatch_metrics, teacher_forced_batch
+    from autobucket.planning.costs import CostCoefficients
+
+    tf32_off()
+    dtype = torch.float32 if rehearse else torch.bfloat16
+    model = model_for(rehearse, out, dtype)
+    prompts_n, n, new = (2, 2, 3) if rehearse else (8, 8, 64)
+    prompts = prompts_for(prompt_lengths(prompts_n, rehearse), model.config.vocab_size)
+    sampling = SamplingConfig(max_new_tokens=new, temperature=1.0, n=n, seed=list(range(prompts_n)), logprobs=True, eos_token_id=[])
+    results = {}
+    for kernels in ("invariant", "hf"):
+        config = RolloutConfig(kernels=kernels, persist_costs=False, costs=CostCoefficients() if rehearse else None)
+        with forced(rehearse and kernels == "invariant"):
+            result = Rollout(model, config=config).generate(prompts, sampling)
+            flat_prompts = [p for p in prompts for _ in range(n)]
+            completions = [t for group in result.tokens for t in group]
+            sampled = [lp for group in result.logprobs for lp in group]
+            ids, mask, width = teacher_forced_batch(flat_prompts, completions)
+            ids, mask = ids.to(model.device), mask.to(model.device)
+            import contextlib
+
+            with torch.no_grad(), invariant(model) if kernels == "invariant" else contextlib.nullcontext():
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        trainer = trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:], 1.0).float().cpu()
+        sampler = torch.zeros_like(trainer)
+        valid = torch.zeros_like(trainer, dtype=torch.bool)
+        for row, lp in enumerate(sampled):
+            sampler[row, : len(lp)] = torch.tensor(lp)
+            valid[row, : len(lp)] = True
+        metrics = mismatch_metrics(trainer, sampler, valid)
+        results[kernels] = {"k3": metrics["mismatch/k3"], "max_abs_logp_diff": metrics["mismatch/max_abs_logp_diff"],
+                            "tokens": int(valid.sum()), "route": result.route}  # fmt: skip
+    ok = results["invariant"]["max_abs_logp_diff"] == 0.0 and results["invariant"]["k3"] == 0.0
+    return {"results": results, "ok": ok, "dtype": str(dtype)}
+
+
+# ------------------------------------------------------------------ speed
+def phase_speed(rehearse: bool, out: Path) -> dict:
+    from autobucket import Rollout, RolloutConfig, SamplingConfig
+    from autobucket.planning.costs import CostCoefficients
+
+    tf32_off()
+    dtype = torch.float32 if rehearse else torch.bfloat16
+    model = model_for(rehearse, out, dtype)
+    prompts_n, n, new, repeats = (2, 2, 3, 1) if rehearse else (32, 8, 256, 2)
+    prompts = prompts_for(prompt_lengths(prompts_n, rehearse), model.config.vocab_size)
+    dev = device(rehearse)
+
+    def hf_generate():
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in prompts], batch_first=True).flip(1)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(p), dtype=torch.long) for p in prompts], batch_first=True).flip(1)
+        model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, max_new_tokens=new,
+                       min_new_tokens=new, num_return_sequences=n, pad_token_id=0)  # fmt: skip
+
+    def generate_batch():
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=new, do_sample=True, num_return_sequences=n, pad_token_id=0, eos_token_id=-1)
+        model.generate_batch([p for p in prompts for _ in range(1)], generation_config=config)
+
+    def auto(kernels):
+        # the rehearsal plans with fixed coefficients: an online timing probe is a rollout, slow under the interpreter
+        config = RolloutConfig(kernels=kernels, persist_costs=False, costs=CostCoefficients() if rehearse else None)
+        sampling = SamplingConfig(max_new_tokens=new, n=n, temperature=1.0, eos_token_id=[])
+        rollout = Rollout(model, config=config)
+
+        def run():
+            with forced(rehearse and kernels == "invariant"):
+                rollout.generate(prompts, sampling)
+
+        return run
+
+    contenders = {"hf_generate": hf_generate, "generate_batch": generate_batch, "auto_default_eager": auto("hf"),
+                  "auto_invariant_eager": auto("invariant")}  # fmt: skip
+    if rehearse:  # its CPU defaults reserve ~10 GB and take seconds a call: checked on the GPU only
+        del contenders["generate_batch"]
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    errors = {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, run in contenders.items():
+            if name in errors:
+                continue
+            try:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    run()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                samples[name].append(time.perf_counter() - start)
+            except Exception as error:  # a contender that cannot run here is reported, not fatal
+                errors[name] = f"{type(error).__name__}: {error}"[:300]
+    medians = {name: statistics.median(s[1:] or s) for name, s in samples.items() if s}
+    return {"samples_s": samples, "median_s": medians, "errors": errors, "not_built": ["CUDA-graph decode"],
+            "ok": "auto_invariant_eager" in medians and "auto_default_eager" in medians}  # fmt: skip
+
+
+# ------------------------------------------------------------------ table
+def table(out: Path) -> int:
+    summary = {}
+    for phase in ("env", "kernels", "mismatch", "speed"):
+        path = out / f"{phase}.json"
+        summary[phase] = json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result (timed out or failed)"}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{'phase':<10} {'ok':<6} detail")
+    env = summary["env"]
+    print(f"{'env':<10} {env.get('ok')!s:<6} torch {env.get('torch')} triton {env.get('triton')} {env.get('gpu', 'cpu')}")
+    for name, r in summary["kernels"].get("results", {}).items():
+        print(f"{'kernels':<10} {summary['kernels']['ok']!s:<6} {name}: differing {r['differing']}, control {r['control_differing']}")
+    for name, r in summary["mismatch"].get("results", {}).items():
+        print(f"{'mismatch':<10} {summary['mismatch']['ok']!s:<6} {name}: k3 {r['k3']:.3g}, max |dlogp| {r['max_abs_logp_diff']:.3g}, {r['tokens']} tokens")
+    for name, seconds in summary["speed"].get("median_s", {}).items():
+        print(f"{'speed':<10} {summary['speed']['ok']!s:<6} {name}: {seconds:.3f} s")
+    for name, error in summary["speed"].get("errors", {}).items():
+        print(f"{'speed':<10} {'-':<6} {name}: {error}")
+    for phase, result in summary.items():
+        if "error" in result:
+            print(f"{phase:<10} {'False':<6} {result['error']}")
+    return 0 if all(summary[p].get("ok") for p in ("env", "kernels", "mismatch")) else 1
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=["env", "kernels", "mismatch", "speed", "table"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rehearse", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "table":
+        return table(args.out)
+    if args.rehearse:
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+    runs = {"env": lambda: phase_env(args.rehearse), "kernels": lambda: phase_kernels(args.rehearse),
+            "mismatch": lambda: phase_mismatch(args.rehearse, args.out), "speed": lambda: phase_speed(args.rehearse, args.out)}  # fmt: skip
+    result = runs[args.phase]()
+    result["phase_s"] = time.perf_counter() - started
+    (args.out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({args.phase: {k: v for k, v in result.items() if k != "samples_s"}}, default=str)[:2000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

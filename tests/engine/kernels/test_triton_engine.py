@@ -1,0 +1,111 @@
+"""The Triton kernel set inside the engine, on the CPU: the tests' switch (`forced_on_cpu`) runs it on
+CPU tensors through Triton's interpreter, so the engine and the trainer's scope take the very code paths
+a CUDA model takes. Oracle: the trainer's teacher-forced forward under `autobucket.invariant(model)` with
+the same switch; every sampled token's rollout logprob must equal it bitwise (fp32, a 2-layer tiny Llama,
+chunked prefill and decode). Controls: the same forward on the CPU kernel set, and unscoped, differ."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels then run on CPU tensors
+
+import contextlib
+import copy
+import threading
+
+import pytest
+import torch
+from workloads import random_prompts
+
+pytest.importorskip("triton")
+
+from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs  # noqa: E402
+from autobucket.engine.batching.prefill import positions_from_mask  # noqa: E402
+from autobucket.engine.kernels.scope import runs_triton_set  # noqa: E402
+from autobucket.engine.kernels.triton.scope import forced_on_cpu  # noqa: E402
+from autobucket.engine.model_access.function_routes import routers_installed  # noqa: E402
+from autobucket.engine.trainer_logprobs import teacher_forced_batch  # noqa: E402
+from autobucket.planning.costs import CostCoefficients  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+
+LENGTHS = [5, 19, 9]
+
+
+def rollout(model, prompts):
+    """Chunked prefill (8 tokens a forward) and decode, 2 rows at a time -> (completions, logprobs)."""
+    config = RolloutConfig(
+        route="bucketed", kernels="invariant", persist_costs=False, prefill_max_tokens=8, costs=CostCoefficients()
+    )  # fixed coefficients: no timing probe (each is a rollout, slow under the interpreter)
+    sampling = SamplingConfig(
+        max_new_tokens=4, temperature=1.0, seed=[0, 1, 2], logprobs=True, continuous_batch_size=2, eos_token_id=[]
+    )
+    result = Rollout(model, config=config).generate(prompts, sampling)
+    return result.tokens, result.logprobs
+
+
+def trainer_side(model, prompts, completions, scope) -> torch.Tensor:
+    ids, mask, width = teacher_forced_batch(prompts, completions)
+    with scope:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    return trainer_logprobs(logits[:, width - 1 : -1], ids[:, width:], 1.0).detach().float()
+
+
+def max_abs_diff(trainer, completions, logprobs) -> float:
+    return max(
+        (trainer[row, : len(tokens)] - torch.tensor(lp)).abs().max().item()
+        for row, (tokens, lp) in enumerate(zip(completions, logprobs, strict=True))
+    )
+
+
+def test_rollout_logprobs_equal_the_triton_scoped_trainer_forward_bitwise(tiny_models):
+    model = copy.deepcopy(tiny_models("tiny-llama"))
+    assert model.config.num_hidden_layers == 2
+    prompts = random_prompts(LENGTHS, seed=5)
+    with forced_on_cpu():
+        assert runs_triton_set(torch.device("cpu"))
+        completions, logprobs = rollout(model, prompts)
+        triton_trainer = trainer_side(model, prompts, completions, invariant(model))
+    assert max_abs_diff(triton_trainer, completions, logprobs) == 0.0
+    # controls: the CPU kernel set's forward and the model's own forward are not the Triton set's
+    assert max_abs_diff(trainer_side(model, prompts, completions, invariant(model)), completions, logprobs) > 0.0
+    assert max_abs_diff(trainer_side(model, prompts, completions, contextlib.nullcontext()), completions, logprobs) > 0.0
+    assert not routers_installed()  # the scope's routers are out again
+
+
+def test_the_switch_is_per_thread_and_cpu_models_keep_the_cpu_set():
+    seen = []
+    with forced_on_cpu():
+        thread = threading.Thread(target=lambda: seen.append(runs_triton_set(torch.device("cpu"))))
+        thread.start()
+        thread.join()
+        assert runs_triton_set(torch.device("cpu"))
+    assert seen == [False]
+    assert not runs_triton_set(torch.device("cpu"))
+    assert runs_triton_set(torch.device("cuda", 0))
+
+
+def test_the_scope_routes_the_models_rms_norms_for_its_own_thread_only(tiny_models):
+    """Inside the Triton scope the model's RMSNorm gives the Triton row kernel's bits; another thread's
+    call at the same time, and any call after the scope, give the class's own forward's bits."""
+    from autobucket.engine.kernels.triton.row_reductions import rms_norm
+    from autobucket.engine.kernels.triton.scope import triton_kernels
+
+    model = tiny_models("tiny-llama")
+    norm = model.model.layers[0].input_layernorm
+    own_forward = type(norm).forward
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        builtin = own_forward(norm, hidden)
+        kernel = rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        assert not torch.equal(builtin, kernel)  # control: the two computations differ in bits here
+        other_thread = []
+        with forced_on_cpu(), triton_kernels(model):
+            assert torch.equal(norm(hidden), kernel)
+            thread = threading.Thread(target=lambda: other_thread.append(norm(hidden)))
+            thread.start()
+            thread.join()
+        assert torch.equal(other_thread[0], builtin)
+        assert type(norm).forward is own_forward
+        assert torch.equal(norm(hidden), builtin)

@@ -1,0 +1,37 @@
+"""`benchmarks/gpu_check.sh --rehearse`: the GPU check's phases and code paths on the CPU at toy sizes (the
+Triton kernels under the interpreter, forced onto CPU tensors), so a typo never costs GPU time. It must
+finish every phase, judge the kernels invariant with controls that broke, and find zero mismatch for the
+invariant kernels where the default kernels' is not zero."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_rehearsal_runs_every_phase_and_passes(tmp_path):
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--rehearse", str(tmp_path / "out")],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert all(summary[phase]["ok"] for phase in ("env", "kernels", "mismatch", "speed")), summary
+    kernels = summary["kernels"]["results"]
+    assert all(r["differing"] == 0 and r["control_differing"] > 0 for r in kernels.values())
+    mismatch = summary["mismatch"]["results"]
+    assert mismatch["invariant"]["max_abs_logp_diff"] == 0.0 and mismatch["invariant"]["tokens"] > 0
+    assert mismatch["hf"]["max_abs_logp_diff"] > 0.0  # control: the default kernels' trainer forward differs
+    assert set(summary["speed"]["median_s"]) == {"hf_generate", "auto_default_eager", "auto_invariant_eager"}
+    assert "kernels" in (tmp_path / "out" / "table.txt").read_text()
