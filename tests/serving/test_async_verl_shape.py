@@ -23,7 +23,7 @@ PARAMS = {"max_tokens": BUDGET, "temperature": 1.0, "top_k": 40, "seed": 5, "log
 async def interrupted_then_resumed(adapter: VerlServerAdapter, prompt: list[int], resume_id: str):
     """Abort every request once "a" has 3 tokens, resume, resubmit "a" as verl does; (partial, rest)."""
     first = asyncio.ensure_future(adapter.generate(prompt, PARAMS, "a"))
-    while not first.done() and len(getattr(adapter.engine._live.get("a"), "tokens", ())) < 3:
+    while not first.done() and len(live_tokens(adapter, "a")) < 3:
         await asyncio.sleep(0.001)
     await adapter.abort_all_requests()
     partial = await first
@@ -31,6 +31,13 @@ async def interrupted_then_resumed(adapter: VerlServerAdapter, prompt: list[int]
     params = {**PARAMS, "max_tokens": BUDGET - len(partial.token_ids)}
     rest = await adapter.generate(prompt + partial.token_ids, params, resume_id)
     return partial, rest
+
+
+def live_tokens(adapter, request_id):
+    """The tokens of the request in flight under `request_id` (none before it is submitted, or while only
+    an earlier, finished request of that id is still on record)."""
+    request = adapter.engine._live.get(request_id)
+    return () if request is None or request.done else request.tokens
 
 
 def test_an_aborted_sample_resubmitted_with_its_tokens_continues_exactly(tiny_models, monkeypatch):

@@ -116,7 +116,8 @@ class AsyncEngine:
         with self._control:
             if self._closed:
                 raise RuntimeError("the engine is closed: create a new AsyncEngine")
-            if request.request_id in self._live:
+            earlier = self._live.get(request.request_id)
+            if earlier is not None and not earlier.done:  # a finished one waits only to be forgotten
                 raise ValueError(f"request_id={request.request_id!r} is already in flight: pass a new id, or None")
             self._live[request.request_id] = request
             self._pending.append(request)
