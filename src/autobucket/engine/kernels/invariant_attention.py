@@ -194,13 +194,20 @@ def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: floa
     """transformers' attention-function interface over `invariant_attention`. Dropout is never applied:
     the engine's forwards run with eval semantics; a trainer's forward in train mode with attention
     dropout is refused (dropout would make its logits random, never the rollout's)."""
+    scale, causal = attention_call(module, query, attention_mask, dropout, scaling, is_causal, kwargs)
+    return invariant_attention(query, key, value, attention_mask, scale, causal), None
+
+
+def attention_call(module: Any, query, attention_mask, dropout: float, scaling, is_causal, kwargs: dict) -> tuple[float, bool]:
+    """(scale, causal) of a transformers attention call an invariant kernel set runs, or the ValueError
+    naming what no invariant kernel can take (dropout in train mode, softcapping, sinks)."""
     if dropout and not dropout_suppressed():
         raise ValueError(
             f"invariant attention got attention dropout {dropout} ({type(module).__name__} in train mode): "
             "the trainer's logits cannot equal the rollout's under dropout; set the model's attention_dropout "
             "to 0 (TRL: disable_dropout=True) or call model.eval()"
         )
-    for unsupported in ("softcap", "s_aux", "sinks"):
+    for unsupported in _UNSUPPORTED_KWARGS:
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"invariant attention has no {unsupported!r} (this architecture's attention, "
@@ -209,7 +216,7 @@ def invariant_sdpa(module: Any, query, key, value, attention_mask, dropout: floa
     if is_causal is None:
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return invariant_attention(query, key, value, attention_mask, scale, bool(is_causal) and attention_mask is None), None
+    return scale, bool(is_causal) and attention_mask is None
 
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")

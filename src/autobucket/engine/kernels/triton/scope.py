@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import allowed_for, reference_attention
+from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
 from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
 from autobucket.engine.kernels.triton.linear import invariant_linear
 from autobucket.engine.kernels.triton.norm_route import norms_routed
@@ -26,7 +26,6 @@ from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
 from autobucket.engine.model_access.attention import kernel_attention
 from autobucket.engine.model_access.function_routes import (
     context_value,
-    dropout_suppressed,
     linears_routed_to,
     original_addmm,
     original_linear,
@@ -116,22 +115,7 @@ def triton_attention(query, key, value, attention_mask, scale: float, causal: bo
 def triton_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                 is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention-function interface over `triton_attention` (refusals as the CPU set's)."""
-    if dropout and not dropout_suppressed():
-        raise ValueError(
-            f"invariant attention got attention dropout {dropout} ({type(module).__name__} in train mode): "
-            "the trainer's logits cannot equal the rollout's under dropout; set the model's attention_dropout "
-            "to 0 (TRL: disable_dropout=True) or call model.eval()"
-        )
-    for unsupported in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(
-                f"invariant attention has no {unsupported!r} (this architecture's attention, "
-                f"{type(module).__name__}, uses it); use RolloutConfig(kernels='hf') for this model"
-            )
-    if is_causal is None:
-        is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    causal = bool(is_causal) and attention_mask is None
+    scale, causal = attention_call(module, query, attention_mask, dropout, scaling, is_causal, kwargs)
     return triton_attention(query, key, value, attention_mask, scale, causal), None
 
 
