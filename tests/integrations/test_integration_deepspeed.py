@@ -266,7 +266,7 @@ def test_autobucket_sampling_config_is_refused_with_what_to_pass(ds, workload):
     request, tokenizer = workload
     ours = AutobucketRollout(engine, tokenizer, RolloutConfig(route="aligned"))
     with pytest.raises(TypeError, match=r"autobucket's SamplingConfig.*deepspeed\.runtime\.rollout import Sampling"):
-        ours.generate(request, SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, n=2))
+        ours.generate(request, SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, n=2, temperature=1.0))
     with pytest.raises(TypeError, match=r"sampling of type SimpleNamespace has no temperature, top_p, top_k, n_samp"):
         ours.generate(request, SimpleNamespace(max_new_tokens=MAX_NEW_TOKENS, continuous_batch_size=None))
     assert ours.last_result is None  # nothing ran
