@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
+from kernelized_models import kernelized_attention_model
 from oracles import oracle_batch
 from torch.overrides import TorchFunctionMode
 from workloads import random_prompts
@@ -200,24 +201,6 @@ class OtherThread:
         self.thread.join(WAIT_S)
 
 
-def _kernelized_attention_model(seed: int) -> torch.nn.Module:
-    """A tiny Qwen2 of an MLP width no other test compiles (dynamo reuses graphs across models of equal
-    shapes), whose attention forward sets the kernels hub's variable."""
-    import transformers
-
-    from autobucket.models import TINY_CONFIGS
-
-    class_name, kwargs = TINY_CONFIGS["tiny-qwen2"]
-    config = getattr(transformers, class_name)(**{**kwargs, "intermediate_size": 96 + seed})
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(config).eval()
-    if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):  # `use_kernelized_func`'s instances
-        pytest.skip("this transformers' attention forward does not write the kernels hub's variable")
-    return model
-
-
 @contextmanager
 def interleaved_with(other: OtherThread, monkeypatch):
     """The interleaving pinned. During the engine's first compile session the other thread's first forward
@@ -256,7 +239,7 @@ def interleaved_with(other: OtherThread, monkeypatch):
 @pytest.mark.engine
 def test_another_threads_forwards_during_a_compiled_generate_then_route_auto(monkeypatch):
     _session()
-    model = _kernelized_attention_model(seed=21)
+    model = kernelized_attention_model(seed=21)
     prompts = random_prompts(LENGTHS, seed=3)
     expected, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
     ids = torch.tensor([random_prompts([11], seed=8)[0]])

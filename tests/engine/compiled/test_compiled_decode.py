@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernelized_models import kernelized_attention_model
 from oracles import forget_oracle, hf_greedy, mismatches, oracle_batch
 from workloads import random_prompts, steering_hook
 
@@ -191,24 +192,6 @@ def test_a_model_that_raises_only_while_traced_falls_back_after_its_eager_step_s
     assert "refuses to be traced" in result.profile.compile_fallback
 
 
-def _kernelized_attention_model(seed: int) -> torch.nn.Module:
-    """A tiny Qwen2 of an MLP width no other test compiles, so its decode step really compiles here (dynamo
-    reuses code across model instances of equal shapes, as under `make test-compile`)."""
-    import transformers
-
-    from autobucket.models import TINY_CONFIGS
-
-    class_name, kwargs = TINY_CONFIGS["tiny-qwen2"]
-    config = getattr(transformers, class_name)(**{**kwargs, "intermediate_size": 96 + seed})
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(config).eval()
-    if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):  # `use_kernelized_func`'s instances
-        pytest.skip("this transformers' attention forward does not write the kernels hub's context variable")
-    return model
-
-
 @contextmanager
 def another_thread_writes_during_the_compile(monkeypatch):
     """A write by another thread to process-wide state the trace read, pinned after dynamo built its
@@ -239,7 +222,7 @@ def test_a_compile_raced_by_another_threads_forward_falls_back_to_eager(monkeypa
     """Dynamo's "Guard failed on the same frame it was created" (a plain AssertionError from its own code)
     is a failure to compile: that step and the rest decode eagerly with one warning, tokens unchanged;
     the model's own asserts still propagate (`raised_by_compiler` looks at where it was raised)."""
-    model = _kernelized_attention_model(seed=12)  # its own graphs: the race disables them
+    model = kernelized_attention_model(seed=12)  # its own graphs: the race disables them
     expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
     with another_thread_writes_during_the_compile(monkeypatch), pytest.warns(RuntimeWarning, match="eagerly"):
         result = _generate(model, True)
@@ -250,7 +233,7 @@ def test_a_compile_raced_by_another_threads_forward_falls_back_to_eager(monkeypa
 
 @pytest.mark.engine
 def test_control_the_raced_compile_raises_out_of_generate_without_the_classifier(monkeypatch):
-    model = _kernelized_attention_model(seed=13)
+    model = kernelized_attention_model(seed=13)
     monkeypatch.setattr(compiled_decode, "raised_by_compiler", lambda error: False)
     with another_thread_writes_during_the_compile(monkeypatch), pytest.raises(AssertionError, match="Guard fail"):
         _generate(model, True)
