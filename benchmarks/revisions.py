@@ -114,12 +114,12 @@ def changed_fields(value: object) -> dict:
     return out
 
 
-def peers_workloads(vocab: int, size: SimpleNamespace) -> list[Workload]:
+def peers_workloads(vocab: int, size: SimpleNamespace, seed: int) -> list[Workload]:
     """bench-peers' workloads as `compare.contenders` calls them (the same prompts every round)."""
     sampling = changed_fields(SamplingConfig(max_new_tokens=size.peers_new_tokens, continuous_batch_size=32, eos_token_id=[]))
     chosen = [w for w in compare.workloads() if not size.peers or any(w.name.startswith(p) for p in size.peers)]
     return [Workload(f"bench-peers {w.name}", {"route": "auto", "compile": False},
-                     lambda seed, w=w: {"sampling": sampling, "turns": [random_prompts(w.lengths, vocab, seed=0)]})
+                     lambda _, w=w: {"sampling": sampling, "turns": [random_prompts(w.lengths, vocab, seed=seed)]})
             for w in chosen]  # fmt: skip
 
 
@@ -293,6 +293,24 @@ def print_table(rows: list[dict], pairings: dict[str, Pairing]) -> None:
               f" | {tokens_cell(row, pairings[row['config']].same_tokens)} | {row['verdict'] or '-'} |")  # fmt: skip
     for name, pairing in pairings.items():
         print(f"config {name!r}: base {json.dumps(pairing.base)}, head {json.dumps(pairing.head)}")
+    print_targets(rows, pairings)
+    for side, message in sorted({(side, m) for row in rows for side, caught in row["warnings"].items() for m in caught}):
+        print(f"{side} warned: {message}")
+
+
+def print_targets(rows: list[dict], pairings: dict[str, Pairing]) -> None:
+    """Per config with a target: on how many workloads HEAD / BASE met it, and where it did not."""
+    for name, pairing in pairings.items():
+        if pairing.target is None:
+            continue
+        judged = [row for row in rows if row["config"] == name and "ratio" in row]
+        if not judged:
+            print(f"target {name!r}: not measured (refused or failed on every workload)")
+            continue
+        missed = [f"{row['workload']} {row['ratio']:.3f}" for row in judged if row["verdict"].startswith("NOT")]
+        kind, limit = pairing.target
+        print(f"target {name!r}: head / base {kind} {limit:g} on {len(judged) - len(missed)} of {len(judged)} workloads"
+              + (f"; not on {', '.join(missed)}" if missed else ""))  # fmt: skip
 
 
 # ------------------------------------------------------------ main
@@ -319,7 +337,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--core", type=int, default=min(os.sched_getaffinity(0)), help="the core both workers are pinned to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/revisions/revisions.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds is not None and (args.rounds < 2 or args.rounds % 2):
+        parser.error(f"--rounds {args.rounds}: ABBA rounds come in pairs (each side first equally often); give an even number >= 2")
+    return args
 
 
 def tree_side(stack: ExitStack, revision: str | None) -> tuple[Path, str]:
@@ -330,9 +351,9 @@ def tree_side(stack: ExitStack, revision: str | None) -> tuple[Path, str]:
     return stack.enter_context(checked_out(revision))
 
 
-def build_workloads(model: torch.nn.Module, size: SimpleNamespace, prefixes: str) -> list[Workload]:
+def build_workloads(model: torch.nn.Module, size: SimpleNamespace, prefixes: str, seed: int) -> list[Workload]:
     vocab = model.config.vocab_size
-    workloads = [*peers_workloads(vocab, size), grpo_workload(vocab, size), episodes_workload(model, size)]
+    workloads = [*peers_workloads(vocab, size, seed), grpo_workload(vocab, size), episodes_workload(model, size)]
     return [w for w in workloads if not prefixes or any(w.name.startswith(p) for p in prefixes.split(","))]
 
 
@@ -342,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     pairings = [parse_pairing(values) for values in args.configs] if args.configs else list(PAIRINGS)
     torch.set_num_threads(1)  # the precomputed episodes here; each worker sets its own
     model = build_tiny_model(args.model)
-    workloads = build_workloads(model, size, args.workloads)
+    workloads = build_workloads(model, size, args.workloads, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

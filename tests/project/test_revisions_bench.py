@@ -131,3 +131,24 @@ def test_the_smoke_run_against_this_commit_loads_each_tree_and_reports_a_refused
     assert [len(rows["invariant"]["samples_ms"][side]) for side in revisions.SIDES] == [2, 2]
     assert list(rows["refused by head"]["errors"]) == ["head"] and "no-such-kernels" in rows["refused by head"]["errors"]["head"]
     assert "| bench-peers short tail (1x20 + 31x1) | invariant |" in done.stdout
+
+
+def test_the_target_line_counts_the_workloads_that_met_it_and_names_the_others(capsys):
+    pairing = revisions.Pairing("p", {}, {}, ("within", 0.03))
+    rows = []
+    for name, head_ms in (("w1", 10.1), ("w2", 11.0), ("refused", None)):
+        entry = revisions.Measured(name, pairing)
+        entry.samples_ms = {"base": [10.0], "head": [head_ms] if head_ms else []}
+        rows.append(revisions.summary(entry))
+    revisions.print_targets(rows, {"p": pairing})
+    assert capsys.readouterr().out == "target 'p': head / base within 0.03 on 1 of 2 workloads; not on w2 1.100\n"
+    revisions.print_targets(rows[2:], {"p": pairing})
+    assert capsys.readouterr().out == "target 'p': not measured (refused or failed on every workload)\n"
+
+
+@pytest.mark.parametrize("rounds", ["0", "3"])
+def test_an_odd_or_empty_round_count_is_refused_before_anything_starts(rounds, capsys):
+    with pytest.raises(SystemExit):
+        revisions.parse(["--base", "HEAD", "--rounds", rounds])
+    assert f"--rounds {rounds}: ABBA rounds come in pairs" in capsys.readouterr().err
+    assert revisions.parse(["--base", "HEAD", "--rounds", "4"]).rounds == 4  # control: an even count is taken
