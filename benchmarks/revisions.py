@@ -294,8 +294,19 @@ def print_table(rows: list[dict], pairings: dict[str, Pairing]) -> None:
     for name, pairing in pairings.items():
         print(f"config {name!r}: base {json.dumps(pairing.base)}, head {json.dumps(pairing.head)}")
     print_targets(rows, pairings)
+    print_agreement(rows, pairings)
     for side, message in sorted({(side, m) for row in rows for side, caught in row["warnings"].items() for m in caught}):
         print(f"{side} warned: {message}")
+
+
+def print_agreement(rows: list[dict], pairings: dict[str, Pairing]) -> None:
+    """One line: whether both sides' tokens were equal in every round of every config that should agree."""
+    should = [row for row in rows if pairings[row["config"]].same_tokens and row["tokens_equal_rounds"]]
+    disagree = [f"{row['workload']} / {row['config']}" for row in should if not all(row["tokens_equal_rounds"])]
+    if disagree:
+        print(f"tokens: the sides DISAGREE where they should agree: {'; '.join(disagree)}")
+    else:
+        print(f"tokens: the sides agree in every round of the {len(should)} workload / config pairs that should agree")
 
 
 def print_targets(rows: list[dict], pairings: dict[str, Pairing]) -> None:

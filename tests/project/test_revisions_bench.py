@@ -82,7 +82,7 @@ def test_a_config_one_side_refuses_is_reported_and_not_run_again_while_the_other
     assert "ratio" not in row and row["errors"]["head"].startswith("ValueError")
 
 
-def test_tokens_the_sides_disagree_on_are_flagged_where_they_should_agree():
+def test_tokens_the_sides_disagree_on_are_flagged_where_they_should_agree(capsys):
     def head(config, request):
         return timed(1.0, [[9]] if request["turns"][0][0][0] == 1 else [[1, 2]])
 
@@ -92,8 +92,14 @@ def test_tokens_the_sides_disagree_on_are_flagged_where_they_should_agree():
     rows = [revisions.summary(m) for m in measured]
     assert revisions.tokens_cell(rows[0], same_tokens=True) == "DISAGREE: 1 of 2 rounds"
     assert revisions.tokens_cell(rows[1], same_tokens=False) == "differ: 1 of 2 rounds"
+    pairings = {p.name: p for p in PAIRINGS}
+    capsys.readouterr()  # the rounds' progress lines
+    revisions.print_agreement(rows, pairings)
+    assert capsys.readouterr().out == "tokens: the sides DISAGREE where they should agree: w / a\n"  # not b: it may differ
     rows[0]["tokens_equal_rounds"] = [True, True]  # control: agreement reads as agreement
     assert revisions.tokens_cell(rows[0], same_tokens=True) == "yes"
+    revisions.print_agreement(rows, pairings)
+    assert capsys.readouterr().out == "tokens: the sides agree in every round of the 1 workload / config pairs that should agree\n"
 
 
 @pytest.mark.parametrize(("head_ms", "target", "expected"), [
