@@ -33,7 +33,7 @@ INTEGRATION_TESTS := tests/integrations/test_integration_trl.py tests/integratio
 BIN := $(VENV)/bin
 BIN_457 := $(VENV_TF457)/bin
 
-.PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench bench-peers lint demo plan-sample clean
+.PHONY: test typecheck test-main test-tf457 test-integrations test-integrations-tf457 test-compile bench bench-peers bench-revisions lint demo plan-sample clean
 
 $(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -118,3 +118,12 @@ $(VENV_VLLM)/bin/.installed:
 bench-peers: $(BIN)/.installed $(VENV_VLLM)/bin/.installed
 	taskset -c $(BENCH_CORE) $(BIN)/python benchmarks/peers/compare.py --vllm-python $(VENV_VLLM)/bin/python \
 		--core $(BENCH_CORE) --out results/peers/peers.json
+
+# This tree's whole calls against a git revision's (BASE, checked out into a temporary worktree), one
+# worker process per tree on one pinned core, ABBA rounds: bench-peers' workloads, the GRPO-like call and
+# the multi-turn episodes under each named config (benchmarks/revisions.py). make bench-revisions BASE=30989b8
+BASE ?=
+bench-revisions: $(BIN)/.installed
+	@test -n "$(BASE)" || { echo "bench-revisions: name the revision to compare against, e.g. make bench-revisions BASE=HEAD~1"; exit 2; }
+	taskset -c $(BENCH_CORE) $(BIN)/python benchmarks/revisions.py --base $(BASE) --core $(BENCH_CORE) \
+		--out results/revisions/revisions.json
