@@ -186,9 +186,9 @@ def prompts_for(lengths: list[int], vocab: int) -> list[list[int]]:
 # ------------------------------------------------------------------ mismatch
 def phase_mismatch(rehearse: bool, out: Path) -> dict:
     from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
+    from autobucket.costs.coefficients import CostCoefficients
     from autobucket.engine.batching.prefill import positions_from_mask
     from autobucket.engine.trainer_logprobs import mismatch_metrics, teacher_forced_batch
-    from autobucket.planning.costs import CostCoefficients
 
     tf32_off()
     dtype = torch.float32 if rehearse else torch.bfloat16
@@ -226,7 +226,7 @@ def phase_mismatch(rehearse: bool, out: Path) -> dict:
 # ------------------------------------------------------------------ speed
 def phase_speed(rehearse: bool, out: Path) -> dict:
     from autobucket import Rollout, RolloutConfig, SamplingConfig
-    from autobucket.planning.costs import CostCoefficients
+    from autobucket.costs.coefficients import CostCoefficients
 
     tf32_off()
     dtype = torch.float32 if rehearse else torch.bfloat16

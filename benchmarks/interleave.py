@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 
 
 def interleaved(

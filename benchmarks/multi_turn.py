@@ -56,7 +56,7 @@ import torch
 from peers.vllm_client import VllmProcess, start_vllm
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 

@@ -30,7 +30,7 @@ import torch
 
 
 def offline_calibration(model, max_seconds: float) -> dict:
-    from autobucket.calibration.measure import calibrate, default_plan, model_geometry
+    from autobucket.costs.calibration.measure import calibrate, default_plan, model_geometry
 
     plan = default_plan(model_geometry(model).max_positions, repeats=5)
     from dataclasses import replace
@@ -79,8 +79,8 @@ DOCUMENTED_QUIET = {"fixed_ms": 5.741, "token_ms": 0.1037, "attention_ms": 12.70
 
 
 def route_choices(report: dict, offline_costs: dict, model) -> list[dict]:
-    from autobucket.calibration.measure import model_geometry
-    from autobucket.planning.costs import CostCoefficients
+    from autobucket.costs.calibration.measure import model_geometry
+    from autobucket.costs.coefficients import CostCoefficients
     from autobucket.planning.route_choice import choose_route
 
     geometry = model_geometry(model)

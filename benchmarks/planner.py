@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     ModelGeometry,

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.models import TINY_CONFIGS, build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 from autobucket.profile import reset_peak_memory
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import reference_workloads, time_interleaved, tokens_agree

@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--costs", help="costs JSON for the auto contender")
-    parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.calibration.measure)")
+    parser.add_argument("--fit", action="store_true", help="fit coefficients for auto first (autobucket.costs.calibration.measure)")
     parser.add_argument("--no-hf-batch", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-routes", action="store_true", help="only the decode-step section")
@@ -105,7 +105,7 @@ def main() -> None:
     model = build_tiny_model("bench-qwen2")
     costs = args.costs
     if args.fit:
-        from autobucket.calibration.measure import quick_fit
+        from autobucket.costs.calibration.measure import quick_fit
 
         costs = quick_fit(model)
         print("fitted:", costs.to_dict())

@@ -58,7 +58,7 @@ from peers.vllm_client import VllmProcess, start_vllm
 
 import autobucket.engine.routes as routes
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads
 from autobucket.tools.workloads import SHAREGPT_MEDIAN, SHAREGPT_RANGE, SHAREGPT_SIGMA, sharegpt_like_lengths

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 
 HERE = Path(__file__).resolve().parent
 Row = tuple[str, str, float | str]  # (benchmark, figure, value)

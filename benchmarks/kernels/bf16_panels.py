@@ -29,7 +29,7 @@ from interleave import abba_rounds, interleaved
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.engine.kernels import packed_matmul
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.engine.sampling.inverse_cdf import _sampler_kernel, blockwise_inverse_cdf, sample_inverse_cdf
 
 SHAPES = [(8, 32_000), (32, 32_000), (64, 32_000), (64, 49_152), (64, 151_936)]

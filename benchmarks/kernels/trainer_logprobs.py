@@ -41,7 +41,7 @@ from interleave import interleaved
 from shared_decode import call_sampling, round_prompts
 
 from autobucket import Rollout, RolloutConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.engine.kernels import trainer_reductions
 from autobucket.models import build_tiny_model
 from autobucket.threads import set_torch_threads

@@ -26,7 +26,7 @@ import torch
 from floors import best_rates, call_floor_ms, measure_core_rates
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import Workload, reference_workloads, sharegpt_like_lengths, time_interleaved

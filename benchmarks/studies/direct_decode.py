@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.engine.model_access import direct_decode
 from autobucket.models import build_tiny_model, load_model
 from autobucket.prompts import random_prompts

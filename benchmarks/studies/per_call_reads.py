@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from autobucket import Rollout, RolloutConfig
-from autobucket.coefficients.file import host_cpu
+from autobucket.costs.calibration_file import host_cpu
 from autobucket.engine.compiled.compiled_decode import hooks_epoch
 from autobucket.engine.model_access.weight_versions import adapter_state, forward_state, weights_version
 from autobucket.models import load_model

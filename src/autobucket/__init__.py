@@ -1,6 +1,6 @@
 """autobucket: fast, token-exact batched generation for Hugging Face causal LMs.
 
-The planner (`autobucket.planning.costs`, `autobucket.planning.planner`) is pure Python and never imports torch, so
+The planner (`autobucket.costs.coefficients`, `autobucket.planning.planner`) is pure Python and never imports torch, so
 this package resolves its torch-backed names lazily: `import autobucket.planning.planner` stays light. A type
 checker reads the same names from the `TYPE_CHECKING` block below (tests/project/test_defaults.py keeps the two in step).
 """
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autobucket.config import CompileChoice, RolloutConfig, Route, SamplingConfig
+    from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
     from autobucket.distributed import RayRollout
     from autobucket.engine.kernels.trainer_scope import invariant
     from autobucket.engine.rollout import Rollout
     from autobucket.engine.trainer_logprobs import trainer_logprobs
     from autobucket.models import load_model
-    from autobucket.planning.costs import CostCoefficients, ModelGeometry
     from autobucket.planning.planner import PrefillPlan, plan_prefill
     from autobucket.planning.route_choice import RouteDecision, choose_route
     from autobucket.profile import Profile
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY_NAMES = {
-    "CostCoefficients": "autobucket.planning.costs",
-    "ModelGeometry": "autobucket.planning.costs",
+    "CostCoefficients": "autobucket.costs.coefficients",
+    "ModelGeometry": "autobucket.costs.coefficients",
     "plan_prefill": "autobucket.planning.planner",
     "choose_route": "autobucket.planning.route_choice",
     "PrefillPlan": "autobucket.planning.planner",

@@ -18,7 +18,7 @@ from autobucket.checks import (
 )
 
 if TYPE_CHECKING:
-    from autobucket.planning.costs import CostCoefficients
+    from autobucket.costs.coefficients import CostCoefficients
 
 # The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
@@ -142,7 +142,7 @@ class RolloutConfig:
         for name in ("trim_cache", "profile", "costs_strict", "packing", "persist_costs", "share_prefixes"):
             require_bool(name, getattr(self, name))
         if self.costs is not None and not isinstance(self.costs, (str, os.PathLike)):
-            from autobucket.planning.costs import CostCoefficients
+            from autobucket.costs.coefficients import CostCoefficients
 
             if not isinstance(self.costs, CostCoefficients):
                 raise ValueError(

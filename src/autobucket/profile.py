@@ -24,7 +24,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """One measured event: `kind` (see `planning.costs.TIMING_KINDS`), its rows, width (prefill: padded
+    """One measured event: `kind` (see `costs.coefficients.TIMING_KINDS`), its rows, width (prefill: padded
     tokens; KV copy: prompt tokens; decode step: KV columns attended) and wall ms."""
 
     kind: str

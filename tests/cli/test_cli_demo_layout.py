@@ -15,7 +15,7 @@ from rich.console import Console
 
 from autobucket.cli import demo as demo_cli
 from autobucket.cli.console import LOG_WIDTH, report_console
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.tools.demo import DemoConfig, DemoPrompt, DemoReport, RouteTiming
 
 HEADERS = ("route", "time s", "tok/s", "vs ordinary", "same tokens", "prefill positions", "what ran")

@@ -20,10 +20,10 @@ import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.checks import warn_once
-from autobucket.coefficients.file import calibration_metadata, save_calibration
+from autobucket.costs.calibration_file import calibration_metadata, save_calibration
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.kernels import onednn_probes
 from autobucket.models import MODEL_FORMS, check_model_name, load_model, load_tokenizer
-from autobucket.planning.costs import CostCoefficients
 from autobucket.threads import (
     ThreadOversubscriptionWarning,
     oversubscription_message,

@@ -21,8 +21,8 @@ from workloads import random_prompts
 from autobucket.cli import main
 from autobucket.cli.args import in_cli_words
 from autobucket.cli.main import build_parser
-from autobucket.coefficients.file import calibration_metadata, save_calibration
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.calibration_file import calibration_metadata, save_calibration
+from autobucket.costs.coefficients import CostCoefficients
 
 MODEL = "tiny-qwen2"
 SOME_COSTS = CostCoefficients(fixed_ms=2.0, token_ms=0.5, attention_ms=0.0, kv_ms=0.01, decode_ms=1.0)

@@ -10,7 +10,7 @@ import pytest
 
 from autobucket.cli import main
 from autobucket.cli.args import parse_lengths
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients
 
 QWEN25_3B_FLAGS = ["--layers", "36", "--query-heads", "16", "--kv-heads", "2", "--head-dim", "128"]
 

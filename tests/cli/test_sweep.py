@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from autobucket.cli import main
-from autobucket.coefficients.file import calibration_metadata, save_calibration
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.calibration_file import calibration_metadata, save_calibration
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.tools.sweep import (
     BYTES_PER_TOKEN,
     auto_choice_text,

@@ -8,7 +8,7 @@ from oracles import assert_matches_oracle, oracle_batch
 from workloads import ARCHS, choose_firing_eos, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.coefficients import CostCoefficients
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -168,7 +168,7 @@ def test_model_errors_propagate_without_retry(tiny_models, monkeypatch):
 def test_bucketed_route_matches_oracle_and_plans_every_admission(tiny_models, arch):
     """route="bucketed" is auto's CB branch without the route choice: the DP's buckets on every admission
     (first and refills), and no ordinary estimate is made."""
-    from autobucket.planning.costs import ModelGeometry
+    from autobucket.costs.coefficients import ModelGeometry
     from autobucket.planning.planner import plan_prefill
 
     model = tiny_models(arch)

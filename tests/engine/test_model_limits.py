@@ -36,7 +36,7 @@ from windowed_models import SLIDING_WINDOW, WINDOWED_BASE, WINDOWED_CONFIGS, win
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.coefficients import CostCoefficients
 
 pytestmark = pytest.mark.engine
 
@@ -293,7 +293,7 @@ def test_ordinary_runs_a_model_on_another_attention_backend(registered_backend, 
 
 
 def test_auto_runs_ordinary_on_another_attention_backend_without_probing(registered_backend, monkeypatch):
-    import autobucket.engine.cost_source as cost_source
+    import autobucket.costs.source as cost_source
 
     def no_probe(*args, **kwargs):
         raise AssertionError("the online probe runs continuous-batching calls this model cannot run")

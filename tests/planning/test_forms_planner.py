@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     attention_gflops,

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autobucket.planning import planner
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     continuous_decode_cost_ms,
     ordinary_cost_ms,
     prefill_cost_ms,
 )
+from autobucket.planning import planner
 from autobucket.planning.planner import PrefillPlan, plan_prefill
 from autobucket.planning.route_choice import RouteDecision, choose_route
 
@@ -419,7 +419,7 @@ def test_route_decision_validates_itself():
 
 def test_planner_imports_without_torch():
     code = (
-        "import sys, autobucket.planning.planner, autobucket.planning.route_choice, autobucket.planning.costs, autobucket.cli.main; "
+        "import sys, autobucket.planning.planner, autobucket.planning.route_choice, autobucket.costs.coefficients, autobucket.cli.main; "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
 from autobucket.planning.sharding import imbalance, plan_shards, prompt_cost_ms
 
 COSTS = CostCoefficients()

@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.planning.route_choice import ROUTE_BUCKETED, ROUTE_ORDINARY, choose_route
 from autobucket.planning.shared_prefix import (
     SharedPrefix,

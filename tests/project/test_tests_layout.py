@@ -1,6 +1,6 @@
 """The tests' own layout, checked on the tree (AST), with negative controls.
 
-1. Every test module sits in a folder (planning, coefficients, engine/..., integrations, cli, properties,
+1. Every test module sits in a folder (planning, costs, engine/..., integrations, cli, properties,
    project), none directly in tests/.
 2. Test module names are unique across folders: the folders are not packages, so pytest imports each
    test module under its bare name, and a second module of that name fails to collect.

@@ -22,10 +22,10 @@ from oracles import assert_matches_oracle, oracle_batch
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine import ordinary
 from autobucket.engine.batching import packed_prefill
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 

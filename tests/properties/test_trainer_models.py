@@ -19,9 +19,9 @@ from oracles import assert_matches_oracle, hf_greedy, mismatches, oracle_batch
 from workloads import random_prompts, steering_hook
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine import rollout as rollout_module
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 peft = pytest.importorskip("peft")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ONLINE_COSTS = "online"  # RolloutConfig.costs's word for "learn them" (engine.cost_source.ONLINE)
+ONLINE_COSTS = "online"  # RolloutConfig.costs's word for "learn them" (costs.source.ONLINE)
 _LENGTH_ITEM = re.compile(r"(\d+)(?:[xX](\d+))?", re.ASCII)
 # the library's advice on a calibration file of another setup; each command's words for it are its flag
 OVERRIDE_PHRASE = "pass RolloutConfig(costs_strict=False) / load_calibration(strict=False) / --allow-mismatch"

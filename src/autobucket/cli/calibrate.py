@@ -95,8 +95,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from autobucket.calibration.measure import calibrate, model_geometry
-    from autobucket.coefficients.file import save_calibration
+    from autobucket.costs.calibration.measure import calibrate, model_geometry
+    from autobucket.costs.calibration_file import save_calibration
 
     model, _ = load_model_from_args(args)
     plan = _plan_from_args(args, model_geometry(model).max_positions)
@@ -120,7 +120,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 def _seed_online_costs(model: Any, costs: Any, console: Console) -> None:
     """A successful calibration also becomes this machine's prior for online learning (costs="online")."""
-    from autobucket.coefficients.store import save_entry, store_metadata
+    from autobucket.costs.store import save_entry, store_metadata
 
     try:
         path = save_entry(store_metadata(model), costs, [], "file")
@@ -133,7 +133,7 @@ def _seed_online_costs(model: Any, costs: Any, console: Console) -> None:
 def _plan_from_args(args: argparse.Namespace, max_positions: int | None):
     from dataclasses import replace
 
-    from autobucket.calibration.measure import Shape, default_plan, packed_shapes_for, quick_plan
+    from autobucket.costs.calibration.measure import Shape, default_plan, packed_shapes_for, quick_plan
 
     if args.max_seconds <= 0:
         raise ValueError(f"--max-seconds {args.max_seconds} is invalid: give a positive number of seconds")

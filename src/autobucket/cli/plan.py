@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autobucket.cli.args import add_alias, finish_parser, parse_lengths, positive_int
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     ModelGeometry,

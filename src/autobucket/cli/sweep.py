@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from autobucket.coefficients.file import calibration_metadata, load_calibration
+    from autobucket.costs.calibration_file import calibration_metadata, load_calibration
     from autobucket.tools.baselines import has_generate_batch
     from autobucket.tools.sweep import HF_BATCH, SweepOptions, plot_sweep, run_sweep, select_workloads
 

@@ -37,9 +37,9 @@ import torch
 
 from autobucket.checks import optional_int, require_int
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.distributed.result import DistributedResult, merge_shard_results
 from autobucket.distributed.worker import ModelFactory, Worker, WorkerInfo
-from autobucket.planning.costs import CostCoefficients
 from autobucket.planning.sharding import STRATEGIES, ShardPlan, plan_shards, prompt_cost_ms
 from autobucket.prompts import check_context, is_conversation, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.prompts import normalize_prompts
 from autobucket.result import RolloutResult
 from autobucket.threads import set_torch_threads

@@ -20,8 +20,9 @@ import torch
 
 from autobucket.checks import warn_once
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
+from autobucket.costs.source import CostSource, RunRoute
 from autobucket.engine.batching.prefix_cache import PrefixCache
-from autobucket.engine.cost_source import CostSource, RunRoute
 from autobucket.engine.finished import Finished, StopStrings
 from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
 from autobucket.engine.kernels.elementwise import fused_elementwise
@@ -43,6 +44,7 @@ from autobucket.engine.model_access.hf_compat import (
     check_weights_loaded,
     continuous_batching_refusal,
     forward_spec,
+    sliding_window_limit,
     unwrap_model,
     vocab_size,
 )
@@ -56,7 +58,6 @@ from autobucket.engine.model_access.weight_versions import merged_adapters, weig
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.engine.sampling.streams import request_seeds
 from autobucket.engine.selection import SamplerSettings, Selection
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, check_tokenizer, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
@@ -92,7 +93,7 @@ class Rollout:
             check_kernel_device(parameter.device)
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
-        self.cost_source = CostSource(self.config, self.model, self.geometry)
+        self.cost_source = CostSource(self.config, self.model, self.geometry, sliding_window_limit(self.model.config))
         self._fingerprint = self._model_fingerprint()  # what the costs were learned for (`_follow_model`)
         self.packed_linears = _packed_linears_for(self.model, self.config)
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedGeneration
 from autobucket.engine.model_access.hf_compat import ForwardSpec, sliding_window_limit
 from autobucket.engine.selection import Selection
 from autobucket.planning.compile_choice import CompileDecision
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.profile import PhaseTimer, Profile
 
 

@@ -1,7 +1,7 @@
-"""Pure planning (standard library only, never torch): the cost model, the exact prefill-bucket DP,
-the route choice and data-parallel sharding."""
+"""Pure planning (standard library only, never torch): the exact prefill-bucket DP, the route choice and
+data-parallel sharding, over the cost model's pure part (`autobucket.costs.coefficients`)."""
 
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.planning.planner import PrefillPlan, plan_prefill
 from autobucket.planning.route_choice import RouteDecision, choose_route
 from autobucket.planning.sharding import ShardPlan, plan_shards

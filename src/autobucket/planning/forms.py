@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
 from autobucket.checks import optional_int, require_int
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     attention_gflops,

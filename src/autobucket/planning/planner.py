@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autobucket.checks import optional_int, require_int
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     prefill_cost_ms,

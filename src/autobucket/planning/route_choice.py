@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autobucket.checks import require_int
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     continuous_decode_cost_ms,

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autobucket.checks import require_int
-from autobucket.planning.costs import CostCoefficients, ModelGeometry, prefill_cost_ms
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry, prefill_cost_ms
 
 STRATEGIES = ("cost", "round_robin")
 

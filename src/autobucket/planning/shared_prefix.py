@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     attention_gflops,

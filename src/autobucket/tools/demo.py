@@ -23,7 +23,7 @@ from typing import Any
 
 from autobucket.checks import require_bool, require_int
 from autobucket.config import SamplingConfig
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.coefficients import CostCoefficients
 
 ROUTES = ("ordinary", "equal_width", "aligned", "auto")
 HF_BATCH = "hf_generate_batch"  # = tools.baselines.HF_BATCH (not imported: that module needs torch)

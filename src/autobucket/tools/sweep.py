@@ -26,7 +26,7 @@ import torch
 
 from autobucket.checks import require_bool, require_int
 from autobucket.config import SamplingConfig
-from autobucket.planning.costs import CostCoefficients
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.prompts import random_prompts
 from autobucket.tools.baselines import HF_BATCH, has_generate_batch, hf_batch_contender, hf_generate_batch
 from autobucket.tools.wording import counted

@@ -15,8 +15,8 @@ from oracles import assert_matches_oracle, mismatches, oracle_batch
 from workloads import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.batching import chunked_prefill, model_runner, packed_prefill
-from autobucket.planning.costs import CostCoefficients
 from autobucket.planning.forms import CHUNKED, DENSE, PACKED, SEGMENTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]

@@ -9,11 +9,11 @@ import torch
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine import routes
 from autobucket.engine.batching.decode_rows import DecodeRows
 from autobucket.engine.rollout import Rollout as RolloutClass
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -21,6 +21,7 @@ from oracles import forget_oracle, hf_greedy, mismatches, oracle_batch
 from workloads import random_prompts, steering_hook
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CB_STEP
 from autobucket.engine.compiled import compiled_decode
 from autobucket.engine.compiled.compile_setup import compile_credit_ms, compile_decision
 from autobucket.engine.compiled.compiled_decode import (
@@ -39,7 +40,6 @@ from autobucket.engine.compiled.dynamo_compat import (
 from autobucket.engine.compiled.trace_local_variables import make_trace_local
 from autobucket.models import build_tiny_model
 from autobucket.planning.compile_choice import CompileCosts, choose_compile
-from autobucket.planning.costs import CB_STEP
 
 LENGTHS = [7, 23, 12, 30]  # 4 rows, longest + budget < 128 columns: one graph
 BUDGET = 8

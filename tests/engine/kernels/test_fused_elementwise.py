@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise import scope as fused_scope
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
@@ -28,7 +29,6 @@ from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding,
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.model_access import direct_decode
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 

@@ -15,11 +15,11 @@ from oracles import assert_matches_oracle, forget_oracle, mismatches, oracle_bat
 from workloads import ARCHS, random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.kernels import onednn_probes, packed_linear, packed_matmul
 from autobucket.engine.kernels.onednn_probes import bf16_blocks_invariant, onednn_available
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

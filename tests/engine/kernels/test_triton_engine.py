@@ -21,12 +21,12 @@ from workloads import random_prompts
 pytest.importorskip("triton")
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs  # noqa: E402
+from autobucket.costs.coefficients import CostCoefficients  # noqa: E402
 from autobucket.engine.batching.prefill import positions_from_mask  # noqa: E402
 from autobucket.engine.kernels.scope import runs_triton_set  # noqa: E402
 from autobucket.engine.kernels.triton.scope import forced_on_cpu  # noqa: E402
 from autobucket.engine.model_access.function_routes import routers_installed  # noqa: E402
 from autobucket.engine.trainer_logprobs import teacher_forced_batch  # noqa: E402
-from autobucket.planning.costs import CostCoefficients  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 

@@ -18,6 +18,7 @@ from windowed_models import windowed_model
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
@@ -27,7 +28,6 @@ from autobucket.engine.model_access.attention import sliding_windows_applied
 from autobucket.engine.model_access.direct_decode import DirectDecode, ineligible_reason
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 # On a transformers release the step was not checked on, the engine runs the model's forward instead (the

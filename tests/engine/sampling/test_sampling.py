@@ -14,12 +14,12 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.engine.sampling import argmax, inverse_cdf
 from autobucket.engine.sampling.inverse_cdf import UnsamplableRows, blockwise_inverse_cdf, sample_inverse_cdf
 from autobucket.engine.sampling.streams import request_seed, stream_uniforms
 from autobucket.engine.sampling.warpers import warp_logits
 from autobucket.models import build_tiny_model
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients
 from autobucket.planning.planner import plan_prefill, shared_prefill_costs
 from autobucket.planning.route_choice import choose_route
 

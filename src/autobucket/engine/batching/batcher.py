@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autobucket.costs.coefficients import CB_STEP, KV_COPY, PREFILL_FORWARD
 from autobucket.engine.batching.model_runner import ModelRunner, RowInsert
 from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_group
 from autobucket.engine.batching.prefix_cache import PrefixHit
@@ -30,7 +31,6 @@ from autobucket.engine.batching.static_cache import fill_holes_order
 from autobucket.engine.finished import Finished, StopStrings
 from autobucket.engine.model_access.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
-from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
 from autobucket.planning.forms import PADDED
 from autobucket.profile import PhaseTimer, Profile
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import nnls
 
-from autobucket.coefficients.packed_fit import PackedPoint, fit_packed_prompt_ms, predict_packed_ms
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CostCoefficients,
     ModelGeometry,
     attention_gflops,
     kv_mib,
     prefill_cost_ms,
 )
+from autobucket.costs.packed_fit import PackedPoint, fit_packed_prompt_ms, predict_packed_ms
 
 PREFILL_TERMS = ("fixed_ms", "token_ms", "attention_ms", "kv_ms")
 DECODE_TERMS = ("decode_ms", "ordinary_decode_ms", "ordinary_decode_kv_ms")

@@ -10,12 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from autobucket.calibration.measure import CalibrationPlan, Shape, quick_plan
 from autobucket.cli import main
-from autobucket.coefficients.file import calibration_metadata, load_calibration, save_calibration
-from autobucket.coefficients.fit import PrefillPoint, fit_costs
-from autobucket.coefficients.packed_fit import PackedPoint, fit_packed_prompt_ms
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
+from autobucket.costs.calibration.measure import CalibrationPlan, Shape, quick_plan
+from autobucket.costs.calibration_file import calibration_metadata, load_calibration, save_calibration
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients, prefill_cost_ms
+from autobucket.costs.fit import PrefillPoint, fit_costs
+from autobucket.costs.packed_fit import PackedPoint, fit_packed_prompt_ms
 from autobucket.planning.forms import DENSE, PACKED, PADDED, SEGMENTS, FormCosts, packed_cost_ms
 
 GEOMETRY = BENCH_QWEN2_GEOMETRY
@@ -73,7 +73,7 @@ def model():
 
 
 def test_calibration_times_packed_forwards_through_the_engines_prefill(model, monkeypatch):
-    from autobucket.calibration.measure import measure
+    from autobucket.costs.calibration.measure import measure
     from autobucket.engine.batching.model_runner import ModelRunner
 
     forms = []
@@ -110,7 +110,7 @@ def test_calibrate_cli_writes_packed_prompt_ms_and_load_returns_it(tmp_path, mod
     fitted = document["costs"]["packed_prompt_ms"]
     assert load_calibration(out, model=model).packed_prompt_ms == fitted
     # It is the fit of what was measured: refitting the saved measurements gives the same value.
-    from autobucket.calibration.measure import fit_measurements, model_geometry
+    from autobucket.costs.calibration.measure import fit_measurements, model_geometry
 
     assert fit_measurements(document["measurements"], model_geometry(model)).costs.packed_prompt_ms == fitted
 

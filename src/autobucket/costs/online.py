@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import nnls
 
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     CB_STEP,
     KV_COPY,
     ORDINARY_STEP,

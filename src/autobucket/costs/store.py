@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from autobucket.coefficients.file import host_cpu, model_metadata, source_fingerprint
+from autobucket.costs.calibration_file import host_cpu, model_metadata, source_fingerprint
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.models import CACHE_DIR_ENV
-from autobucket.planning.costs import CostCoefficients
 from autobucket.profile import Timing
 
 STORE_SCHEMA_VERSION = 1

@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
-from autobucket.planning.costs import CostCoefficients, load_costs
+from autobucket.costs.coefficients import CostCoefficients, load_costs
 
 SCHEMA_VERSION = 1
 MUST_MATCH = ("config_hash", "dtype", "device", "attn_implementation")
 WARN_ONLY = ("torch", "transformers", "autobucket", "source_fingerprint", "threads")
 REQUIRED_METADATA = ("model", *MUST_MATCH, *WARN_ONLY, "date")
-# The planner and the engine paths whose speed the coefficients describe.
-# Sources whose change can change what a calibration means (paths below the package root).
+# Sources whose change can change what a calibration means: the planner and the engine paths whose speed
+# the coefficients describe (paths below the package root).
 FINGERPRINT_SOURCES = (
-    "planning/costs.py", "planning/planner.py", "engine/batching/batcher.py", "engine/batching/model_runner.py",
+    "costs/coefficients.py", "planning/planner.py", "engine/batching/batcher.py", "engine/batching/model_runner.py",
     "engine/batching/static_cache.py", "engine/batching/prefill.py", "engine/routes.py", "planning/forms.py",
     "engine/batching/packed_prefill.py", "engine/admission.py", "engine/model_access/attention.py", "engine/batching/decode_rows.py",
 )

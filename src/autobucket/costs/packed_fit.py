@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.planning.forms import DENSE, SEGMENTS, FormCosts, packed_cost_ms
 
 _MIN_SCALE_MS = 1e-6  # as in fit.py: a 0 ms reading keeps a finite weight

@@ -9,15 +9,16 @@ import warnings
 import numpy as np
 import pytest
 
-from autobucket.calibration.measure import CalibrationPlan, Shape, default_plan, quick_plan
 from autobucket.cli import main
-from autobucket.coefficients.file import (
+from autobucket.costs.calibration.measure import CalibrationPlan, Shape, default_plan, quick_plan
+from autobucket.costs.calibration_file import (
     SCHEMA_VERSION,
     calibration_metadata,
     load_calibration,
     save_calibration,
 )
-from autobucket.coefficients.fit import (
+from autobucket.costs.coefficients import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib, prefill_cost_ms
+from autobucket.costs.fit import (
     DECODE_TERMS,
     PREFILL_TERMS,
     DecodePoint,
@@ -27,7 +28,6 @@ from autobucket.coefficients.fit import (
     numerical_rank,
     prefill_features,
 )
-from autobucket.planning.costs import BENCH_QWEN2_GEOMETRY, CostCoefficients, kv_mib, prefill_cost_ms
 
 GEOMETRY = BENCH_QWEN2_GEOMETRY
 TRUE = CostCoefficients(
@@ -344,7 +344,7 @@ def test_calibrate_cli_rejects_a_bad_shape(capsys):
 
 # ------------------------------------------------------------------------------------------- measuring
 def test_calibration_times_the_engines_own_prefill_and_insert(model, monkeypatch):
-    from autobucket.calibration.measure import measure
+    from autobucket.costs.calibration.measure import measure
     from autobucket.engine.batching.model_runner import ModelRunner
 
     calls = {"prefill": 0, "insert": 0}
@@ -364,7 +364,7 @@ def test_calibration_times_the_engines_own_prefill_and_insert(model, monkeypatch
 
 
 def test_measuring_stops_at_the_deadline_and_the_refusal_names_the_shapes(model):
-    from autobucket.calibration.measure import calibrate
+    from autobucket.costs.calibration.measure import calibrate
 
     plan = CalibrationPlan((Shape(1, 8), Shape(4, 8), Shape(1, 32), Shape(4, 32)), (Shape(2, 16),),
                            (Shape(2, 8), Shape(4, 16)), decode_new_tokens=3, repeats=50, warmup=0,
@@ -378,7 +378,7 @@ def test_measuring_stops_at_the_deadline_and_the_refusal_names_the_shapes(model)
 
 
 def test_outlier_rejection_drops_a_slowed_sample_but_keeps_honest_spread():
-    from autobucket.calibration.timing import inliers, robust_median, spread
+    from autobucket.costs.calibration.timing import inliers, robust_median, spread
 
     assert inliers([10.0, 10.2, 9.9, 10.1, 60.0]) == [10.0, 10.2, 9.9, 10.1]
     assert robust_median([10.0, 10.2, 9.9, 10.1, 60.0]) == pytest.approx(10.05)

@@ -5,13 +5,13 @@
 * a `CostCoefficients`: used as given ("given"; "defaults" when they are the reference's GPU values);
 * a path: a calibration file, validated against the model ("file");
 * ``"online"`` or None (the default): learned. The prior is the cache entry for this model's fingerprint
-  ("stored", see `coefficients.store`), else a built-in probe of a few small calls through the real
+  ("stored", see `costs.store`), else a built-in probe of a few small calls through the real
   routes, sized from a first tiny call to take about `PROBE_BUDGET_MS` ("probe"). After every call the
-  call's timings refine the coefficients (`coefficients.online.OnlineCosts`) and the entry is saved
+  call's timings refine the coefficients (`costs.online.OnlineCosts`) and the entry is saved
   ("online"). The probe runs only when a route needs coefficients (auto, bucketed): other routes'
   timings are kept and join the probe's. `RolloutConfig.persist_costs=False` keeps all of it in this
   process: no entry is read or written. Only one process writes, and an unwritable cache folder is one
-  warning, never a failed call (`coefficients.store.persist_entry`).
+  warning, never a failed call (`costs.store.persist_entry`).
 
 Every call's profile gets the coefficients it used, their source, and what they predict for the
 call's timed events next to what those events measured.
@@ -26,12 +26,11 @@ from dataclasses import fields
 
 import torch
 
-from autobucket.coefficients.file import load_calibration
-from autobucket.coefficients.online import OnlineCosts, predicted_ms
-from autobucket.coefficients.store import entry_key, load_entry, persist_entry, store_metadata
 from autobucket.config import RolloutConfig, SamplingConfig
-from autobucket.engine.model_access.hf_compat import sliding_window_limit
-from autobucket.planning.costs import PREFILL_FORWARD, CostCoefficients, ModelGeometry
+from autobucket.costs.calibration_file import load_calibration
+from autobucket.costs.coefficients import PREFILL_FORWARD, CostCoefficients, ModelGeometry
+from autobucket.costs.online import OnlineCosts, predicted_ms
+from autobucket.costs.store import entry_key, load_entry, persist_entry, store_metadata
 from autobucket.profile import Profile, Timing
 from autobucket.prompts import random_prompts
 
@@ -49,10 +48,13 @@ _ZERO = CostCoefficients(**{f.name: 0.0 for f in fields(CostCoefficients) if f.n
 
 
 class CostSource:
-    """The coefficients of one `Rollout`: fixed (given, file) or learned online."""
+    """The coefficients of one `Rollout`: fixed (given, file) or learned online. `window`: the model's
+    attention window when it uses one; it bounds the probe's prompts as it bounds continuous batching."""
 
-    def __init__(self, config: RolloutConfig, model: torch.nn.Module, geometry: ModelGeometry) -> None:
-        self.model, self.geometry = model, geometry
+    def __init__(
+        self, config: RolloutConfig, model: torch.nn.Module, geometry: ModelGeometry, window: int | None = None
+    ) -> None:
+        self.model, self.geometry, self.window = model, geometry, window
         self.learner: OnlineCosts | None = None
         self.pending: list[Timing] = []  # online timings seen before the learner exists
         costs = config.costs
@@ -108,7 +110,7 @@ class CostSource:
             costs, observations, _ = entry
             self.learner, self.source = OnlineCosts(costs, self.geometry, observations), "stored"
         elif run is not None:
-            timings = probe(run, self.geometry, self.model)
+            timings = probe(run, self.geometry, self.model, self.window)
             self.learner, self.source = OnlineCosts(_ZERO, self.geometry), "probe"
             self.learner.observe(timings + self.pending)
             self._save()
@@ -150,7 +152,7 @@ def _fresh_learning() -> dict:
             "_since_refit_ms": 0.0}
 
 
-def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> list[Timing]:
+def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module, window: int | None = None) -> list[Timing]:
     """Timings of a few small calls through the real routes (prefill shapes of several B and L, CB and
     ordinary decode steps), sized so that the whole probe takes about PROBE_BUDGET_MS."""
     # Token ids do not change a dense model's timings; ids below 256 are ordinary tokens in any vocabulary
@@ -160,7 +162,7 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module) -> lis
     first = run("ordinary", random_prompts([32, 32], vocab, seed=1), sampling)
     forward_ms = sum(t.ms for t in first.timings if t.kind == PREFILL_FORWARD)
     # A sliding attention window bounds what continuous batching runs (routes.py), the probe's calls too.
-    positions = _least(geometry.max_positions, sliding_window_limit(model.config))
+    positions = _least(geometry.max_positions, window)
     unit = _probe_unit(forward_ms / 64, positions)
     # One long prompt whatever the budget: the attention term (∝ L²) is not identified by short ones, and
     # extrapolating it from them was off by 10x and more on a slow machine.

@@ -15,7 +15,8 @@ from oracles import assert_matches_oracle, oracle_batch
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.store import (
+from autobucket.costs.coefficients import CostCoefficients
+from autobucket.costs.store import (
     RANK_ENV,
     entry_path,
     load_entry,
@@ -25,7 +26,6 @@ from autobucket.coefficients.store import (
     writer_rank,
 )
 from autobucket.models import CACHE_DIR_ENV
-from autobucket.planning.costs import CostCoefficients
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # the fingerprint holds the thread count
 PROMPTS = random_prompts([5, 40, 7, 12], seed=2)
@@ -150,7 +150,7 @@ def test_each_kernel_set_learns_in_its_own_entry(model, seeded):
 
 
 def test_negative_control_a_store_keyed_without_the_kernels_serves_the_other_kernels_costs(model, seeded, monkeypatch):
-    import autobucket.engine.cost_source as cost_source
+    import autobucket.costs.source as cost_source
 
     monkeypatch.setattr(cost_source, "store_metadata", lambda model, kernels: store_metadata(model))
     (invariant,) = generate_exactly(model, RolloutConfig(route="auto", kernels="invariant"))
@@ -158,7 +158,7 @@ def test_negative_control_a_store_keyed_without_the_kernels_serves_the_other_ker
 
 
 def test_an_entry_learned_on_another_cpu_kind_is_not_used(model, cache, monkeypatch):
-    import autobucket.coefficients.store as store
+    import autobucket.costs.store as store
 
     with monkeypatch.context() as on_a_xeon:
         on_a_xeon.setattr(store, "host_cpu", lambda: XEON)
@@ -171,7 +171,7 @@ def test_an_entry_learned_on_another_cpu_kind_is_not_used(model, cache, monkeypa
 
 
 def test_host_cpu_names_the_kind_not_only_the_model_name():
-    from autobucket.coefficients.file import host_cpu
+    from autobucket.costs.calibration_file import host_cpu
 
     described = host_cpu()
     if Path("/proc/cpuinfo").is_file():  # read here independently: the first processor's fields
@@ -185,7 +185,7 @@ def test_host_cpu_names_the_kind_not_only_the_model_name():
 def test_a_stale_entry_is_read_and_reported_once_by_a_fixed_route_not_every_call(model, cache, monkeypatch):
     """An entry an older autobucket learned (same key, another source fingerprint) is ignored; a fixed route
     never probes or rewrites it, and used to re-read it and warn on every call (twice a call)."""
-    import autobucket.engine.cost_source as cost_source
+    import autobucket.costs.source as cost_source
 
     older = {**store_metadata(model), "source_fingerprint": "an older autobucket"}
     stale = save_entry(older, CostCoefficients(), [], "online")

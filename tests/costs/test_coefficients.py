@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autobucket.planning.costs import (
+from autobucket.costs.coefficients import (
     BENCH_QWEN2_GEOMETRY,
     CostCoefficients,
     ModelGeometry,
@@ -302,7 +302,7 @@ def test_real_transformers_configs_and_torch_dtypes():
 
 
 def test_forward_sq_term_is_zero_by_default_and_caps_planning_where_splitting_pays():
-    from autobucket.planning.costs import planning_token_limit, split_forward_tokens
+    from autobucket.costs.coefficients import planning_token_limit, split_forward_tokens
 
     assert split_forward_tokens(CostCoefficients()) is None
     assert planning_token_limit(4096, CostCoefficients(), 512) == 4096

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 
 import torch
 
+from autobucket.costs.coefficients import CB_STEP, ORDINARY_STEP, CostCoefficients
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.model_access.hf_compat import forward_spec
-from autobucket.planning.costs import CB_STEP, ORDINARY_STEP, CostCoefficients
 from autobucket.planning.forms import PADDED
 from autobucket.prompts import random_prompts
 

@@ -7,7 +7,7 @@ What is measured (see `timing` for how):
   the bucketed path. Timing them separately identifies ``kv_ms`` directly.
 * **Decode**: HF `generate` and the CB loop on the same uniform batch, per-step medians.
 * **Packed prefill** of B prompts of L tokens concatenated in one row (`ModelRunner.prefill` in the packed
-  form + `.insert`), interleaved with the rest: it fits ``packed_prompt_ms`` (see `coefficients.packed_fit`).
+  form + `.insert`), interleaved with the rest: it fits ``packed_prompt_ms`` (see `costs.packed_fit`).
 * **Held-out shapes** are measured like the fitted ones but never fitted: their error says how well the
   coefficients predict shapes they have not seen.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from autobucket.calibration.plans import (
+from autobucket.costs.calibration.plans import (
     DEFAULT_MAX_SECONDS,
     MAX_HOLDOUT_ERROR,
     MAX_SPREAD,
@@ -36,7 +36,7 @@ from autobucket.calibration.plans import (
     packed_shapes_for,
     quick_plan,
 )
-from autobucket.calibration.timing import (
+from autobucket.costs.calibration.timing import (
     WorkClock,
     robust_median,
     shape_prompts,
@@ -44,10 +44,10 @@ from autobucket.calibration.timing import (
     time_decode_steps,
     time_prefill_insert,
 )
-from autobucket.coefficients.fit import MAX_MEDIAN_ERROR, DecodePoint, FitReport, PrefillPoint, fit_costs
-from autobucket.coefficients.packed_fit import PackedPoint
+from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
+from autobucket.costs.fit import MAX_MEDIAN_ERROR, DecodePoint, FitReport, PrefillPoint, fit_costs
+from autobucket.costs.packed_fit import PackedPoint
 from autobucket.engine.batching.packed_prefill import packing_attention
-from autobucket.planning.costs import CostCoefficients, ModelGeometry
 from autobucket.planning.forms import PACKED, PADDED
 
 Progress = Callable[[str], None]  # called after each measured shape with a description of it
@@ -75,7 +75,7 @@ def calibrate(
     max_holdout_error: float = MAX_HOLDOUT_ERROR,
 ) -> Calibration:
     """Measure `plan` on `model` and fit the coefficients; check `result.report.ok` before trusting them."""
-    from autobucket.coefficients.file import calibration_metadata
+    from autobucket.costs.calibration_file import calibration_metadata
 
     metadata = calibration_metadata(model, model_name)
     measurements = measure(model, plan, progress or (lambda description: None))

@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.coefficients.online import OnlineCosts, median_relative_error
-from autobucket.coefficients.store import entry_path, load_entry, save_entry, store_metadata
-from autobucket.engine import cost_source
-from autobucket.models import CACHE_DIR_ENV, build_tiny_model
-from autobucket.planning.costs import (
+from autobucket.costs import source as cost_source
+from autobucket.costs.coefficients import (
     BENCH_QWEN2_GEOMETRY,
     CB_STEP,
     KV_COPY,
@@ -25,6 +22,9 @@ from autobucket.planning.costs import (
     CostCoefficients,
     timing_ms,
 )
+from autobucket.costs.online import OnlineCosts, median_relative_error
+from autobucket.costs.store import entry_path, load_entry, save_entry, store_metadata
+from autobucket.models import CACHE_DIR_ENV, build_tiny_model
 from autobucket.planning.route_choice import choose_route
 from autobucket.profile import Profile, Timing
 from autobucket.prompts import random_prompts
