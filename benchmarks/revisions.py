@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from peers import compare  # noqa: E402
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig  # noqa: E402
-from autobucket.coefficients.file import host_cpu  # noqa: E402
+from autobucket.costs.calibration_file import host_cpu  # noqa: E402
 from autobucket.models import CACHE_DIR_ENV, build_tiny_model  # noqa: E402
 from autobucket.prompts import random_prompts  # noqa: E402
 
