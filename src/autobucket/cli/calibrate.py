@@ -51,34 +51,64 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="longest prompt of the default grids (default: min(512, model context))",
     )
     parser.add_argument("--repeats", type=positive_int, help="timed runs per shape (median; default 5, --quick 3)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small grid (at most 512 tokens per forward, short decode calls) that fits in a minute")  # fmt: skip
-    parser.add_argument("--max-seconds", type=non_negative_float, default=60.0, metavar="S",
-                        help="stop measuring by S seconds (default 60); shapes left unmeasured are named")  # fmt: skip
-    parser.add_argument("--max-median-error", type=non_negative_float, default=0.5, metavar="FRACTION",
-                        help="refuse the fit when the median relative error of the fitted prefill shapes "
-                        "exceeds this (default 0.5)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid (at most 512 tokens per forward, short decode calls) that fits in a minute",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=non_negative_float,
+        default=60.0,
+        metavar="S",
+        help="stop measuring by S seconds (default 60); shapes left unmeasured are named",
+    )
+    parser.add_argument(
+        "--max-median-error",
+        type=non_negative_float,
+        default=0.5,
+        metavar="FRACTION",
+        help="refuse the fit when the median relative error of the fitted prefill shapes "
+        "exceeds this (default 0.5)",
+    )
     add_alias(parser, "--max-error", "--max-median-error", "max_median_error", type=non_negative_float)
-    parser.add_argument("--max-holdout-error", type=non_negative_float, default=0.2, metavar="FRACTION",
-                        help="refuse the fit when the median relative error of the held-out shapes exceeds "
-                        "this (default 0.2)")  # fmt: skip
+    parser.add_argument(
+        "--max-holdout-error",
+        type=non_negative_float,
+        default=0.2,
+        metavar="FRACTION",
+        help="refuse the fit when the median relative error of the held-out shapes exceeds "
+        "this (default 0.2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the measured prompts' random token ids (default 0)")
     finish_parser(parser, _run_calibrate)
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     shapes = {"type": parse_shapes, "metavar": "B:L,..."}
-    parser.add_argument("--prefill-shapes", **shapes,
-                        help="prefill shapes to fit (default: B in 1..32, L up to --max-length)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-shapes", **shapes, help="prefill shapes to fit (default: B in 1..32, L up to --max-length)"
+    )
     add_alias(parser, "--shapes", "--prefill-shapes", "prefill_shapes", type=parse_shapes)
     holdout = parser.add_mutually_exclusive_group()
-    holdout.add_argument("--holdout-shapes", **shapes, help="shapes measured but not fitted, to report held-out "
-                         "error (default: a grid between the fitted shapes)")  # fmt: skip
+    holdout.add_argument(
+        "--holdout-shapes",
+        **shapes,
+        help="shapes measured but not fitted, to report held-out "
+        "error (default: a grid between the fitted shapes)",
+    )
     holdout.add_argument("--no-holdout", action="store_true", help="measure no held-out shapes")
-    parser.add_argument("--decode-shapes", **shapes,
-                        help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)")  # fmt: skip
-    parser.add_argument("--packed-shapes", **shapes, help="B prompts of L tokens packed in one row, to fit "
-                        "packed_prompt_ms (default: the prefill shapes with B >= 2 and B·L <= 2048)")  # fmt: skip
+    parser.add_argument(
+        "--decode-shapes",
+        **shapes,
+        help="uniform batches for the CB-vs-generate decode step (default: 5 shapes)",
+    )
+    parser.add_argument(
+        "--packed-shapes",
+        **shapes,
+        help="B prompts of L tokens packed in one row, to fit "
+        "packed_prompt_ms (default: the prefill shapes with B >= 2 and B·L <= 2048)",
+    )
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -101,8 +131,14 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     model, _ = load_model_from_args(args)
     plan = _plan_from_args(args, model_geometry(model).max_positions)
     with progress_bar(plan.items, "measuring") as step:
-        result = calibrate(model, plan, args.model, progress=step, max_median_error=args.max_median_error,
-                           max_holdout_error=args.max_holdout_error)  # fmt: skip
+        result = calibrate(
+            model,
+            plan,
+            args.model,
+            progress=step,
+            max_median_error=args.max_median_error,
+            max_holdout_error=args.max_holdout_error,
+        )
     console = Console()
     console.print(fit_table(result.report.rows))
     console.print(coefficients_table(result.costs.to_dict()))
@@ -111,8 +147,13 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         problems = "\n  ".join(result.report.problems)
         print(f"autobucket calibrate: fit refused, nothing saved:\n  {problems}", file=sys.stderr)
         return _FIT_REFUSED
-    save_calibration(args.out, result.costs, result.metadata, result.measurements,
-                     extra={"plan": plan.to_dict(), "fit": result.report.to_dict()})  # fmt: skip
+    save_calibration(
+        args.out,
+        result.costs,
+        result.metadata,
+        result.measurements,
+        extra={"plan": plan.to_dict(), "fit": result.report.to_dict()},
+    )
     console.print(f"saved {args.out}")
     _seed_online_costs(model, result.costs, console)
     return 0
@@ -162,8 +203,15 @@ def fit_table(rows: list[Any]) -> Table:
     for column in ("kind", "B", "L", "set", "measured ms", "predicted ms", "error"):
         table.add_column(column, justify="left" if column in ("kind", "set") else "right")
     for row in rows:
-        table.add_row(row.kind, str(row.rows), str(row.width), "held out" if row.holdout else "fit",
-                      f"{row.measured_ms:.2f}", f"{row.predicted_ms:.2f}", f"{row.relative_error:+.1%}")  # fmt: skip
+        table.add_row(
+            row.kind,
+            str(row.rows),
+            str(row.width),
+            "held out" if row.holdout else "fit",
+            f"{row.measured_ms:.2f}",
+            f"{row.predicted_ms:.2f}",
+            f"{row.relative_error:+.1%}",
+        )
     return table
 
 

@@ -39,15 +39,28 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--out-dir", type=Path, default=Path("results/demo"), help="default: results/demo")
     parser.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="default: 48")
-    parser.add_argument("--costs", type=costs_argument, metavar="FILE|online",
-                        help="calibration or coefficients JSON for the auto route, or online (default)")  # fmt: skip
-    parser.add_argument("--allow-mismatch", action="store_true",
-                        help="use a --costs calibration measured on another model, dtype, device or attention "
-                        "backend (warns)")  # fmt: skip
-    parser.add_argument("--repeats", type=positive_int, default=1, metavar="N",
-                        help="timed runs per route, interleaved; medians are shown (default: 1)")  # fmt: skip
-    parser.add_argument("--no-hf-batch", dest="with_hf_batch", action="store_false",
-                        help="skip transformers' generate_batch")  # fmt: skip
+    parser.add_argument(
+        "--costs",
+        type=costs_argument,
+        metavar="FILE|online",
+        help="calibration or coefficients JSON for the auto route, or online (default)",
+    )
+    parser.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="use a --costs calibration measured on another model, dtype, device or attention "
+        "backend (warns)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="timed runs per route, interleaved; medians are shown (default: 1)",
+    )
+    parser.add_argument(
+        "--no-hf-batch", dest="with_hf_batch", action="store_false", help="skip transformers' generate_batch"
+    )
     add_alias(parser, "--no-hf-baseline", "--no-hf-batch", "with_hf_batch", nargs=0, const=False)
     add_threads_argument(parser)
     finish_parser(parser, _run_demo, phrases={OVERRIDE_PHRASE: "pass --allow-mismatch"})
@@ -162,8 +175,11 @@ def _agreement_line(report: Any) -> str:
             f"[green]token for token: all {len(report.timings)} contenders produced the same tokens as ordinary "
             f"generate for all {count} prompts[/green]"
         )
-    differing = [f"{name} ({counted(count - t.matching_prompts, 'prompt')})" for name, t in report.timings.items()
-                 if t.matching_prompts != count]  # fmt: skip
+    differing = [
+        f"{name} ({counted(count - t.matching_prompts, 'prompt')})"
+        for name, t in report.timings.items()
+        if t.matching_prompts != count
+    ]
     return f"[red]tokens differ from ordinary generate: {', '.join(differing)} (see demo.json)[/red]"
 
 

@@ -38,77 +38,175 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "prompt's line only, not on the route, the batch or the other prompts.",
     )
     add_model_arguments(parser, default="smollm2")
-    parser.add_argument("--prompts", required=True, metavar="FILE",
-                        help='JSONL with one of "prompt", "prompt_ids" or "messages" per line (optional "id", and '
-                        '"max_new_tokens" for that prompt\'s own budget; other keys are refused), a text file with '
-                        'one prompt per line (lines end at "\\n" only), or - for stdin')  # fmt: skip
-    parser.add_argument("--format", dest="input_format", choices=("auto", "jsonl", "txt"), default="auto",
-                        help="input format (default: by suffix, else JSONL if the first line is an object)")  # fmt: skip
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        metavar="FILE",
+        help='JSONL with one of "prompt", "prompt_ids" or "messages" per line (optional "id", and '
+        '"max_new_tokens" for that prompt\'s own budget; other keys are refused), a text file with '
+        'one prompt per line (lines end at "\\n" only), or - for stdin',
+    )
+    parser.add_argument(
+        "--format",
+        dest="input_format",
+        choices=("auto", "jsonl", "txt"),
+        default="auto",
+        help="input format (default: by suffix, else JSONL if the first line is an object)",
+    )
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
-                        help='new tokens per prompt (default 64); a JSONL line\'s "max_new_tokens" wins for it')  # fmt: skip
-    parser.add_argument("--min-new-tokens", type=non_negative_int, default=None, metavar="K",
-                        help="EOS cannot end a completion before its K-th token (HF's min_new_tokens; default: "
-                        "the model's generation config, usually none; 0 turns the model's own minimum off)")  # fmt: skip
-    parser.add_argument("--stop", dest="stop_strings", action="append", metavar="TEXT",
-                        help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
-                        "finish_reason stop); repeat for several; needs the model's tokenizer")  # fmt: skip
-    parser.add_argument("--route", choices=ROUTES, default="auto",
-                        help="auto (default): the cost model picks per call; or a route by name")  # fmt: skip
-    parser.add_argument("--costs", type=costs_argument, default="online", metavar="FILE|online",
-                        help="cost coefficients or calibration JSON for --route auto, or online (default): "
-                        "learned from the calls")  # fmt: skip
-    parser.add_argument("--allow-mismatch", action="store_true",
-                        help="use a --costs calibration measured on another model, dtype, device or attention "
-                        "backend (warns)")  # fmt: skip
-    parser.add_argument("--kernels", choices=KERNELS, default="hf",
-                        help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
-                        "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
-    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
-                        help="most prompts decoded at once (default 32)")  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help='new tokens per prompt (default 64); a JSONL line\'s "max_new_tokens" wins for it',
+    )
+    parser.add_argument(
+        "--min-new-tokens",
+        type=non_negative_int,
+        default=None,
+        metavar="K",
+        help="EOS cannot end a completion before its K-th token (HF's min_new_tokens; default: "
+        "the model's generation config, usually none; 0 turns the model's own minimum off)",
+    )
+    parser.add_argument(
+        "--stop",
+        dest="stop_strings",
+        action="append",
+        metavar="TEXT",
+        help="end a completion once its text completes TEXT (kept, as HF generate's stop_strings; "
+        "finish_reason stop); repeat for several; needs the model's tokenizer",
+    )
+    parser.add_argument(
+        "--route",
+        choices=ROUTES,
+        default="auto",
+        help="auto (default): the cost model picks per call; or a route by name",
+    )
+    parser.add_argument(
+        "--costs",
+        type=costs_argument,
+        default="online",
+        metavar="FILE|online",
+        help="cost coefficients or calibration JSON for --route auto, or online (default): "
+        "learned from the calls",
+    )
+    parser.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="use a --costs calibration measured on another model, dtype, device or attention "
+        "backend (warns)",
+    )
+    parser.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="hf",
+        help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
+        "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)",
+    )
+    parser.add_argument(
+        "--continuous-batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="most prompts decoded at once (default 32)",
+    )
     engine = parser.add_argument_group("engine (RolloutConfig)")
-    engine.add_argument("--prefix-cache-mb", type=non_negative_float, default=0.0, metavar="MB",
-                        help="keep prompts' and completions' K/V up to MB across the run's calls (a few "
-                        "continuous batches each), so a later prompt sharing a prefix (a system prompt, a "
-                        "few-shot header) prefills only the rest; 0 (default): off")  # fmt: skip
-    engine.add_argument("--prefill-max-tokens", type=positive_int, default=DEFAULT_PREFILL_MAX_TOKENS, metavar="N",
-                        help="token positions per prefill forward; a longer prompt is prefilled in chunks "
-                        f"(default {DEFAULT_PREFILL_MAX_TOKENS})")  # fmt: skip
-    engine.add_argument("--compile", choices=tuple(_COMPILE), default="off",
-                        help="the decode step under torch.compile: off (default), auto (where the predicted "
-                        "saving repays compiling), on")  # fmt: skip
-    engine.add_argument("--packed-weights-mb", type=non_negative_float, default=None, metavar="MB",
-                        help="--kernels invariant: most MB of packed weight copies (default: no limit); a "
-                        "weight past it is read where it is")  # fmt: skip
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                        help="HF's repetition penalty on the prompt's and completion's tokens (1.0, default: off)")  # fmt: skip
+    engine.add_argument(
+        "--prefix-cache-mb",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MB",
+        help="keep prompts' and completions' K/V up to MB across the run's calls (a few "
+        "continuous batches each), so a later prompt sharing a prefix (a system prompt, a "
+        "few-shot header) prefills only the rest; 0 (default): off",
+    )
+    engine.add_argument(
+        "--prefill-max-tokens",
+        type=positive_int,
+        default=DEFAULT_PREFILL_MAX_TOKENS,
+        metavar="N",
+        help="token positions per prefill forward; a longer prompt is prefilled in chunks "
+        f"(default {DEFAULT_PREFILL_MAX_TOKENS})",
+    )
+    engine.add_argument(
+        "--compile",
+        choices=tuple(_COMPILE),
+        default="off",
+        help="the decode step under torch.compile: off (default), auto (where the predicted "
+        "saving repays compiling), on",
+    )
+    engine.add_argument(
+        "--packed-weights-mb",
+        type=non_negative_float,
+        default=None,
+        metavar="MB",
+        help="--kernels invariant: most MB of packed weight copies (default: no limit); a "
+        "weight past it is read where it is",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="HF's repetition penalty on the prompt's and completion's tokens (1.0, default: off)",
+    )
     sampling = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
     sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0: off)")
     sampling.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass to keep (1.0: off)")
-    sampling.add_argument("--n", type=positive_int, default=1, metavar="N",
-                          help="samples per prompt, one prefill shared by them (default 1)")  # fmt: skip
+    sampling.add_argument(
+        "--n",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="samples per prompt, one prefill shared by them (default 1)",
+    )
     sampling.add_argument("--seed", type=seed_argument, default=0, metavar="S", help="the run's seed (default 0)")
-    sampling.add_argument("--logprobs", action="store_true",
-                          help="write each token's log-probability, log_softmax(logits / T) as an RL trainer "
-                          "computes it")  # fmt: skip
+    sampling.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="write each token's log-probability, log_softmax(logits / T) as an RL trainer computes it",
+    )
     processors = parser.add_argument_group(
         "logits processors (HF's own, each applied to one prompt's ids as a single-request generate applies it)")
-    processors.add_argument("--no-repeat-ngram-size", type=positive_int, metavar="N",
-                            help="no N-gram of the prompt and completion occurs twice")  # fmt: skip
-    processors.add_argument("--suppress-tokens", type=token_ids_argument, metavar="IDS",
-                            help="token ids never generated, comma-separated (e.g. 17,42)")  # fmt: skip
-    processors.add_argument("--bad-words-ids", dest="bad_words_ids", action="append", type=token_ids_argument,
-                            metavar="IDS", help="a token sequence never completed (its last id banned after the "
-                            "others), comma-separated; repeat for several")  # fmt: skip
-    processors.add_argument("--generation-option", dest="generation_options", action="append",
-                            type=generation_option_argument, metavar="KEY=VALUE",
-                            help="any other GenerationConfig field for every call, VALUE as JSON (e.g. "
-                            "'sequence_bias=[[[17], -5.0]]', begin_suppress_tokens=[2]); repeat for several")  # fmt: skip
+    processors.add_argument(
+        "--no-repeat-ngram-size",
+        type=positive_int,
+        metavar="N",
+        help="no N-gram of the prompt and completion occurs twice",
+    )
+    processors.add_argument(
+        "--suppress-tokens",
+        type=token_ids_argument,
+        metavar="IDS",
+        help="token ids never generated, comma-separated (e.g. 17,42)",
+    )
+    processors.add_argument(
+        "--bad-words-ids",
+        dest="bad_words_ids",
+        action="append",
+        type=token_ids_argument,
+        metavar="IDS",
+        help="a token sequence never completed (its last id banned after the "
+        "others), comma-separated; repeat for several",
+    )
+    processors.add_argument(
+        "--generation-option",
+        dest="generation_options",
+        action="append",
+        type=generation_option_argument,
+        metavar="KEY=VALUE",
+        help="any other GenerationConfig field for every call, VALUE as JSON (e.g. "
+        "'sequence_bias=[[[17], -5.0]]', begin_suppress_tokens=[2]); repeat for several",
+    )
     parser.add_argument("--out", default="-", metavar="FILE", help="output JSONL (default: - for stdout)")
-    parser.add_argument("--quiet", action="store_true",
-                        help="no progress bars (transformers' loading bar included) and no summary; warnings "
-                        "and errors still print")  # fmt: skip
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars (transformers' loading bar included) and no summary; warnings "
+        "and errors still print",
+    )
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
     phrases = {"runs kernels='hf'": "runs --kernels hf", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs",
                "pass a non-empty string, a list of them ([] disables stop strings), or None for the model's generation "
@@ -235,8 +333,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     from autobucket.tools.wording import counted
 
     calls = sum(summary["routes_run"].values())
-    routes = ", ".join(f"{route} in {count} of {calls} {'call' if calls == 1 else 'calls'}"
-                       for route, count in summary["routes_run"].items())  # fmt: skip
+    routes = ", ".join(
+        f"{route} in {count} of {calls} {'call' if calls == 1 else 'calls'}"
+        for route, count in summary["routes_run"].items()
+    )
     widths = [w for chunk in summary["bucket_widths"] for w in chunk]
     buckets = f"first-admission prefill widths {_short_list(widths)}" if widths else "no prefill groups recorded"
     reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(summary["finish_reasons"].items()))
@@ -262,8 +362,10 @@ def cost_model_line(summary: dict[str, Any]) -> str:
     note = {"defaults": " - the built-in reference (GPU) defaults, not measured here: expect large errors",
             "probe": " - from a short probe on this machine", "online": " - learned from earlier calls",
             "stored": " - learned by an earlier run", "file": " - from the calibration file"}.get(source, "")  # fmt: skip
-    return (f"cost model: predicted {summary['predicted_ms']:.0f} ms vs measured {summary['measured_ms']:.0f} ms "
-            f"for the timed forwards and steps (coefficients: {source}{note})")  # fmt: skip
+    return (
+        f"cost model: predicted {summary['predicted_ms']:.0f} ms vs measured {summary['measured_ms']:.0f} ms "
+        f"for the timed forwards and steps (coefficients: {source}{note})"
+    )
 
 
 def _short_list(values: list[int], limit: int = 8) -> str:

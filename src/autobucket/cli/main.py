@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autobucket", description="Fast batched generation for Hugging Face causal LMs."
     )
-    parser.add_argument("--version", action="version", version=f"autobucket {__version__}",
-                        help="print the version and exit")  # fmt: skip
+    parser.add_argument(
+        "--version", action="version", version=f"autobucket {__version__}", help="print the version and exit"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in (plan, generate, demo, calibrate, sweep, serve):
         command.add_parser(subparsers)

@@ -58,17 +58,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             help="override this field of the geometry (from --model-config, else the "
             "20.3M-parameter benchmark Qwen2)",
         )
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
-                        help="new tokens per prompt (default: 16)")  # fmt: skip
-    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
-                        help="most rows decoded at once (default: 32)")  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="new tokens per prompt (default: 16)",
+    )
+    parser.add_argument(
+        "--continuous-batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="most rows decoded at once (default: 32)",
+    )
     add_alias(parser, "--capacity", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--prefill-max-tokens", type=positive_int, default=DEFAULT_PREFILL_MAX_TOKENS, metavar="N",
                        help=f"token budget of one prefill forward, padding included; longer prompts are chunked "
                             f"(default: {DEFAULT_PREFILL_MAX_TOKENS})")
-    limit.add_argument("--no-prefill-limit", dest="prefill_max_tokens", action="store_const", const=None,
-                       help="no limit on the tokens of one prefill forward")  # fmt: skip
+    limit.add_argument(
+        "--no-prefill-limit",
+        dest="prefill_max_tokens",
+        action="store_const",
+        const=None,
+        help="no limit on the tokens of one prefill forward",
+    )
     add_alias(limit, "--max-tokens", "--prefill-max-tokens", "prefill_max_tokens", type=positive_int)
     add_alias(limit, "--no-token-limit", "--no-prefill-limit", "prefill_max_tokens", nargs=0, const=None)
     parser.add_argument(

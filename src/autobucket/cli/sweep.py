@@ -60,16 +60,35 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="an extra workload of these prompt lengths (repeatable), e.g. 512,16x31",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
-                        help="new tokens per prompt (default: 16)")  # fmt: skip
-    parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
-                        help="most rows decoded at once, every route (default: 32)")  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="new tokens per prompt (default: 16)",
+    )
+    parser.add_argument(
+        "--continuous-batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="most rows decoded at once, every route (default: 32)",
+    )
     add_alias(parser, "--batch-size", "--continuous-batch-size", "continuous_batch_size", type=positive_int)
     parser.add_argument("--no-hf-batch", action="store_true", help="skip transformers' generate_batch")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the prompts' random token ids and of the HumanEval sample (default 0)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("sweep.json"), metavar="FILE",
-                        help="report JSON with the raw samples (default: sweep.json in the current folder)")  # fmt: skip
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts' random token ids and of the HumanEval sample (default 0)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("sweep.json"),
+        metavar="FILE",
+        help="report JSON with the raw samples (default: sweep.json in the current folder)",
+    )
     parser.add_argument("--plot", type=Path, help="PNG of ms per route per workload")
     finish_parser(parser, _run_sweep, phrases={OVERRIDE_PHRASE: "pass --allow-mismatch"})
 
@@ -93,8 +112,11 @@ def _run_sweep(args: argparse.Namespace) -> int:
     costs = "online" if online else load_calibration(Path(args.costs), model=model, strict=not args.allow_mismatch)
     contenders = 4 + (options.with_hf_batch and has_generate_batch(model))
     # said before the long part, and the default file lands in whatever folder the user is in
-    Console(stderr=True).print(f"sweep: the report goes to {args.out.resolve()} when it ends (--out FILE to "
-                               "choose)", highlight=False, soft_wrap=True)  # fmt: skip
+    Console(stderr=True).print(
+        f"sweep: the report goes to {args.out.resolve()} when it ends (--out FILE to choose)",
+        highlight=False,
+        soft_wrap=True,
+    )
     with progress_bar(len(workloads) * contenders * (options.warmup + options.repeats), "sweeping") as step:
         report = run_sweep(model, costs, workloads, options, progress=step)
     notes += report["notes"]
@@ -141,8 +163,10 @@ def _print_report(report: dict[str, Any], hf_name: str, notes: list[str]) -> Non
     for route, keys in summary["routes_chosen"].items():
         console.print(f"Auto chose {route} on: {', '.join(keys) or '(none)'}", highlight=False)
     if not summary["both_routes_chosen"]:
-        console.print("[yellow]warning: Auto chose only one route on these workloads; the sweep does not "
-                      "exercise both decisions[/yellow]")  # fmt: skip
+        console.print(
+            "[yellow]warning: Auto chose only one route on these workloads; the sweep does not "
+            "exercise both decisions[/yellow]"
+        )
     for note in notes:
         console.print(f"note: {note}", highlight=False)
 

@@ -75,9 +75,9 @@ def source_fingerprint() -> str:
 @functools.cache  # read once per process: the CPU does not change under it
 def host_cpu() -> str:
     """This machine's CPU kind: `/proc/cpuinfo`'s model name, family and model, and the vector
-    extensions that change which kernels are fastest (e.g. "AMD EPYC family 25 model 17 avx512f
+    extensions that change which kernels are fastest (e.g. "<model name> family 25 model 17 avx512f
     avx512_bf16"); `platform.processor()` where there is no `/proc/cpuinfo`. Model names alone do not
-    tell CPU kinds apart on cloud VMs (two AMD EPYC generations both report "AMD EPYC")."""
+    tell CPU kinds apart on cloud VMs, where two generations of one product line report the same name."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -85,7 +85,7 @@ class CostCoefficients:
 
 
 def _checked_coefficient(name: str, value: Any) -> float:
-    # bool is an int subclass: True would silently mean 1 ms, which is never what a caller meant.
+    # bool is an int subclass: True would silently mean a coefficient of one, never what a caller meant.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"cost coefficient {name}={value!r} is not a number; pass a finite float >= 0")
     if not math.isfinite(value) or value < 0:

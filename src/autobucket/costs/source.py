@@ -164,8 +164,8 @@ def probe(run: RunRoute, geometry: ModelGeometry, model: torch.nn.Module, window
     # A sliding attention window bounds what continuous batching runs (routes.py), the probe's calls too.
     positions = _least(geometry.max_positions, window)
     unit = _probe_unit(forward_ms / 64, positions)
-    # One long prompt whatever the budget: the attention term (∝ L²) is not identified by short ones, and
-    # extrapolating it from them was off by 10x and more on a slow machine.
+    # One long prompt whatever the budget: short prompts leave the attention term (∝ L²) unidentified, and
+    # extrapolated from them it can be off by an order of magnitude.
     long = max(2 * unit, min(512, ((positions or 1024) - 8) // 2))
     calls = (("aligned", [max(unit // 8, 1), unit // 2, unit, long]),
              ("equal_width", [unit // 2] * 8), ("equal_width", [unit] * 4), ("ordinary", [unit // 2] * 8))

@@ -71,9 +71,10 @@ def reject_multimodal(images: Any, multimodal_fields: Any) -> None:
 def sampling_from_generation_config(generation_config: Any, eos_token_ids: Sequence[int]) -> SamplingConfig:
     """TRL's GenerationConfig -> autobucket SamplingConfig (n and seed are set per call)."""
     reject_unsupported_warpers(
-        generation_config, "generation option",
+        generation_config,
+        "generation option",
         "unset it ({option}={off!r}, via GRPOConfig or generation_kwargs) or use the stock GRPOTrainer",
-    )  # fmt: skip
+    )
     # Options transformers would apply and autobucket cannot (num_beams, forced_eos_token_id, ...): refused,
     # never generated without.
     found = first_unsupported_option(generation_config)

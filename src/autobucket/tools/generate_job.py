@@ -66,8 +66,10 @@ class GenerateJob:
         require_bool("chat", self.chat)
         require_bool("trust_remote_code", self.trust_remote_code)
         if not isinstance(self.generation_options, dict) or not all(isinstance(k, str) for k in self.generation_options):
-            raise ValueError(f"generation_options={self.generation_options!r} is invalid: expected a dict of "
-                             "GenerationConfig field names to values")  # fmt: skip
+            raise ValueError(
+                f"generation_options={self.generation_options!r} is invalid: expected a dict of "
+                "GenerationConfig field names to values"
+            )
 
 
 # ------------------------------------------------------------------ input
@@ -121,10 +123,15 @@ def check_context_fits(
         budget = record.max_new_tokens or job_budget
         if len(ids) + budget <= max_positions:
             continue
-        given, fix = ((f'its "max_new_tokens": {budget}', 'this line\'s "max_new_tokens"') if record.max_new_tokens
-                      else (f"--max-new-tokens {budget}", "--max-new-tokens"))  # fmt: skip
-        raise ValueError(f"{record.where}: the prompt has {len(ids)} tokens; with {given} it needs "
-                         f"{len(ids) + budget} positions but the model has {max_positions}: shorten it or lower {fix}")  # fmt: skip
+        given, fix = (
+            (f'its "max_new_tokens": {budget}', 'this line\'s "max_new_tokens"')
+            if record.max_new_tokens
+            else (f"--max-new-tokens {budget}", "--max-new-tokens")
+        )
+        raise ValueError(
+            f"{record.where}: the prompt has {len(ids)} tokens; with {given} it needs "
+            f"{len(ids) + budget} positions but the model has {max_positions}: shorten it or lower {fix}"
+        )
 
 
 # ------------------------------------------------------------------ run
@@ -167,8 +174,15 @@ def run_generate_job(job: GenerateJob, on_progress: Progress | None = None) -> d
     results: list[Any] = []
     started = time.perf_counter()
     try:
-        generate_in_chunks(rollout, prompts, record_sampling(job.sampling, records), chunk, on_progress,
-                           job.generation_options, results)  # fmt: skip
+        generate_in_chunks(
+            rollout,
+            prompts,
+            record_sampling(job.sampling, records),
+            chunk,
+            on_progress,
+            job.generation_options,
+            results,
+        )
     except KeyboardInterrupt:
         raise _write_finished(job, records, results, tokenizer) from None
     except ValueError as exc:
@@ -208,9 +222,14 @@ def _named_by_line(error: ValueError, chunk: Sequence[PromptRecord]) -> ValueErr
 
 
 def generate_in_chunks(
-    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, chunk: int, on_progress: Progress | None = None,
-    generation_options: dict[str, Any] | None = None, results: list[Any] | None = None,
-) -> list[Any]:  # fmt: skip
+    rollout: Any,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    chunk: int,
+    on_progress: Progress | None = None,
+    generation_options: dict[str, Any] | None = None,
+    results: list[Any] | None = None,
+) -> list[Any]:
     """One `rollout.generate` per `chunk` prompts (input order), each with `generation_options` as its
     overrides; `on_progress` after each. Each chunk gets its prompts' stream keys and budgets from the whole
     file's (`subset_sampling`), so a sampled prompt draws what one call over every prompt would draw for

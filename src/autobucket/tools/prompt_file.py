@@ -110,8 +110,10 @@ def _jsonl_record(line: str, number: int, position: int, name: str) -> PromptRec
     if "messages" in item:
         messages = item["messages"]
         if not is_conversation(messages) or message_problem(messages) is not None:
-            raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
-                             f"objects, got {messages!r}")  # fmt: skip
+            raise ValueError(
+                f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
+                f"objects, got {messages!r}"
+            )
         return PromptRecord(messages=messages, **fields)
     if "prompt" in item:
         text = item["prompt"]
@@ -141,8 +143,10 @@ def _json_object(line: str, where: str) -> dict[str, Any]:
     if misspelt:
         raise ValueError(f"{where}: {_unknown_key_text(misspelt[0])}")
     if sum(key in item for key in PROMPT_KEYS) != 1:
-        raise ValueError(f'{where}: give exactly one of "prompt" (text), "prompt_ids" (token ids) or "messages" '
-                         "(a chat conversation)")  # fmt: skip
+        raise ValueError(
+            f'{where}: give exactly one of "prompt" (text), "prompt_ids" (token ids) or "messages" '
+            "(a chat conversation)"
+        )
     return item
 
 
@@ -152,9 +156,11 @@ def _close_key(key: str) -> str | None:
 
 
 def _unknown_key_text(key: str) -> str:
-    return (f"unknown key {json.dumps(key)}: did you mean {json.dumps(_close_key(key))}? (a line takes one of "
-            f"{', '.join(json.dumps(k) for k in PROMPT_KEYS)} and optionally "
-            f"{', '.join(json.dumps(k) for k in OPTIONAL_KEYS)}; keys unlike these are ignored)")  # fmt: skip
+    return (
+        f"unknown key {json.dumps(key)}: did you mean {json.dumps(_close_key(key))}? (a line takes one of "
+        f"{', '.join(json.dumps(k) for k in PROMPT_KEYS)} and optionally "
+        f"{', '.join(json.dumps(k) for k in OPTIONAL_KEYS)}; keys unlike these are ignored)"
+    )
 
 
 def _is_token_id(value: Any) -> bool:

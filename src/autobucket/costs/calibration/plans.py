@@ -96,8 +96,8 @@ def packed_shapes_for(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
 
 def quick_plan(max_positions: int | None, repeats: int = 3, max_seconds: float = DEFAULT_MAX_SECONDS) -> CalibrationPlan:
     """A small grid: every coefficient, two held-out shapes, at most 512 tokens per forward and short
-    decode calls (~2,500 prompt tokens a round), so SmolLM2-135M gets rounds in within a minute on one
-    busy CPU core."""
+    decode calls (~2,500 prompt tokens a round), so a small model gets several rounds in within a
+    minute even on one busy CPU core."""
     longest = min(128, _default_max_length(max_positions, None, 8))
     widths = sorted({max(1, round(longest * f)) for f in (1 / 16, 1 / 4, 1)})
     prefill = tuple(Shape(b, w) for b in (1, 4, 16) for w in widths if b * w <= 512)

@@ -21,9 +21,17 @@ import torch
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("invariant_attention.cpp", "fixed_order_linear.cpp", "rotary.cpp", "silu_and_mul.cpp", "rms_norm.cpp",
-                 "first_argmax.cpp", "sample_inverse_cdf.cpp", "trainer_logprobs.cpp")
-]  # fmt: skip
+    for name in (
+        "invariant_attention.cpp",
+        "fixed_order_linear.cpp",
+        "rotary.cpp",
+        "silu_and_mul.cpp",
+        "rms_norm.cpp",
+        "first_argmax.cpp",
+        "sample_inverse_cdf.cpp",
+        "trainer_logprobs.cpp",
+    )
+]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vendor.h", "lanes.h", "aten_sum.h", "balanced_parallel.h")]  # in the build's digest: an edit rebuilds
 
 

@@ -70,7 +70,7 @@ def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, n
     return (
         "this bf16 model runs kernels='hf' on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
         "torch's bf16 linears take 5-10x the time of fp32 ones; RolloutConfig(kernels=\"invariant\") runs them "
-        "as fp32 GEMMs rounded to bf16 (a GRPO-like bf16 call in 0.17x the time on an AMD EPYC Zen 3)"
+        "as fp32 GEMMs rounded to bf16, in a fraction of the time (docs/benchmarks.md)"
     )
 
 
@@ -141,9 +141,9 @@ def fused_columns_agree(in_features: int, out_features: tuple[int, ...], has_bia
 
 # Row counts of one bf16 call for prefill-sized inputs, largest first. One large call streams the weight
 # once where 32-row calls stream it once per block, so it is several times faster. Whether it
-# gives the rows bitwise their 32-row results depends on the shape and size: on SmolLM2's, every
-# multiple of 64 from about the weight's width up did (576 -> 960: from 960 rows), none below; on
-# bench-qwen2's, nearly all. Hence a ladder of sizes, each probed per shape.
+# gives the rows bitwise their 32-row results depends on the shape and size (on some weights only
+# sizes from about the weight's width up, on others nearly every size): hence a ladder of sizes, each
+# probed per shape.
 LARGE_BLOCKS = (2048, 1536, 1024, 768, 512, 384, 256, 128)
 LARGE_BLOCK_MAX_OUT = 16384  # widest weight given LARGE_BLOCKS (a fused gate/up of 2 x 8,192 included)
 # Wider weights (output heads) get a shorter ladder: there one call of thousands of rows writes an

@@ -61,7 +61,7 @@ class PackedLinears:
     `budget_bytes` bounds the copies (None: every linear packed). Past it, a weight is not kept: its
     GEMM reads the live weight in oneDNN's plain layout, which oneDNN reorders per call into the same
     blocked layout and runs on the same kernel, so the values are bitwise the packed ones (probed on
-    every shape of `tests/engine/kernels/test_packed_linear.py`, fp32 and bf16) at 15-25% more time per GEMM; a
+    every shape of `tests/engine/kernels/test_packed_linear.py`, fp32 and bf16) at the cost of that reorder; a
     fixed-order weight gets its panels made for the call (the same values by construction). Weights
     are packed in the order the forward first meets them (the layers, then the output head)."""
 

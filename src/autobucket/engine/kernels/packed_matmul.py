@@ -55,7 +55,7 @@ class Pack:
 
 def packed_matmul(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] on `pack` (+ bias [N]) -> [..., N], in x's dtype."""
-    # [M, K]: 2-D was 10-15% faster than [M, 1, K]; contiguous, so a fused GEMM's column view as input
+    # [M, K]: oneDNN's 2-D path is faster than [M, 1, K]; contiguous, so a fused GEMM's column view as input
     # (a LoRA layer's lora_B reads lora_A's columns) gives the GEMM the layout the trainer's call has
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = _in_row_blocks(rows, pack, bias) if pack.row_blocks else _in_fp32(rows, pack, bias)

@@ -73,8 +73,11 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
         return
     _initialise_roots(modules)
     states = _unique([module._get_fsdp_state() for module in modules])
-    groups = [_GroupState(g, g.is_sharded, g.post_forward_mesh_info, len(g._post_forward_indices))
-              for state in states for g in state._fsdp_param_groups]  # fmt: skip
+    groups = [
+        _GroupState(g, g.is_sharded, g.post_forward_mesh_info, len(g._post_forward_indices))
+        for state in states
+        for g in state._fsdp_param_groups
+    ]
     automatic = [(state, state._auto_reshard_after_forward) for state in states]
     orders = _unique([g.group.comm_ctx.post_forward_order for g in groups])
     order_lengths = [(order, len(order)) for order in orders]

@@ -101,10 +101,15 @@ def _module_forward_state(index: int, module: torch.nn.Module) -> tuple | None:
 # turns, and would compile a new decode graph per call).
 # `autobucket.invariant`'s position hook supplies position ids only to forwards that pass none, and every
 # engine forward passes them (`kernels/trainer_positions.py`).
-_VALUE_NEUTRAL_HOOKS = frozenset({
-    ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
-    ("autobucket.engine.kernels.trainer_positions", "count_positions_over_real_tokens"),
-})  # fmt: skip
+_VALUE_NEUTRAL_HOOKS = frozenset(
+    {
+        (
+            "transformers.modeling_utils",
+            "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
+        ),
+        ("autobucket.engine.kernels.trainer_positions", "count_positions_over_real_tokens"),
+    }
+)
 
 
 def _value_hooks(hooks: dict) -> tuple:

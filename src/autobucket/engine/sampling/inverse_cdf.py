@@ -80,7 +80,7 @@ def vector_op(name: str) -> Callable | None:
 def blockwise_inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_inverse_cdf` in torch ops, where the kernel is not built."""
     vocab = scores.shape[1]
-    weights = torch.softmax(scores.float(), dim=-1)  # [rows, vocab]: one fused pass (aten's exp is 2x slower)
+    weights = torch.softmax(scores.float(), dim=-1)  # [rows, vocab]: one fused pass, faster than exp then a sum
     block_sums = _block_sums(weights)  # [rows, blocks]
     cumulative = block_sums.cumsum(dim=-1)
     total = cumulative[:, -1:]  # [rows, 1]

@@ -111,9 +111,14 @@ def causal_counts(rows: int, queries: int, columns: int, causal: bool, device: t
 
 
 def launch_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor | None, count: torch.Tensor,
-    scale: float, block_n: int = ATTENTION_BLOCK_N,
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    order: torch.Tensor | None,
+    count: torch.Tensor,
+    scale: float,
+    block_n: int = ATTENTION_BLOCK_N,
+) -> torch.Tensor:
     """query [rows, heads, queries, D], key/value [rows, kv_heads, columns, D] (last dim contiguous),
     order [rows, queries | 1, columns] int32 or None (keys from column 0), count [rows, queries | 1] int32
     -> [rows, queries, heads, D] in query's dtype. `block_n` is the tests' handle."""
@@ -139,9 +144,13 @@ def launch_attention(
 
 @torch.library.custom_op("autobucket_triton::attention", mutates_args=())
 def invariant_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor | None, count: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    order: torch.Tensor | None,
+    count: torch.Tensor,
     scale: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """`launch_attention` as one op (CUDA graphs and torch.compile capture it whole)."""
     return launch_attention(query, key, value, order, count, scale)
 

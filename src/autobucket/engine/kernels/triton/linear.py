@@ -54,9 +54,12 @@ def linear_kernel(
 
 
 def launch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: LinearTiles | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: LinearTiles | None = None,
     in_order: bool | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] | None -> [M, N] in x's dtype. `tiles` and `in_order` are the tests'
     handles (a changed BLOCK_K is the negative control); callers leave them to the dtype and the device."""
     tiles = tiles or linear_tiles(x.dtype)
