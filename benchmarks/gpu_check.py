@@ -48,10 +48,48 @@ def forced(rehearse: bool):
 
 
 # ------------------------------------------------------------------ env
+TRITON_FLOOR = "3.6"  # the oldest triton the kernels were run (interpreter) and compiled (sm_80 / sm_90) on
+
+
+def declared_floors() -> tuple[str | None, list[str]]:
+    """pyproject.toml's requires-python and runtime dependencies (None, []: python < 3.11 has no tomllib)."""
+    try:
+        import tomllib
+    except ImportError:
+        return None, []
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project["requires-python"], project["dependencies"]
+
+
+def floor_problems(python_spec: str | None, dependencies: list[str]) -> list[str]:
+    """What this environment lacks of what pyproject declares, and of the check's own needs (triton)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    problems = []
+    if python_spec and platform.python_version() not in SpecifierSet(python_spec):
+        problems.append(f"python {platform.python_version()} does not satisfy requires-python {python_spec}")
+    for line in [*dependencies, f"triton>={TRITON_FLOOR}"]:
+        requirement = Requirement(line)
+        try:
+            found = version(requirement.name)
+        except PackageNotFoundError:
+            problems.append(f"{requirement.name} is not installed (pyproject: {line})")
+            continue
+        if not requirement.specifier.contains(found.split("+")[0], prereleases=True):
+            problems.append(f"{requirement.name} {found} does not satisfy {line}")
+    return problems
+
+
 def phase_env(rehearse: bool) -> dict:
+    """The versions found, the device, and whether they meet pyproject's floors (the check stops if not)."""
+    import numpy
     import transformers
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+    info = {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "transformers": transformers.__version__, "numpy": numpy.__version__,
             "rehearse": rehearse, "cuda": torch.cuda.is_available()}  # fmt: skip
     try:
         import triton
@@ -63,8 +101,33 @@ def phase_env(rehearse: bool) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = list(torch.cuda.get_device_capability())
         info["tf32_matmul_default"] = torch.backends.cuda.matmul.allow_tf32
-    info["ok"] = "missing" not in str(info.get("triton"))
+    python_spec, dependencies = declared_floors()
+    info["floors_checked"] = python_spec is not None
+    info["floor_problems"] = floor_problems(python_spec, dependencies)
+    if rehearse and not torch.cuda.is_available():
+        info["runs"] = "rehearsal: CPU tensors, the Triton kernels under the interpreter, toy sizes, fp32"
+    else:
+        info["runs"] = f"GPU: {info.get('gpu', 'none visible')}, compiled Triton kernels, fp32 + bf16, TF32 off"
+    info["ok"] = not info["floor_problems"] and (rehearse or info["cuda"])
     return info
+
+
+def describe_env(info: dict) -> str:
+    """Lines a person reads before the phases start."""
+    lines = [
+        f"python {info['python']} ({info['executable']}), torch {info['torch']} (CUDA {info['torch_cuda']}), "
+        f"triton {info['triton']}, transformers {info['transformers']}, numpy {info['numpy']}",
+        f"runs: {info['runs']}",
+    ]
+    if not info["floors_checked"]:
+        lines.append("floors: not checked (python < 3.11 has no tomllib to read pyproject.toml)")
+    elif info["floor_problems"]:
+        lines += [f"floor not met: {problem}" for problem in info["floor_problems"]]
+    else:
+        lines.append(f"floors: pyproject.toml's requirements and triton>={TRITON_FLOOR} met")
+    if not info["rehearse"] and not info["cuda"]:
+        lines.append("no CUDA device visible to torch (a CPU build of torch, or CUDA_VISIBLE_DEVICES)")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ kernels
@@ -128,6 +191,35 @@ def attention_invariance(dtype: torch.dtype, dev: torch.device, length: int) -> 
     }
 
 
+def shared_prefix_invariance(dtype: torch.dtype, dev: torch.device, prefix: int, rows: int) -> dict:
+    """A decode step of `rows` rows on one shared prefix of `prefix` keys (the last row on none), each
+    with its own keys after it, against the per-row attention over each row's whole sequence; control:
+    the own keys' blocks restarted after the prefix."""
+    from autobucket.engine.kernels.triton.attention import key_order, launch_attention
+    from autobucket.engine.kernels.triton.shared_prefix_attention import launch_shared_prefix_attention
+
+    g = torch.Generator(device=dev).manual_seed(5)
+    own_columns = 3 * rows + 5
+    query = torch.randn(rows, 14, 1, 64, generator=g, device=dev).to(dtype)
+    own = [torch.randn(rows, 2, own_columns, 64, generator=g, device=dev).to(dtype) for _ in range(2)]
+    shared = [torch.randn(1, 2, prefix, 64, generator=g, device=dev).to(dtype) for _ in range(2)]
+    lengths = torch.arange(rows, device=dev) * 3 + 1  # own keys per row, right-aligned
+    allowed = (torch.arange(own_columns, device=dev)[None, :] >= own_columns - lengths[:, None])[:, None]
+    row_prefix = torch.zeros(rows, dtype=torch.int32, device=dev)
+    row_prefix[-1] = -1
+    shared_length = torch.tensor([prefix], dtype=torch.int32, device=dev)
+
+    def shared_prefix(walk):
+        order, count = key_order(allowed)
+        return launch_shared_prefix_attention(query, *own, order, count, *shared, shared_length, row_prefix, 0, 0.125, walk=walk)
+
+    full = [torch.cat([s.expand(rows, -1, -1, -1), o], dim=2) for s, o in zip(shared, own, strict=True)]
+    full_allowed = torch.cat([(row_prefix >= 0)[:, None, None].expand(rows, 1, prefix), allowed], dim=2)
+    per_row = launch_attention(query, *full, *key_order(full_allowed), 0.125)
+    return {"differing": differing_rows(shared_prefix("sequence"), per_row),
+            "control_differing": differing_rows(shared_prefix("split"), per_row)}  # fmt: skip
+
+
 def row_invariance(dtype: torch.dtype, dev: torch.device, rows: int) -> dict:
     from autobucket.engine.kernels.triton.row_reductions import launch_logsumexp, rms_norm
 
@@ -146,12 +238,13 @@ def phase_kernels(rehearse: bool) -> dict:
     tf32_off()
     dev = device(rehearse)
     dtypes = [torch.float32] if rehearse else [torch.float32, torch.bfloat16]
-    rows, width, length = (12, 32, 24) if rehearse else (512, 896, 300)
+    rows, width, length, prefix = (12, 32, 24, 37) if rehearse else (512, 896, 300, 300)
     results = {}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         results[f"linear/{name}"] = linear_invariance(dtype, dev, rows, width)
         results[f"attention/{name}"] = attention_invariance(dtype, dev, length)
+        results[f"shared_prefix/{name}"] = shared_prefix_invariance(dtype, dev, prefix, 4 if rehearse else 64)
         results[f"rows/{name}"] = row_invariance(dtype, dev, rows)
     ok = all(r["differing"] == 0 and r["control_differing"] > 0 for r in results.values())
     return {"results": results, "ok": ok}
@@ -294,7 +387,10 @@ def table(out: Path) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{'phase':<10} {'ok':<6} detail")
     env = summary["env"]
-    print(f"{'env':<10} {env.get('ok')!s:<6} torch {env.get('torch')} triton {env.get('triton')} {env.get('gpu', 'cpu')}")
+    print(f"{'env':<10} {env.get('ok')!s:<6} python {env.get('python')} torch {env.get('torch')} triton {env.get('triton')} "
+          f"transformers {env.get('transformers')} {env.get('gpu', 'cpu')}")  # fmt: skip
+    for problem in env.get("floor_problems", []):
+        print(f"{'env':<10} {'False':<6} {problem}")
     for name, r in summary["kernels"].get("results", {}).items():
         print(f"{'kernels':<10} {summary['kernels']['ok']!s:<6} {name}: differing {r['differing']}, control {r['control_differing']}")
     for name, r in summary["mismatch"].get("results", {}).items():
@@ -325,6 +421,8 @@ def main(argv: list[str]) -> int:
             "mismatch": lambda: phase_mismatch(args.rehearse, args.out), "speed": lambda: phase_speed(args.rehearse, args.out)}  # fmt: skip
     result = runs[args.phase]()
     result["phase_s"] = time.perf_counter() - started
+    if args.phase == "env":
+        print(describe_env(result))
     (args.out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({args.phase: {k: v for k, v in result.items() if k != "samples_s"}}, default=str)[:2000])
     return 0

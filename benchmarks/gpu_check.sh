@@ -8,9 +8,12 @@
 #   benchmarks/gpu_check.sh [--rehearse] OUT_DIR
 #
 # --rehearse: the same phases and code on the CPU at toy sizes, the Triton kernels under the interpreter
-# (CI runs it, so no GPU minute is lost to a typo). Without --rehearse on a machine without a CUDA GPU it
-# prints "no CUDA GPU: skipping" and exits 0. Python: $PYTHON, else python3. Exit status: 0 when env,
-# kernels and mismatch pass (speed is reported, not judged).
+# (CI runs it, so no GPU minute is lost to a typo); its time boxes are GPU_CHECK_TIME_SCALE (default 3) times
+# the GPU's. Without --rehearse on a machine without a CUDA GPU it prints "no CUDA GPU: skipping" and exits 0.
+# Python: $PYTHON, else python3. First it says what it runs: the versions it finds (python, torch, triton,
+# transformers, numpy), the device, and whether they meet pyproject.toml's floors and triton >= 3.6; where they
+# do not, it stops before the other phases (GPU_CHECK_ANY_VERSIONS=1 runs them anyway). Exit status: 0 when
+# env, kernels and mismatch pass (speed is reported, not judged).
 set -uo pipefail
 
 REHEARSE=""
@@ -33,9 +36,15 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "$REHEARSE" ]]; then
     export TRITON_INTERPRET=1  # before triton is imported: the kernels run on CPU tensors
+    SCALE=${GPU_CHECK_TIME_SCALE:-3}
+    MODE="rehearsal on the CPU (Triton's interpreter, toy sizes)"
 else
     unset TRITON_INTERPRET
+    SCALE=${GPU_CHECK_TIME_SCALE:-1}
+    MODE="GPU run ($(nvidia-smi -L | head -n 1))"
 fi
+say "$MODE with $(command -v "$PY") from $REPO into $OUT_DIR; phases env, kernels, mismatch, speed," \
+    "time boxes $((60 * SCALE)) / $((120 * SCALE)) / $((120 * SCALE)) / $((180 * SCALE)) s"
 
 run_phase() {  # name, seconds
     say "phase $1 (at most $2 s)"
@@ -46,12 +55,21 @@ run_phase() {  # name, seconds
         say "phase $1 failed or timed out (exit $status); last lines of $OUT_DIR/$1.log:"
         tail -n 15 "$OUT_DIR/$1.log"
     fi
+    return $status
 }
 
-run_phase env 60
-run_phase kernels 120
-run_phase mismatch 120
-run_phase speed 180
+run_phase env $((60 * SCALE))
+grep -v '^{' "$OUT_DIR/env.log" | sed 's/^/    /'
+if ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT_DIR/env.json" 2>/dev/null \
+    && [[ "${GPU_CHECK_ANY_VERSIONS:-0}" != 1 ]]; then
+    say "the environment does not meet the floors above (or has no CUDA device): stopping before the other phases"
+    say "(GPU_CHECK_ANY_VERSIONS=1 runs them anyway)"
+    "$PY" "$REPO/benchmarks/gpu_check.py" table "$OUT_DIR" >"$OUT_DIR/table.txt"
+    exit 1
+fi
+run_phase kernels $((120 * SCALE))
+run_phase mismatch $((120 * SCALE))
+run_phase speed $((180 * SCALE))
 say "table"
 "$PY" "$REPO/benchmarks/gpu_check.py" table "$OUT_DIR" | tee "$OUT_DIR/table.txt"
 status=${PIPESTATUS[0]}

@@ -54,6 +54,7 @@ from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.dynamo_compat import (
     is_observed_not_implemented,
     lifted_graph_limit,
+    observed_description,
     observed_model_error,
     raised_by_compiler,
 )
@@ -291,7 +292,7 @@ class CompiledDecode:
         observed = observed_model_error(error)
         reason = f"{type(error).__name__}: {_first_line(error)}"
         if observed is not None:
-            reason += f" ({_first_line(observed)})"
+            reason += f" ({observed_description(observed)})"
         if observed is None or is_observed_not_implemented(observed):
             self._disable(reason)  # a graph break, a backend failure, an unsupported attention
             return

@@ -54,6 +54,19 @@ def observed_model_error(error: BaseException) -> BaseException | None:
     return None
 
 
+def observed_description(observed: BaseException) -> str:
+    """The stand-in's first line and the traced source line that raised. The source line carries the
+    model's message on every torch: 2.13's stand-in repeats the exception's arguments, 2.11's names only
+    its type (`raised exception UserDefinedExceptionObjectVariable(ModelError)`)."""
+    text = str(observed).strip()
+    description = text.splitlines()[0][:200] if text else type(observed).__name__
+    stack = getattr(observed, "real_stack", None)
+    if stack and stack[-1].line:
+        frame = stack[-1]
+        description += f" at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line.strip()[:200]}"
+    return description
+
+
 def is_observed_not_implemented(observed: BaseException) -> bool:
     """The traced code raised NotImplementedError: code saying it cannot be compiled, not a model error."""
     return isinstance(observed, getattr(torch._dynamo.exc, "ObservedNotImplementedError", ()))

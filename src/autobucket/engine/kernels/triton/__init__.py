@@ -5,6 +5,8 @@
   weight read in place, the bias added after the K loop;
 - `attention.py`: one attention kernel over the static cache (decode, packed and chunked prefill, windows):
   each query walks its own allowed keys in blocks counted from its first allowed key;
+- `shared_prefix_attention.py`: decode attention where rows read a shared prefix's one K/V copy, then their
+  own columns, as one sequence: bitwise `attention.py` over the row's whole sequence;
 - `row_reductions.py`: RMSNorm and logsumexp / log_softmax, one program per row;
 - `selection.py`: greedy and inverse-CDF selection on the device;
 - `scope.py`: the scope that routes a forward's linears and attention to them;

@@ -23,7 +23,13 @@ _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def kernel_specs() -> Iterator[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
     """(label, kernel, signature, constexprs, options) for every kernel and dtype the GPU set launches."""
-    from autobucket.engine.kernels.triton import attention, linear, row_reductions, selection
+    from autobucket.engine.kernels.triton import (
+        attention,
+        linear,
+        row_reductions,
+        selection,
+        shared_prefix_attention,
+    )
 
     for dtype in (torch.float32, torch.bfloat16):
         t, tiles = _TYPES[dtype], LINEAR_TILES[dtype]
@@ -42,6 +48,14 @@ def kernel_specs() -> Iterator[tuple[str, object, dict[str, str], dict[str, obje
                 ("sq_r", "sq_h", "sq_q", "sk_r", "sk_h", "sk_c", "sv_r", "sv_h", "sv_c", "so_r", "so_q", "so_h",
                  "sord_r", "sord_q", "sc_r", "sc_q"), "i32"),
         }, {"GATHER": True, "BLOCK_Q": ATTENTION_BLOCK_Q, "BLOCK_N": ATTENTION_BLOCK_N, "BLOCK_D": 64}, {"num_warps": 4}  # fmt: skip
+        yield f"shared_prefix_attention[{t}]", shared_prefix_attention.shared_prefix_attention_kernel, {
+            **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "sk_ptr", "sv_ptr", "out_ptr"), f"*{t}"),
+            **dict.fromkeys(("order_ptr", "count_ptr", "prefix_ptr", "length_ptr"), "*i32"),
+            **dict.fromkeys(("heads", "heads_per_kv", "queries", "head_dim"), "i32"), "scale": "fp32", "window": "i32",
+            **dict.fromkeys(
+                ("sq_r", "sq_h", "sq_q", "sk_r", "sk_h", "sk_c", "sv_r", "sv_h", "sv_c", "ssk_p", "ssk_h", "ssk_c",
+                 "ssv_p", "ssv_h", "ssv_c", "so_r", "so_q", "so_h", "sord_r", "sord_q", "sc_r", "sc_q"), "i32"),
+        }, {"GATHER": True, "WALK": 0, "BLOCK_Q": ATTENTION_BLOCK_Q, "BLOCK_N": ATTENTION_BLOCK_N, "BLOCK_D": 64}, {"num_warps": 4}  # fmt: skip
         yield f"rms_norm[{t}]", row_reductions.rms_norm_kernel, {
             "x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "width": "i32", "eps": "fp32",
             "stride_x": "i32", "stride_o": "i32",
