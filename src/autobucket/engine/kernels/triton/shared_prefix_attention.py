@@ -89,7 +89,9 @@ def shared_prefix_attention_kernel(
         shared_dims = in_shared[:, :, None] & in_dim[None, None, :]
         own_dims = in_own[:, :, None] & in_dim[None, None, :]
         # masked lanes load exact zeros, as the per-row kernel's do; `where` keeps each key's bits as stored
-        k_shared = tl.load(sk_base + shared_column[:, :, None] * ssk_c + dims[None, None, :], mask=shared_dims, other=0.0)
+        k_shared = tl.load(
+            sk_base + shared_column[:, :, None] * ssk_c + dims[None, None, :], mask=shared_dims, other=0.0
+        )
         k_own = tl.load(k_base + own_column[:, :, None] * sk_c + dims[None, None, :], mask=own_dims, other=0.0)
         k = tl.where(in_shared[:, :, None], k_shared.to(tl.float32), k_own.to(tl.float32))
         # from here on the per-row kernel's block step, op for op
@@ -98,7 +100,9 @@ def shared_prefix_attention_kernel(
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)
         rescale = tl.exp(best - shift)
         weights = tl.where(live, tl.exp(scores - shift[:, None]), 0.0)
-        v_shared = tl.load(sv_base + shared_column[:, :, None] * ssv_c + dims[None, None, :], mask=shared_dims, other=0.0)
+        v_shared = tl.load(
+            sv_base + shared_column[:, :, None] * ssv_c + dims[None, None, :], mask=shared_dims, other=0.0
+        )
         v_own = tl.load(v_base + own_column[:, :, None] * sv_c + dims[None, None, :], mask=own_dims, other=0.0)
         v = tl.where(in_shared[:, :, None], v_shared.to(tl.float32), v_own.to(tl.float32))
         total_weight = total_weight * rescale + tl.sum(weights, axis=1)
@@ -111,10 +115,20 @@ def shared_prefix_attention_kernel(
 
 
 def launch_shared_prefix_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor | None, count: torch.Tensor,
-    shared_key: torch.Tensor, shared_value: torch.Tensor, shared_length: torch.Tensor, row_prefix: torch.Tensor,
-    window: int, scale: float, block_n: int = ATTENTION_BLOCK_N, walk: str = "sequence",
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    order: torch.Tensor | None,
+    count: torch.Tensor,
+    shared_key: torch.Tensor,
+    shared_value: torch.Tensor,
+    shared_length: torch.Tensor,
+    row_prefix: torch.Tensor,
+    window: int,
+    scale: float,
+    block_n: int = ATTENTION_BLOCK_N,
+    walk: str = "sequence",
+) -> torch.Tensor:
     """query [rows, heads, queries, D]; key/value [rows, kv_heads, columns, D], each row's own columns;
     order [rows, queries | 1, columns] int32 (each query's allowed own columns first, `attention.key_order`)
     or None (own keys from column 0); count [rows, queries | 1] int32 (how many); shared_key/shared_value
@@ -175,10 +189,18 @@ def _check(query, key, value, shared_key, shared_value, shared_length, row_prefi
 
 @torch.library.custom_op("autobucket_triton::shared_prefix_attention", mutates_args=())
 def shared_prefix_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor | None, count: torch.Tensor,
-    shared_key: torch.Tensor, shared_value: torch.Tensor, shared_length: torch.Tensor, row_prefix: torch.Tensor,
-    window: int, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    order: torch.Tensor | None,
+    count: torch.Tensor,
+    shared_key: torch.Tensor,
+    shared_value: torch.Tensor,
+    shared_length: torch.Tensor,
+    row_prefix: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
     """`launch_shared_prefix_attention` as one op (CUDA graphs and torch.compile capture it whole)."""
     return launch_shared_prefix_attention(
         query, key, value, order, count, shared_key, shared_value, shared_length, row_prefix, window, scale
@@ -192,10 +214,17 @@ def _(query, key, value, order, count, shared_key, shared_value, shared_length, 
 
 
 def shared_prefix_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float,
-    shared_key: torch.Tensor, shared_value: torch.Tensor, shared_length: torch.Tensor, row_prefix: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    shared_key: torch.Tensor,
+    shared_value: torch.Tensor,
+    shared_length: torch.Tensor,
+    row_prefix: torch.Tensor,
     window: int = 0,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The op from a forward's 4-D mask over the rows' own columns (bool or 0 / -inf; None: all of them):
     the C++ set's `invariant_attention_shared` arguments, less its tiles -> [rows, queries, heads, D]."""
     from autobucket.engine.kernels.invariant_attention import allowed_for
