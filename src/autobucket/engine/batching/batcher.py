@@ -212,12 +212,12 @@ class ContinuousBatcher:
             self.profile.record(CB_STEP, rows, attended, started)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        """Only the requests of cache rows `keep` stay, in that order (as `ModelRunner.retire` compacted them)."""
-        for request in self.rows:
-            request.cache_row = None
+        """Only the requests of cache rows `keep` stay, in that order (as `ModelRunner.retire` compacted them:
+        the last rows move into the holes, the others keep theirs)."""
         self.rows = [self.rows[r] for r in keep]
-        for row, request in enumerate(self.rows):
-            request.cache_row = row
+        for row, old in enumerate(keep):
+            if row != old:
+                self.rows[row].cache_row = row
 
     def _remember_finished(self, keep: list[int]) -> None:
         """Finished rows' sequences into the prefix cache, before their cache rows are reused: the prompt
@@ -260,6 +260,6 @@ class ContinuousBatcher:
         reason = request.finish_reason_now(self.eos, stopped)
         if reason is None:
             return False
-        request.finish_reason = reason
+        request.finish_reason, request.cache_row = reason, None
         self.finished[request.key] = request
         return True
