@@ -1,10 +1,9 @@
-"""What a finished request is, on every route: its tokens through the first EOS or completed stop string,
-why it stopped, and (when asked for) each token's log-probability."""
+"""Where a request finishes, on every route: at its first EOS, at the token that completes a stop string
+(`StopStrings`), or at its budget (`cut_finished` for a whole generated sequence)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,13 +11,6 @@ import torch
 # An id past any tokenizer's table: HF's stop-string matcher clamps such ids to an entry that matches no
 # string, so a window padded with it on the left matches exactly as the shorter sequence would.
 _MATCHES_NOTHING = 2**62
-
-
-@dataclass
-class Finished:
-    tokens: list[int]
-    reason: str  # "eos" | "stop" | "length"
-    logprobs: list[float] | None = None
 
 
 class StopStrings:

@@ -13,14 +13,17 @@ repetition_penalty) are inert — the resolved config has `do_sample=False` (HF 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
 from autobucket.config import SamplingConfig, checked_stop_strings
-from autobucket.engine.sampling.row_processors import PROCESSOR_KEYWORDS, RowProcessors, row_processors
+from autobucket.engine.sampling.row_processors import PROCESSOR_KEYWORDS, row_processors
+from autobucket.engine.sampling.streams import request_seeds
+from autobucket.engine.selection import SamplerSettings, Selection
 
 # Keys a caller must set through SamplingConfig, not as generate overrides (one source of truth).
 _SAMPLING_KEYS = (
@@ -90,24 +93,43 @@ _UNSUPPORTED: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class ResolvedGeneration:
-    """The values every route uses for one call."""
+class ResolvedSampling:
+    """One call's sampling settings, resolved once (the caller's `SamplingConfig`, the model's
+    generation_config and the call's overrides merged): the one record every route reads. The repetition
+    penalty, the EOS ids and `min_new_tokens` live in `selection` only."""
 
-    eos_token_ids: tuple[int, ...]  # empty: generate to the budget
+    selection: Selection  # how a step's logits become tokens, and the EOS ids a request ends at
+    n: int  # samples per prompt
+    continuous_batch_size: int  # most sequences decoded at once
+    budgets: tuple[int, ...]  # per prompt: its new-token budget (empty until `for_prompts`)
+    per_prompt_budgets: bool  # the caller gave one budget per prompt, not one for all
     pad_token_id: int  # structural padding only; a generated token equal to it is kept
-    repetition_penalty: float
     stop_strings: tuple[str, ...]  # empty: none (HF's matching: `autobucket.engine.finished.StopStrings`)
-    min_new_tokens: int  # EOS suppressed before this many new tokens (0: off; applied by `Selection`)
-    generation_config: Any  # the resolved transformers GenerationConfig (for the ordinary route)
-    # per-sequence logits processors (generation options, prefix_allowed_tokens_fn, the caller's own), or None
-    row_processors: RowProcessors | None = None
+    generation_config: Any = field(compare=False)  # the resolved transformers GenerationConfig (the ordinary route)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.selection.eos_token_ids
+
+    @property
+    def most_new_tokens(self) -> int:
+        """The largest budget: it bounds the call's decode steps and every row's cache columns."""
+        return max(self.budgets, default=1)
+
+    def for_prompts(self, sampling: SamplingConfig, prompt_count: int) -> ResolvedSampling:
+        """These settings for a call of `prompt_count` prompts: each prompt's budget and random stream key
+        (`sampling`: the config these were resolved from)."""
+        sampler = dataclasses.replace(self.selection.sampler, request_seeds=request_seeds(sampling.seed, prompt_count))
+        selection = dataclasses.replace(self.selection, sampler=sampler)
+        return dataclasses.replace(self, selection=selection, budgets=sampling.request_budgets(prompt_count))
 
 
 def resolve_generation(
     model: torch.nn.Module, sampling: SamplingConfig, overrides: dict[str, Any], vocab_size: int
-) -> ResolvedGeneration:
+) -> ResolvedSampling:
     """Merge model defaults, caller overrides and `sampling`; reject what no route can honour. `overrides`
-    may hold generate()'s processor keywords (`logits_processor`, `prefix_allowed_tokens_fn`)."""
+    may hold generate()'s processor keywords (`logits_processor`, `prefix_allowed_tokens_fn`). The result
+    has no per-prompt budgets or stream keys yet (`ResolvedSampling.for_prompts` adds them)."""
     processor_keywords = {key: overrides[key] for key in PROCESSOR_KEYWORDS if key in overrides}
     overrides = {key: value for key, value in overrides.items() if key not in PROCESSOR_KEYWORDS}
     _reject_sampling_overrides(overrides)
@@ -140,7 +162,22 @@ def resolve_generation(
         config, processor_keywords.get("logits_processor"), processor_keywords.get("prefix_allowed_tokens_fn"),
         eos, vocab_size, next(model.parameters()).device,
     )
-    return ResolvedGeneration(eos, pad, sampling.repetition_penalty, stops, min_new_tokens, config, processors)
+    selection = Selection(
+        _sampler_settings(sampling), sampling.repetition_penalty, sampling.logprobs, sampling.logprobs_mode,
+        next(model.parameters()).dtype, eos_token_ids=eos, min_new_tokens=min_new_tokens, row_processors=processors,
+    )
+    return ResolvedSampling(
+        selection, sampling.n, sampling.continuous_batch_size, (), isinstance(sampling.max_new_tokens, list),
+        pad, stops, config,
+    )
+
+
+def _sampler_settings(sampling: SamplingConfig) -> SamplerSettings:
+    """The sampler of `sampling`, without stream keys (`ResolvedSampling.for_prompts` adds each prompt's)."""
+    return SamplerSettings(
+        sampling.temperature, sampling.top_k, sampling.top_p, (), min_p=sampling.min_p,
+        typical_p=sampling.typical_p, epsilon_cutoff=sampling.epsilon_cutoff, eta_cutoff=sampling.eta_cutoff,
+    )
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

@@ -18,9 +18,10 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from autobucket.costs.coefficients import ORDINARY_STEP, PREFILL_FORWARD
 from autobucket.engine.batching.batcher import admission_order
 from autobucket.engine.batching.prefill import left_pad
-from autobucket.engine.finished import Finished, StopStrings, cut_finished
-from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.finished import StopStrings, cut_finished
+from autobucket.engine.generation_setup import ResolvedSampling
 from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.request import Request, call_requests
 from autobucket.engine.selection import Selection, seen_in_left_padded
 from autobucket.profile import PhaseTimer, Profile, Timing
 
@@ -59,12 +60,13 @@ class _EngineSelection:
 
     It applies the engine's `Selection` (padding-aware repetition penalty, greedy or stream
     sampling) to each step's scores and returns scores that are -inf everywhere but the chosen
-    token, so HF's greedy step takes it. Rows are (prompt, sample) items, so sampled tokens
+    token, so HF's greedy step takes it. Rows are (prompt, sample) requests, so sampled tokens
     follow the same per-request streams as on the CB routes.
     """
 
-    def __init__(self, selection: Selection, items: Sequence[tuple[int, int]], width: int, pad_lengths: Sequence[int]):
-        self.selection, self.items, self.width = selection, list(items), width
+    def __init__(self, selection: Selection, requests: Sequence[Request], width: int, pad_lengths: Sequence[int]):
+        self.selection, self.width = selection, width
+        self.prompts, self.samples = [r.prompt for r in requests], [r.sample for r in requests]
         self.pad_lengths = torch.as_tensor(list(pad_lengths), dtype=torch.long)
         self.logprobs: list[torch.Tensor] = []  # per step [rows]
 
@@ -77,8 +79,7 @@ class _EngineSelection:
         if self.selection.needs_histories:  # each row's own ids, without its left padding
             histories = [row_ids[pad:] for row_ids, pad in zip(input_ids, self.pad_lengths.tolist(), strict=True)]
         tokens, logprobs = self.selection.choose(
-            scores.float(), seen, [p for p, _ in self.items], [s for _, s in self.items], [step] * len(self.items),
-            histories,
+            scores.float(), seen, self.prompts, self.samples, [step] * len(self.prompts), histories
         )
         if logprobs is not None:
             self.logprobs.append(logprobs)
@@ -122,43 +123,38 @@ class _RowBudgets(StoppingCriteria):
 def run_ordinary(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
-    budgets: Sequence[int],
-    generation: ResolvedGeneration,
-    selection: Selection,
-    samples_per_prompt: int,
-    continuous_batch_size: int,
+    sampling: ResolvedSampling,
     profile: Profile,
     timer: PhaseTimer,
     stops: StopStrings | None = None,
-) -> dict[tuple[int, int], Finished]:
+) -> dict[tuple[int, int], Request]:
     """Batches of at most `continuous_batch_size` (prompt, sample) rows; each row is prefilled (no sharing)
-    and generates up to its prompt's budget (`budgets`, per prompt). Rows are batched largest budget first,
+    and generates up to its prompt's budget (`sampling.budgets`). Rows are batched largest budget first,
     as the CB routes queue them, so a batch's rows need similar numbers of steps."""
-    items = [(p, s) for p in admission_order(budgets) for s in range(samples_per_prompt)]
-    finished: dict[tuple[int, int], Finished] = {}
-    for start in range(0, len(items), continuous_batch_size):
-        batch = items[start : start + continuous_batch_size]
-        results = _generate_batch(model, prompts, budgets, batch, generation, selection, profile, timer, stops)
-        finished.update(zip(batch, results, strict=True))
+    order = admission_order(sampling.budgets)
+    requests = call_requests(prompts, order, sampling.budgets, sampling.n, sampling.selection.want_logprobs)
+    for start in range(0, len(requests), sampling.continuous_batch_size):
+        batch = requests[start : start + sampling.continuous_batch_size]
+        _generate_batch(model, batch, sampling, profile, timer, stops)
         profile.max_active_rows = max(profile.max_active_rows, len(batch))
-    return finished
+    return {request.key: request for request in requests}
 
 
-def _generate_batch(
-    model, prompts, budgets, items, generation: ResolvedGeneration, selection: Selection, profile, timer, stops: StopStrings | None
-):
+def _generate_batch(model, requests: list[Request], sampling: ResolvedSampling, profile, timer, stops: StopStrings | None):
+    """Generate for `requests` in one HF `generate` call; each request's tokens, logprobs and finish reason
+    are written into its record."""
     device = next(model.parameters()).device
-    batch = [prompts[p] for p, _ in items]
-    input_ids, attention_mask = left_pad(batch, generation.pad_token_id, device)
+    batch = [r.prompt_ids for r in requests]
+    input_ids, attention_mask = left_pad(batch, sampling.pad_token_id, device)
     width = input_ids.shape[1]
-    config = copy.deepcopy(generation.generation_config)
+    config = copy.deepcopy(sampling.generation_config)
     config.repetition_penalty = 1.0  # applied by _EngineSelection, over real tokens only
-    row_budgets = [budgets[p] for p, _ in items]
+    row_budgets = [r.budget for r in requests]
     config.max_new_tokens = max(row_budgets)
-    needs_selector = (
-        selection.needs_steps or selection.want_logprobs or generation.repetition_penalty != 1.0
-    )  # else HF's own greedy step picks the engine's token
-    selector = _EngineSelection(selection, items, width, [width - len(p) for p in batch]) if needs_selector else None
+    selection = sampling.selection
+    # else HF's own greedy step picks the engine's token
+    needs_selector = selection.needs_steps or selection.want_logprobs or selection.uses_penalty
+    selector = _EngineSelection(selection, requests, width, [width - len(p) for p in batch]) if needs_selector else None
     profile.prefill_tokens += len(batch) * width
     # transformers 4.57 replaces values equal to GenerationConfig defaults (do_sample=False,
     # repetition_penalty=1.0) with the model's own unless told not to; 5.x has no such merge.
@@ -180,12 +176,10 @@ def _generate_batch(
         synced_gpus=False,
         **exact,
     )
-    eos = frozenset(generation.eos_token_ids)
+    eos = frozenset(sampling.eos_token_ids)
     step_logprobs = torch.stack(selector.logprobs, dim=1).tolist() if selector and selector.logprobs else None
     stop_lengths = row_stops.stop_lengths if row_stops is not None else [None] * len(batch)
-    results = []
-    for row, generated in enumerate(output[:, width:].tolist()):
-        tokens, reason = cut_finished(generated, eos, row_budgets[row], stop_lengths[row])
-        logprobs = step_logprobs[row][: len(tokens)] if step_logprobs is not None else None
-        results.append(Finished(tokens, reason, logprobs))
-    return results
+    for row, (request, generated) in enumerate(zip(requests, output[:, width:].tolist(), strict=True)):
+        request.tokens, request.finish_reason = cut_finished(generated, eos, request.budget, stop_lengths[row])
+        if step_logprobs is not None:
+            request.logprobs = step_logprobs[row][: len(request.tokens)]

@@ -23,8 +23,8 @@ from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.costs.source import CostSource, RunRoute
 from autobucket.engine.batching.prefix_cache import PrefixCache
-from autobucket.engine.finished import Finished, StopStrings
-from autobucket.engine.generation_setup import ResolvedGeneration, resolve_generation
+from autobucket.engine.finished import StopStrings
+from autobucket.engine.generation_setup import ResolvedSampling, resolve_generation
 from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
 from autobucket.engine.kernels.packed_linear import PackedLinears
@@ -55,9 +55,8 @@ from autobucket.engine.model_access.sharded_weights import (
     is_sharded,
 )
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
+from autobucket.engine.request import Request
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
-from autobucket.engine.sampling.streams import request_seeds
-from autobucket.engine.selection import SamplerSettings, Selection
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
 from autobucket.prompts import check_context, check_tokenizer, normalize_prompts, unpad_left_padded
 from autobucket.result import RolloutResult
@@ -177,7 +176,7 @@ class Rollout:
             return self._generate_checked(token_prompts, sampling, generation, stops, started)
 
     def _generate_checked(
-        self, token_prompts: list[list[int]], sampling: SamplingConfig, generation: ResolvedGeneration,
+        self, token_prompts: list[list[int]], sampling: SamplingConfig, generation: ResolvedSampling,
         stops: StopStrings | None, started: float,
     ) -> RolloutResult:  # fmt: skip
         # Only the planning routes need coefficients: the others never trigger the online probe, nor do
@@ -208,7 +207,7 @@ class Rollout:
         config: RolloutConfig,
         prompts: list[list[int]],
         sampling: SamplingConfig,
-        generation: ResolvedGeneration,
+        generation: ResolvedSampling,
         costs: CostCoefficients | None,
         started: float,
         prefix_cache: PrefixCache | None = None,
@@ -219,15 +218,9 @@ class Rollout:
         profile = Profile(route=config.route)
         # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
         timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
-        selection = Selection(
-            _sampler_settings(sampling, len(prompts)), generation.repetition_penalty, sampling.logprobs,
-            sampling.logprobs_mode, next(self.model.parameters()).dtype,
-            eos_token_ids=generation.eos_token_ids, min_new_tokens=generation.min_new_tokens,
-            row_processors=generation.row_processors,
-        )  # fmt: skip
         call = RouteCall(
             self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
-            generation, sampling, selection, profile, timer, self.vocab_size, self.max_positions,
+            generation.for_prompts(sampling, len(prompts)), profile, timer, self.vocab_size, self.max_positions,
             prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
         call = with_compile_decision(call)
@@ -363,14 +356,6 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     return PackedLinears(budget, fuse=True)
 
 
-def _sampler_settings(sampling: SamplingConfig, prompt_count: int) -> SamplerSettings:
-    seeds = request_seeds(sampling.seed, prompt_count)
-    return SamplerSettings(
-        sampling.temperature, sampling.top_k, sampling.top_p, seeds, min_p=sampling.min_p,
-        typical_p=sampling.typical_p, epsilon_cutoff=sampling.epsilon_cutoff, eta_cutoff=sampling.eta_cutoff,
-    )  # fmt: skip
-
-
 def _nest(values: list, samples_per_prompt: int) -> list:
     """Per-item values -> per prompt (n == 1) or per prompt a list of n (n > 1)."""
     if samples_per_prompt == 1:
@@ -379,7 +364,7 @@ def _nest(values: list, samples_per_prompt: int) -> list:
 
 
 def _result(
-    call: RouteCall, finished: dict[tuple[int, int], Finished], memory: PeakMemory, started: float
+    call: RouteCall, finished: dict[tuple[int, int], Request], memory: PeakMemory, started: float
 ) -> RolloutResult:
     profile, n = call.profile, call.sampling.n
     ordered = [finished[(p, s)] for p in range(len(call.prompts)) for s in range(n)]
@@ -391,7 +376,7 @@ def _result(
         torch.cuda.synchronize(call.timer.device)
     profile.total_ms = (time.perf_counter() - started) * 1e3
     profile.tokens_per_s = profile.output_tokens / max(profile.total_ms / 1e3, 1e-9)
-    logprobs = _nest([item.logprobs for item in ordered], n) if call.sampling.logprobs else None
+    logprobs = _nest([item.logprobs for item in ordered], n) if call.sampling.selection.want_logprobs else None
     return RolloutResult(
-        _nest(tokens, n), _nest([item.reason for item in ordered], n), profile.route, profile, logprobs
+        _nest(tokens, n), _nest([item.finish_reason for item in ordered], n), profile.route, profile, logprobs
     )

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from autobucket.config import RolloutConfig, SamplingConfig
+from autobucket.config import RolloutConfig
 from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
-from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.generation_setup import ResolvedSampling
 from autobucket.engine.model_access.hf_compat import ForwardSpec, sliding_window_limit
-from autobucket.engine.selection import Selection
 from autobucket.planning.compile_choice import CompileDecision
 from autobucket.profile import PhaseTimer, Profile
 
@@ -28,9 +27,7 @@ class RouteCall:
     costs: CostCoefficients
     config: RolloutConfig
     prompts: list[list[int]]
-    generation: ResolvedGeneration
-    sampling: SamplingConfig
-    selection: Selection
+    sampling: ResolvedSampling  # for these prompts: budgets and stream keys filled (`for_prompts`)
     profile: Profile
     timer: PhaseTimer
     vocab_size: int
@@ -42,7 +39,7 @@ class RouteCall:
     @property
     def budgets(self) -> tuple[int, ...]:
         """Per prompt: its new-token budget (checked against the prompts by `Rollout.generate`)."""
-        return self.sampling.request_budgets(len(self.prompts))
+        return self.sampling.budgets
 
     @property
     def most_new_tokens(self) -> int:

@@ -43,12 +43,12 @@ from autobucket.engine.compiled.compile_setup import (
     compiled_decode_for,
     record_compile,
 )
-from autobucket.engine.finished import Finished
 from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
 from autobucket.engine.kernels.scope import runs_triton_set
 from autobucket.engine.model_access.attention import AttentionFunction, dispatches, sliding_windows_applied
 from autobucket.engine.model_access.hf_compat import attention_implementation, continuous_batching_refusal
 from autobucket.engine.ordinary import run_ordinary
+from autobucket.engine.request import Request
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
 from autobucket.planning.route_choice import (
@@ -60,7 +60,7 @@ from autobucket.planning.route_choice import (
 from autobucket.planning.shared_prefix import plan_shared_prefixes
 from autobucket.profile import Profile
 
-FinishedItems = dict[tuple[int, int], Finished]  # (prompt index, sample index) -> result
+FinishedItems = dict[tuple[int, int], Request]  # (prompt index, sample index) -> its finished record
 
 
 Route = Callable[[RouteCall], FinishedItems]
@@ -70,10 +70,7 @@ ContinuationPolicy = Callable[[RouteCall, Sequence[int], Sequence[int]], list[li
 
 # ------------------------------------------------------------------ the routes
 def ordinary_route(call: RouteCall) -> FinishedItems:
-    return run_ordinary(
-        call.model, call.prompts, call.budgets, call.generation, call.selection, call.sampling.n,
-        call.sampling.continuous_batch_size, call.profile, call.timer, call.stops,
-    )  # fmt: skip
+    return run_ordinary(call.model, call.prompts, call.sampling, call.profile, call.timer, call.stops)
 
 
 def equal_width_route(call: RouteCall) -> FinishedItems:
@@ -192,15 +189,14 @@ def run_continuous(
         round_capacity=call.config.cache_capacity is None,
     )  # fmt: skip
     runner = ModelRunner(
-        call.model, call.spec, shape, call.generation.pad_token_id, call.vocab_size,
-        track_seen=call.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
+        call.model, call.spec, shape, call.sampling.pad_token_id, call.vocab_size,
+        track_seen=call.sampling.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
         cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
         decode_attention=_decode_attention(call),
     )  # fmt: skip
     call.profile.decode_forward = "direct" if runner.direct is not None else "model"
     batcher = ContinuousBatcher(
-        runner, call.selection, call.generation.eos_token_ids, call.budgets,
-        call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
+        runner, call.sampling, call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
         call.stops,
     )  # fmt: skip
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
@@ -311,7 +307,7 @@ def cache_shape(call: RouteCall) -> CacheShape:
         # A row holds its prompt plus budget - 1 fed-back tokens; trimming keeps every schedule within
         # longest + budget - 1 columns (see StaticKVCache), so this is the exact minimum.
         index = max(range(len(call.prompts)), key=lambda i: len(call.prompts[i]))
-        per_prompt = isinstance(call.sampling.max_new_tokens, list)
+        per_prompt = call.sampling.per_prompt_budgets
         budget_text = f"the largest max_new_tokens is {budget}" if per_prompt else f"max_new_tokens={budget}"
         raise ValueError(
             f"cache_capacity={columns} is too small: prompt {index} has {longest} tokens and {budget_text}, which needs {longest + budget - 1} columns; raise cache_capacity to at least "

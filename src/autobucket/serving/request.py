@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from autobucket.config import SamplingConfig
 from autobucket.engine.finished import StopStrings
-from autobucket.engine.generation_setup import ResolvedGeneration
+from autobucket.engine.generation_setup import ResolvedSampling
 from autobucket.engine.selection import Selection
 from autobucket.serving.progress import Progress
 
@@ -55,8 +55,7 @@ class Request:
     prompt_ids: list[int]  # as submitted: the ids before `generated`
     generated: list[int]  # tokens made before this submission (a resumed request's), prefilled with the prompt
     sampling: SamplingConfig
-    generation: ResolvedGeneration
-    selection: Selection  # its token choice, without stream keys (rows that select alike share one call)
+    generation: ResolvedSampling  # without stream keys (rows that select alike share one call)
     stream_key: int  # its random stream's key: `request_seeds(sampling.seed, 1)[0]`
     sample: int  # which sample of its prompt: the stream's sample key
     stops: StopStrings | None = None
@@ -67,6 +66,10 @@ class Request:
     started_version: int | None = None  # the weights version of its first token (`max_staleness`)
     error: BaseException | None = None  # what the model raised while it ran (re-raised to its readers)
     progress: Progress = field(default_factory=Progress)
+
+    @property
+    def selection(self) -> Selection:
+        return self.generation.selection
 
     @property
     def done(self) -> bool:

@@ -15,7 +15,6 @@ from autobucket.config import SamplingConfig
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import resolve_generation
 from autobucket.engine.sampling.streams import request_seeds
-from autobucket.engine.selection import SamplerSettings, Selection
 from autobucket.prompts import normalize_prompts
 from autobucket.serving.request import Request
 
@@ -42,7 +41,7 @@ def build_request(
     """The request record for one submission (`stops`: matchers kept per stop strings, filled here)."""
     sampling = _checked_sampling(sampling)
     generation = resolve_generation(limits.model, sampling, {}, limits.vocab_size)
-    if generation.row_processors is not None:
+    if generation.selection.row_processors is not None:
         raise ValueError(
             "the model's generation_config asks for per-sequence logits processors (no_repeat_ngram_size, "
             "bad_words_ids, suppress_tokens, ...), which the asynchronous engine does not apply yet: unset them "
@@ -53,7 +52,7 @@ def build_request(
     _check_length(len(prompt_ids), len(before), sampling.max_new_tokens, limits.max_model_len)
     return Request(
         request_id=_checked_id(request_id), prompt_ids=prompt_ids, generated=before, sampling=sampling,
-        generation=generation, selection=_selection(sampling, generation, limits.model),
+        generation=generation,
         stream_key=request_seeds(sampling.seed, 1)[0], sample=_checked_sample(sample),
         stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stops),
     )  # fmt: skip
@@ -77,19 +76,6 @@ def _checked_sampling(sampling: SamplingConfig | None) -> SamplingConfig:
             "repetition penalty yet; pass 1.0, or use Rollout.generate"
         )
     return sampling
-
-
-def _selection(sampling: SamplingConfig, generation, model: torch.nn.Module) -> Selection:
-    """The request's token choice, without its stream key (`token_choice` adds each row's)."""
-    sampler = SamplerSettings(
-        sampling.temperature, sampling.top_k, sampling.top_p, (), min_p=sampling.min_p,
-        typical_p=sampling.typical_p, epsilon_cutoff=sampling.epsilon_cutoff, eta_cutoff=sampling.eta_cutoff,
-    )  # fmt: skip
-    return Selection(
-        sampler, generation.repetition_penalty, sampling.logprobs, sampling.logprobs_mode,
-        next(model.parameters()).dtype, eos_token_ids=generation.eos_token_ids,
-        min_new_tokens=generation.min_new_tokens,
-    )  # fmt: skip
 
 
 def _checked_generated(generated: Sequence[int], vocab_size: int) -> list[int]:

@@ -4,10 +4,10 @@ One loop serves every CB route; routes differ only in their admission policy, wh
 admission's prompts into prefill groups (equal_width: one padded group; aligned: one group per
 prompt; bucketed: the planner's padded, packed or chunked groups). All device work goes through a `ModelRunner`.
 
-Work items are (prompt, sample) pairs, queued prompt-major. A prompt is prefilled once; its K/V and
-last-token logits serve all of its `n` samples: each sample draws its own first token from the
-shared logits, and the K/V is copied into one cache row per sample. When an admission ends in the
-middle of a prompt's samples, that prompt's prefill is kept (`self.retained`) for the next
+Work items are `Request` records, one per (prompt, sample), queued prompt-major. A prompt is prefilled
+once; its K/V and last-token logits serve all of its `n` samples: each sample draws its own first token
+from the shared logits, and the K/V is copied into one cache row per sample. When an admission ends in
+the middle of a prompt's samples, the queued samples keep that prefill (`Request.prefill`) for the next
 admission, so a prompt is never prefilled twice.
 
 The only host sync per decode step is reading the new tokens back (`tolist`); EOS, stop-string and
@@ -15,10 +15,10 @@ budget checks happen on those host integers."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,9 +28,10 @@ from autobucket.engine.batching.prefill import PrefillGroup, PrefillOutput, as_g
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
 from autobucket.engine.batching.static_cache import fill_holes_order
-from autobucket.engine.finished import Finished, StopStrings
+from autobucket.engine.finished import StopStrings
+from autobucket.engine.generation_setup import ResolvedSampling
 from autobucket.engine.model_access.grad_mode import without_autograd
-from autobucket.engine.selection import Selection
+from autobucket.engine.request import PrefillRow, Request, call_requests
 from autobucket.planning.forms import PADDED
 from autobucket.profile import PhaseTimer, Profile
 
@@ -39,25 +40,6 @@ from autobucket.profile import PhaseTimer, Profile
 AdmissionPolicy = Callable[[Sequence[int]], list[list[int]] | list[PrefillGroup]]
 
 CONTINUED = "continued"  # a group whose prompts continue given K/V (from the prefix cache or a shared prefix)
-
-
-@dataclass
-class _Row:
-    """Host-side state of one active cache row: one sample of one prompt."""
-
-    prompt: int
-    sample: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-
-
-@dataclass
-class _Source:
-    """Where an admitted prompt's prefill lives: row `row` of `output`."""
-
-    output: PrefillOutput
-    row: int
-    seen: torch.Tensor | None  # [vocab] bool prompt tokens (with a repetition penalty)
 
 
 def admission_order(budgets: Sequence[int]) -> list[int]:
@@ -75,48 +57,45 @@ class ContinuousBatcher:
     def __init__(
         self,
         runner: ModelRunner,
-        selection: Selection,
-        eos_token_ids: Sequence[int],
-        budgets: Sequence[int],
+        sampling: ResolvedSampling,
         profile: Profile,
         timer: PhaseTimer,
         prefix: PrefixReuse | None = None,
         stops: StopStrings | None = None,
     ) -> None:
-        self.runner, self.selection, self.profile, self.timer = runner, selection, profile, timer
+        self.runner, self.sampling, self.selection, self.profile, self.timer = runner, sampling, sampling.selection, profile, timer
         self.stops = stops
         # None: every prompt prefilled whole, nothing remembered
         self.prefix = PrefixAdmission(prefix, runner, profile, timer) if prefix is not None else None
         self.prompts: Sequence[Sequence[int]] = ()
-        self.eos, self.budgets = frozenset(eos_token_ids), budgets  # budgets: per prompt index
-        self.rows: list[_Row] = []
-        self.retained: tuple[int, _Source] | None = None  # a prompt with samples still queued
-        self.finished: dict[tuple[int, int], Finished] = {}
+        self.eos = frozenset(sampling.eos_token_ids)
+        self.rows: list[Request] = []  # the decoding requests, in cache-row order (`Request.cache_row`)
+        self.finished: dict[tuple[int, int], Request] = {}
 
     @without_autograd
     def run(
         self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, admission_policy: AdmissionPolicy
-    ) -> dict[tuple[int, int], Finished]:
-        """Finished results keyed by (prompt index, sample index)."""
+    ) -> dict[tuple[int, int], Request]:
+        """Finished requests keyed by (prompt index, sample index)."""
         self.prompts = prompts
-        queue = deque((p, s) for p in admission_order(self.budgets) for s in range(samples_per_prompt))
+        budgets, want_logprobs = self.sampling.budgets, self.selection.want_logprobs
+        queue = deque(call_requests(prompts, admission_order(budgets), budgets, samples_per_prompt, want_logprobs))
         rows_limit = self.runner.cache_shape.continuous_batch_size
         while queue or self.rows:
             free_rows = rows_limit - len(self.rows)
             if queue and free_rows:
                 admitted = [queue.popleft() for _ in range(min(free_rows, len(queue)))]
-                still_queued = queue[0][0] if queue else None
-                self._admit(prompts, admitted, still_queued, admission_policy)
+                self._admit(admitted, queue, admission_policy)
             if self.rows:
                 self._decode_step()
         return self.finished
 
     # ------------------------------------------------------------ admission
-    def _admit(self, prompts, admitted: list[tuple[int, int]], still_queued: int | None, policy) -> None:
-        sources: dict[int, _Source] = {}
-        if self.retained is not None:
-            sources[self.retained[0]] = self.retained[1]
-        new_prompts = list(dict.fromkeys(p for p, _ in admitted if p not in sources))
+    def _admit(self, admitted: list[Request], queue: deque[Request], policy) -> None:
+        """Prefill the admitted requests' prompts that have no prefill yet and start their rows. The
+        queue's next requests of a prompt prefilled here keep its prefill for the next admission."""
+        prompts = self.prompts
+        new_prompts = list(dict.fromkeys(r.prompt for r in admitted if r.prefill is None))
         hits = self.prefix.hits(prompts, new_prompts) if self.prefix is not None else {}
         whole = [p for p in new_prompts if p not in hits]
         groups = [as_group(b) for b in policy(whole)] if whole else []
@@ -126,20 +105,23 @@ class ContinuousBatcher:
         # Widest group first: it sets the front, narrower groups then fit without a gap.
         work = [(g.prompts, lambda g=g: self._prefill(g, [prompts[i] for i in g.prompts])) for g in groups]
         work += [(tuple(c), lambda c=c: self._prefill_continued(c, hits)) for c in continued]
+        prefilled: dict[int, PrefillRow] = {}
         for _, run in sorted(work, key=lambda item: -max(len(prompts[i]) for i in item[0])):
-            sources.update(run())
-        by_output: dict[int, list[tuple[int, int]]] = {}
-        for item in admitted:
-            by_output.setdefault(id(sources[item[0]].output), []).append(item)
-        for items in by_output.values():
+            prefilled.update(run())
+        for request in itertools.chain(admitted, itertools.takewhile(lambda r: r.prompt in prefilled, queue)):
+            if request.prefill is None:
+                request.prefill = prefilled[request.prompt]
+        by_output: dict[int, list[Request]] = {}
+        for request in admitted:
+            by_output.setdefault(id(request.prefill.output), []).append(request)
+        for members in by_output.values():
             # In the output's row order (stable: a prompt's samples keep theirs), so a group whose rows are
             # all admitted is copied into the cache as one block instead of being gathered into a copy first
             # (continued groups came back in another order than the queue's: a whole extra K/V copy each).
-            items.sort(key=lambda item: sources[item[0]].row)
-            self._start_samples(prompts, items, sources)
-        self.retained = (still_queued, sources[still_queued]) if still_queued in sources else None
+            members.sort(key=lambda request: request.prefill.row)
+            self._start_samples(members)
 
-    def _prefill(self, group: PrefillGroup, group_prompts: list[Sequence[int]]) -> dict[int, _Source]:
+    def _prefill(self, group: PrefillGroup, group_prompts: list[Sequence[int]]) -> dict[int, PrefillRow]:
         with self.timer.phase("prefill_ms"):
             started = time.perf_counter()
             output, seen = self.runner.prefill(group_prompts, group.form, group.chunk_tokens)
@@ -148,54 +130,59 @@ class ContinuousBatcher:
                 self.profile.record(PREFILL_FORWARD, len(group.prompts), max(map(len, group_prompts)), started)
         self.profile.prefill_forwards += output.forwards
         self.profile.prefill_tokens += output.tokens
-        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group.prompts)}
+        return {p: PrefillRow(output, b, None if seen is None else seen[b]) for b, p in enumerate(group.prompts)}
 
-    def _prefill_continued(self, group: list[int], hits: dict[int, PrefixHit]) -> dict[int, _Source]:
+    def _prefill_continued(self, group: list[int], hits: dict[int, PrefixHit]) -> dict[int, PrefillRow]:
         output, seen = self.prefix.prefill_continued(group, hits, self.prompts)
-        return {p: _Source(output, b, None if seen is None else seen[b]) for b, p in enumerate(group)}
+        return {p: PrefillRow(output, b, None if seen is None else seen[b]) for b, p in enumerate(group)}
 
-    def _start_samples(self, prompts, items: list[tuple[int, int]], sources: dict[int, _Source]) -> None:
-        """First tokens of `items` (all prefilled in one output) from the shared prefill logits."""
-        output = sources[items[0][0]].output
-        source_rows = [sources[p].row for p, _ in items]
-        seen = torch.stack([sources[p].seen for p, _ in items]) if self.runner.seen is not None else None
+    def _start_samples(self, members: list[Request]) -> None:
+        """First tokens of `members` (all prefilled in one output) from the shared prefill logits."""
+        output = members[0].prefill.output
+        source_rows = [r.prefill.row for r in members]
+        seen = torch.stack([r.prefill.seen for r in members]) if self.runner.seen is not None else None
         with self.timer.phase("prefill_ms"):
             index = torch.tensor(source_rows, dtype=torch.long, device=self.runner.device)
-            histories = [prompts[p] for p, _ in items] if self.selection.needs_histories else ()
+            histories = [r.prompt_ids for r in members] if self.selection.needs_histories else ()
             tokens, logprobs = self.selection.choose(
-                output.last_logits[index], seen, [p for p, _ in items], [s for _, s in items], [0] * len(items),
-                histories,
+                output.last_logits[index], seen, [r.prompt for r in members], [r.sample for r in members],
+                [0] * len(members), histories,
             )
         tokens_host = tokens.tolist()
-        logprobs_host = logprobs.tolist() if logprobs is not None else [None] * len(items)
-        rows = [
-            _Row(p, s, [token], None if logprob is None else [logprob])
-            for (p, s), token, logprob in zip(items, tokens_host, logprobs_host, strict=True)
-        ]
+        logprobs_host = logprobs.tolist() if logprobs is not None else None
+        for b, (request, token) in enumerate(zip(members, tokens_host, strict=True)):
+            self._append(request, token, logprobs_host, b)
         keep = []
-        for b, (row, stopped) in enumerate(zip(rows, self._completes_stop_string(rows), strict=True)):
-            if not self._finish_if_done(row, stopped):
-                keep.append((b, row))
+        for b, (request, stopped) in enumerate(zip(members, self._completes_stop_string(members), strict=True)):
+            if not self._finish_if_done(request, stopped):
+                keep.append(b)
             elif self.prefix is not None:  # its K/V is the prompt's own
-                prompt, length = prompts[row.prompt], len(prompts[row.prompt])
-                self.prefix.remember(prompt, lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
+                length = len(request.prompt_ids)
+                self.prefix.remember(request.prompt_ids, lambda start, b=b, n=length: output.prompt_key_values(source_rows[b], n, start))
         if keep:
             with self.timer.phase("cache_ms"):
-                self._insert(prompts, output, source_rows, tokens, seen, keep)
+                self._insert(output, source_rows, tokens, seen, [members[b] for b in keep], keep)
+        for request in members:  # the cache row holds the K/V now (or the request has finished)
+            request.prefill = None
 
-    def _insert(self, prompts, output: PrefillOutput, source_rows: list[int], tokens, seen, keep) -> None:
-        index = torch.tensor([b for b, _ in keep], dtype=torch.long, device=self.runner.device)
+    def _insert(self, output: PrefillOutput, source_rows: list[int], tokens, seen, kept: list[Request], keep: list[int]) -> None:
+        """The `kept` requests (`keep`: their positions in `source_rows` and `tokens`) into the next cache rows."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.runner.device)
         first, seen = tokens[index], (seen[index] if seen is not None else None)
         if seen is not None:
             seen[torch.arange(len(keep), device=self.runner.device), first] = True
-        lengths = [len(prompts[row.prompt]) for _, row in keep]
+        lengths = [len(request.prompt_ids) for request in kept]
         # The first insert also allocates the cache (a per-call cost): only later copies are KV-copy timings.
         allocates, started = self.runner.store is None, time.perf_counter()
-        self.profile.shared_kv_rows += self.runner.insert(output, RowInsert([source_rows[b] for b, _ in keep], first, lengths, seen))
+        self.profile.shared_kv_rows += self.runner.insert(output, RowInsert([source_rows[b] for b in keep], first, lengths, seen))
         if not allocates and output.segments is None:  # a padded copy: rows x width, as the model has it
             self.timer.sync()
             self.profile.record(KV_COPY, len(keep), max(lengths), started)
-        self.rows.extend(row for _, row in keep)
+        groups = self.runner.store.group_of
+        for row, request in enumerate(kept, start=len(self.rows)):
+            request.cache_row = row
+            request.shared_prefix = groups[row] if groups[row] >= 0 else None
+        self.rows.extend(kept)
         self.profile.max_active_rows = max(self.profile.max_active_rows, len(self.rows))
 
     # ------------------------------------------------------------ decode
@@ -212,17 +199,25 @@ class ContinuousBatcher:
         self.profile.decode_forwards += 1
         self.runner.advance(tokens)
         for r, token in enumerate(tokens_host):
-            self._append(r, token, logprobs_host)
+            self._append(self.rows[r], token, logprobs_host, r)
         stopped = self._completes_stop_string(self.rows)
-        survivors = [r for r, row in enumerate(self.rows) if not self._finish_if_done(row, stopped[r])]
+        survivors = [r for r, request in enumerate(self.rows) if not self._finish_if_done(request, stopped[r])]
         if len(survivors) < len(self.rows):
             keep = fill_holes_order(survivors)
             with self.timer.phase("cache_ms"):
                 self._remember_finished(keep)
                 self.runner.retire(keep)
-                self.rows = [self.rows[r] for r in keep]
+                self._keep_rows(keep)
         if not self.runner.last_step_compiled:  # a compiling step would teach the cost model compile time
             self.profile.record(CB_STEP, rows, attended, started)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Only the requests of cache rows `keep` stay, in that order (as `ModelRunner.retire` compacted them:
+        the last rows move into the holes, the others keep theirs)."""
+        self.rows = [self.rows[r] for r in keep]
+        for row, old in enumerate(keep):
+            if row != old:
+                self.rows[row].cache_row = row
 
     def _remember_finished(self, keep: list[int]) -> None:
         """Finished rows' sequences into the prefix cache, before their cache rows are reused: the prompt
@@ -230,9 +225,9 @@ class ContinuousBatcher:
         if self.prefix is None or not self.prefix.remembers:
             return
         kept = set(keep)
-        for r, row in enumerate(self.rows):
+        for r, request in enumerate(self.rows):
             if r not in kept:
-                sequence = [*self.prompts[row.prompt], *row.tokens[:-1]]
+                sequence = [*request.prompt_ids, *request.tokens[:-1]]
                 self.prefix.remember(sequence, lambda start, r=r: self.runner.row_key_values(r, start))
 
     def _stream_keys(self) -> tuple[list[int], list[int], list[int]]:
@@ -241,34 +236,30 @@ class ContinuousBatcher:
         if not self.selection.needs_steps:
             return [], [], []
         rows = self.rows
-        return [row.prompt for row in rows], [row.sample for row in rows], [len(row.tokens) for row in rows]
+        return [r.prompt for r in rows], [r.sample for r in rows], [len(r.tokens) for r in rows]
 
     def _histories(self) -> list[list[int]]:
         """Each row's prompt and generated ids, where the selection's per-sequence processors read them."""
         if not self.selection.needs_histories:
             return []
-        return [[*self.prompts[row.prompt], *row.tokens] for row in self.rows]
+        return [[*r.prompt_ids, *r.tokens] for r in self.rows]
 
-    def _append(self, r: int, token: int, logprobs_host: list[float] | None) -> None:
-        row = self.rows[r]
-        row.tokens.append(token)
+    @staticmethod
+    def _append(request: Request, token: int, logprobs_host: list[float] | None, index: int) -> None:
+        request.tokens.append(token)
         if logprobs_host is not None:
-            row.logprobs.append(logprobs_host[r])
+            request.logprobs.append(logprobs_host[index])
 
-    def _completes_stop_string(self, rows: Sequence[_Row]) -> list[bool]:
-        """Per row, whether its newest token completes a stop string (one batched match per step)."""
+    def _completes_stop_string(self, requests: Sequence[Request]) -> list[bool]:
+        """Per request, whether its newest token completes a stop string (one batched match per step)."""
         if self.stops is None:
-            return [False] * len(rows)
-        return self.stops.completed([(self.prompts[row.prompt], row.tokens) for row in rows])
+            return [False] * len(requests)
+        return self.stops.completed([(r.prompt_ids, r.tokens) for r in requests])
 
-    def _finish_if_done(self, row: _Row, stopped: bool) -> bool:
-        if row.tokens[-1] in self.eos:
-            reason = "eos"
-        elif stopped:
-            reason = "stop"
-        elif len(row.tokens) >= self.budgets[row.prompt]:
-            reason = "length"
-        else:
+    def _finish_if_done(self, request: Request, stopped: bool) -> bool:
+        reason = request.finish_reason_now(self.eos, stopped)
+        if reason is None:
             return False
-        self.finished[(row.prompt, row.sample)] = Finished(row.tokens, reason, row.logprobs)
+        request.finish_reason, request.cache_row = reason, None
+        self.finished[request.key] = request
         return True

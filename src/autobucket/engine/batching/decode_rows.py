@@ -1,6 +1,8 @@
 """`DecodeRows`: what the device keeps per active cache row between decode steps, as one record.
 
-Row r of every field belongs to cache row r of the `StaticKVCache`; appending, keeping a subset
+Row r of every field belongs to cache row r of the `StaticKVCache`, and mirrors the host record of the
+request in that row (`engine/request.py`: its newest token, that token's position, its seen ids); the
+batcher writes it only where it admits, advances or retires those records. Appending, keeping a subset
 (retirement compacts the cache rows in the same order) and advancing a step go through this one
 record, so the fields can never drift apart. The row's first cache column stays with the cache:
 compaction and trimming move columns, and the cache updates their bookkeeping in the same operation."""
