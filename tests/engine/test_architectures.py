@@ -18,7 +18,7 @@ from oracles import oracle_generate
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.model_access.attention import uses_attention_interface
+from autobucket.engine.intercept.attention import uses_attention_interface
 from autobucket.planning.costs import CostCoefficients
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]

@@ -61,8 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--allow-mismatch", action="store_true",
                         help="use a --costs calibration measured on another model, dtype, device or attention "
                         "backend (warns)")  # fmt: skip
-    parser.add_argument("--kernels", choices=KERNELS, default="hf",
-                        help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
+    parser.add_argument("--kernels", choices=KERNELS, default="torch",
+                        help="torch (default): the model's own ops (hf: its deprecated spelling); invariant: the engine's batch-invariant "
                         "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
                         help="most prompts decoded at once (default 32)")  # fmt: skip
@@ -251,7 +251,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({counted(summary['prefill_tokens'], 'padded token')}{cache}), "
         f"{counted(summary['decode_forwards'], 'decode forward')}; finish: {reasons}; out: {summary['out']}",
         cost_model_line(summary),
+        *([plan_line(summary["plan"])] if summary.get("plan") else []),
     ]
+
+
+def plan_line(plan: dict[str, Any]) -> str:
+    """`plan: linear=cpu prefill_attention=cpu ... decode=engine`: the last call's backend per op family."""
+    ops = " ".join(f"{op}={backend}" for op, backend in plan.items() if op not in ("decode_step", "reasons"))
+    return f"plan: {ops} decode={plan.get('decode_step', '')}"
 
 
 def cost_model_line(summary: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--host", default="127.0.0.1", choices=("127.0.0.1", "localhost", "::1"),
                         help="the loopback address to bind (default 127.0.0.1; there is no authentication)")
     parser.add_argument("--port", type=non_negative_int, default=8000, metavar="P", help="default 8000; 0: a free port")
-    parser.add_argument("--kernels", choices=KERNELS, default="hf",
+    parser.add_argument("--kernels", choices=KERNELS, default="torch",
                         help="hf (default) or invariant: the engine's batch-invariant kernels (bitwise logprobs "
                         "whatever else is in flight)")  # fmt: skip
     parser.add_argument("--max-batch", type=positive_int, default=32, metavar="N", help="most rows decoded at once")

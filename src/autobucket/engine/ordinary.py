@@ -19,7 +19,7 @@ from autobucket.engine.batching.batcher import admission_order
 from autobucket.engine.batching.prefill import left_pad
 from autobucket.engine.finished import Finished, StopStrings, cut_finished
 from autobucket.engine.generation_setup import ResolvedGeneration
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.selection import Selection, seen_in_left_padded
 from autobucket.planning.costs import ORDINARY_STEP, PREFILL_FORWARD
 from autobucket.profile import PhaseTimer, Profile, Timing

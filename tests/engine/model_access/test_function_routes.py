@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autobucket.engine.intercept import functions as function_routes
+from autobucket.engine.intercept.functions import original_addmm, original_linear, routers_installed
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
-from autobucket.engine.model_access import function_routes
-from autobucket.engine.model_access.function_routes import original_addmm, original_linear, routers_installed
 
 
 class Counting(PackedLinears):

@@ -28,7 +28,7 @@ from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
 from autobucket.engine.batching.static_cache import fill_holes_order
 from autobucket.engine.finished import Finished, StopStrings
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.selection import Selection
 from autobucket.planning.costs import CB_STEP, KV_COPY, PREFILL_FORWARD
 from autobucket.planning.forms import PADDED

@@ -58,8 +58,8 @@ from autobucket.engine.compiled.dynamo_compat import (
     raised_by_compiler,
 )
 from autobucket.engine.compiled.trace_local_variables import make_trace_local
-from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
-from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
+from autobucket.engine.intercept.attention import ATTENTION_KEYWORD, install_dispatcher
+from autobucket.engine.intercept.functions import compiled_dropout_off, dropout_suppressed
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
 from autobucket.engine.model_access.weight_versions import forward_state
 

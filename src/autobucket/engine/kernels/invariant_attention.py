@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.intercept.attention import hf_sdpa
+from autobucket.engine.intercept.functions import dropout_suppressed
 from autobucket.engine.kernels.library import load_invariant_kernels
-from autobucket.engine.model_access.attention import hf_sdpa
-from autobucket.engine.model_access.function_routes import dropout_suppressed
 from autobucket.engine.model_access.weight_versions import in_place_version
 
 

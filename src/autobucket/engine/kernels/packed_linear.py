@@ -29,6 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.engine.intercept.functions import (
+    linear_route,
+    linears_routed_to,
+    original_addmm,
+    original_linear,
+)
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
 from autobucket.engine.kernels.onednn_probes import (
     ROW_BLOCK,
@@ -45,12 +51,6 @@ from autobucket.engine.kernels.packed_matmul import (
     panel_bytes,
     panels_dtype,
     panels_shape,
-)
-from autobucket.engine.model_access.function_routes import (
-    linear_route,
-    linears_routed_to,
-    original_addmm,
-    original_linear,
 )
 from autobucket.engine.model_access.weight_versions import tensor_version
 

@@ -103,7 +103,7 @@ def _module_forward_state(index: int, module: torch.nn.Module) -> tuple | None:
 # engine forward passes them (`kernels/trainer_positions.py`).
 _VALUE_NEUTRAL_HOOKS = frozenset({
     ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
-    ("autobucket.engine.kernels.trainer_positions", "count_positions_over_real_tokens"),
+    ("autobucket.engine.intercept.trainer_positions", "count_positions_over_real_tokens"),
 })  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
+from autobucket.engine.intercept.modeling import is_router, router, wants_grad
 from autobucket.engine.kernels.library import kernel_library_builds
 
 
@@ -62,7 +62,7 @@ def routed_module(norm: Any) -> bool:
     )
 
 
-def _fused_forward(norm: Any, hidden: Any) -> Any:
+def fused_forward(norm: Any, hidden: Any) -> Any:
     if not _takes(norm, hidden):
         return NotImplemented
     return rms_norm(hidden, norm.weight, norm.variance_epsilon)
@@ -70,4 +70,4 @@ def _fused_forward(norm: Any, hidden: Any) -> Any:
 
 @functools.cache
 def router_for(builtin: Callable) -> Callable:
-    return router(builtin, _fused_forward, "forward")
+    return router(builtin, fused_forward, "forward")

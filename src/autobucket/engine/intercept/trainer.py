@@ -36,10 +36,10 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from autobucket.checks import require_finite
+from autobucket.engine.intercept.functions import has_conv1d
+from autobucket.engine.intercept.kernel_sets import check_invariant_model, check_kernel_device, kernel_set
+from autobucket.engine.intercept.trainer_positions import positions_over_real_tokens
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, kernel_set
-from autobucket.engine.kernels.trainer_positions import positions_over_real_tokens
-from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
 
 # What a trainer with a model off the CPU should do instead (check_kernel_device names it)

@@ -30,7 +30,6 @@ call, what this replaced, was not consulted for a dropout reached through a rout
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
+
+from autobucket.engine.intercept.active import active, forward_with
 
 # the builtins, for the engine's own calls and for every call outside a routed scope
 original_linear: Callable[..., torch.Tensor] = F.linear
@@ -60,8 +61,6 @@ class LinearRoute(Protocol):
         ...
 
 
-_LINEAR_ROUTE: contextvars.ContextVar[LinearRoute | None] = contextvars.ContextVar("autobucket_linears", default=None)
-_NO_DROPOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
 _LOCK = threading.Lock()  # guards _OPEN_SCOPES and the replacements
 _OPEN_SCOPES = 0
 _traced_dropout_off = False  # what the dropout routers do while dynamo traces (`compiled_dropout_off`)
@@ -75,7 +74,7 @@ def _tracing() -> bool:
 
 
 def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    route = None if _tracing() else _LINEAR_ROUTE.get()
+    route = None if _tracing() else active().linears
     if route is None:
         return original_linear(input, weight, bias)
     return route.linear(input, weight, bias)
@@ -83,7 +82,7 @@ def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def linear_route() -> LinearRoute | None:
     """The linear route of this thread's forwards (None: outside a scope, or under dynamo's tracing)."""
-    return None if _tracing() else _LINEAR_ROUTE.get()
+    return None if _tracing() else active().linears
 
 
 _LINEAR_FORWARD = torch.nn.Linear.forward
@@ -134,7 +133,7 @@ class Conv1dAddmmMode(TorchFunctionMode):
 
 def _dropout_router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def routed(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+        if _traced_dropout_off if _tracing() else active().no_dropout:
             return args[0] if args else kwargs["input"]
         return original(*args, **kwargs)
 
@@ -149,7 +148,7 @@ def _without_dropout_p(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-    if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+    if _traced_dropout_off if _tracing() else active().no_dropout:
         args, kwargs = _without_dropout_p(args, kwargs)
     return _ORIGINAL_SDPA(*args, **kwargs)
 
@@ -224,21 +223,11 @@ def function_replaced(module: Any, name: str, builtin: Callable, router: Callabl
 
 
 @contextmanager
-def context_value(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
-    """`variable` set to `value` for this thread's (task's) code inside the block, restored after."""
-    token = variable.set(value)
-    try:
-        yield
-    finally:
-        variable.reset(token)
-
-
-@contextmanager
 def linears_routed_to(route: LinearRoute, conv1d: bool = False) -> Iterator[None]:
     """This thread's (and context's) linear calls inside the block run on `route`; `conv1d`: the model
     has transformers `Conv1D` layers, whose addmm calls go there too."""
     conv1d_mode = Conv1dAddmmMode(route) if conv1d else contextlib.nullcontext()
-    with _routers_in(), conv1d_mode, context_value(_LINEAR_ROUTE, route):
+    with _routers_in(), conv1d_mode, forward_with(linears=route):
         yield
 
 
@@ -250,7 +239,7 @@ def has_conv1d(model: torch.nn.Module) -> bool:
 @contextmanager
 def dropout_off() -> Iterator[None]:
     """This thread's dropout calls inside the block return their input, and SDPA runs without dropout."""
-    with _routers_in(), context_value(_NO_DROPOUT, True):
+    with _routers_in(), forward_with(no_dropout=True):
         yield
 
 
@@ -271,4 +260,4 @@ def compiled_dropout_off(off: bool) -> Iterator[None]:
 
 def dropout_suppressed() -> bool:
     """Whether this thread's forwards run with dropout off (`dropout_off`)."""
-    return _NO_DROPOUT.get()
+    return active().no_dropout

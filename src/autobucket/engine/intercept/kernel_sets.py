@@ -13,12 +13,12 @@ from contextlib import contextmanager
 import torch
 import transformers
 
+from autobucket.engine.intercept.attention import dispatches, kernel_attention
 from autobucket.engine.kernels.invariant_attention import invariant_sdpa
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import check_fp32_precision, onednn_available
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.engine.kernels.triton import available as triton_available
-from autobucket.engine.model_access.attention import dispatches, kernel_attention
 
 
 def check_invariant_model(model: torch.nn.Module) -> None:
@@ -41,11 +41,11 @@ def check_invariant_model(model: torch.nn.Module) -> None:
 def runs_triton_set(device: torch.device) -> bool:
     """Whether a forward on `device` runs the Triton set: CUDA devices, and CPU tensors under the tests'
     `forced_on_cpu` switch (never on where its module was not imported: CPU callers skip triton's import)."""
-    if device.type == "cpu" and "autobucket.engine.kernels.triton.scope" not in sys.modules:
+    if device.type == "cpu" and "autobucket.engine.intercept.triton_set" not in sys.modules:
         return False
     if not triton_available():
         return False
-    from autobucket.engine.kernels.triton.scope import runs_triton_set as chosen
+    from autobucket.engine.intercept.triton_set import runs_triton_set as chosen
 
     return chosen(device)
 
@@ -137,7 +137,7 @@ def kernel_set(
     """`invariant_kernels` on a CPU; the Triton set's scope on a CUDA device (`packs` unused there: its
     linear reads the weights in place)."""
     if runs_triton_set(next(model.parameters()).device):
-        from autobucket.engine.kernels.triton.scope import triton_kernels
+        from autobucket.engine.intercept.triton_set import triton_kernels
 
         with triton_kernels(model, conv1d):
             yield

@@ -1,7 +1,7 @@
 """The scope in which a forward runs the Triton kernel set: this thread's linears (`F.linear` and
 transformers' `Conv1D` addmm calls, through `function_routes`) on the invariant linear, its attention
 calls (through transformers' "sdpa" dispatcher) on the invariant attention, and a Llama-family model's
-RMSNorms on the row kernel (`norm_route.py`). Nothing on the model changes,
+RMSNorms on the row kernel (`triton_norms.py`). Nothing on the model changes,
 and other threads' forwards keep the builtins (the same routers as the CPU set's).
 
 Which set a forward runs is the device's: CUDA tensors take this one, CPU tensors the C++ set, unless
@@ -11,27 +11,24 @@ GEMMs on the live weight, attention's recomputed by SDPA)."""
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
-from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
-from autobucket.engine.kernels.triton.linear import invariant_linear
-from autobucket.engine.kernels.triton.norm_route import norms_routed
-from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
-from autobucket.engine.model_access.attention import kernel_attention
-from autobucket.engine.model_access.function_routes import (
-    context_value,
+from autobucket.engine.intercept.active import active, forward_with
+from autobucket.engine.intercept.attention import kernel_attention
+from autobucket.engine.intercept.functions import (
     linears_routed_to,
     original_addmm,
     original_linear,
 )
-
-_FORCED_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_triton_on_cpu", default=False)
+from autobucket.engine.intercept.triton_norms import norms_routed
+from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
+from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
+from autobucket.engine.kernels.triton.linear import invariant_linear
+from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
 
 
 @contextmanager
@@ -42,13 +39,13 @@ def forced_on_cpu() -> Iterator[None]:
             "forced_on_cpu runs the Triton kernels on CPU tensors through Triton's interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported"
         )
-    with context_value(_FORCED_ON_CPU, True):
+    with forward_with(triton_on_cpu=True):
         yield
 
 
 def runs_triton_set(device: torch.device) -> bool:
     """Whether `kernels="invariant"` on a model on `device` runs the Triton set (else the C++ one)."""
-    return device.type == "cuda" or (device.type == "cpu" and _FORCED_ON_CPU.get())
+    return device.type == "cuda" or (device.type == "cpu" and active().triton_on_cpu)
 
 
 class TritonLinears:

@@ -11,7 +11,6 @@ a replacement someone else made (a kernel library's, a profiler's) keeps running
 
 from __future__ import annotations
 
-import contextvars
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,16 +18,9 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.intercept.active import active
+from autobucket.engine.intercept.functions import builtin_behind, function_replaced
 from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
-from autobucket.engine.model_access.function_routes import builtin_behind, function_replaced
-
-FUSED_FORWARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_fused_elementwise", default=False)
-
-
-def fused_here() -> bool:
-    """Whether this code runs in one of this thread's engine forwards, eagerly (not under dynamo)."""
-    # `is_dynamo_compiling`: `is_compiling()` is True for every thread while any thread compiles
-    return not torch.compiler.is_dynamo_compiling() and FUSED_FORWARDS.get()
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
@@ -69,12 +61,33 @@ def is_router(function: Any) -> bool:
     return getattr(function, "_autobucket_builtin", None) is not None
 
 
-def router(builtin: Callable, fused: Callable, name: str) -> Callable:
-    """A router in front of `builtin`: `fused(*args)` where this thread's engine forward runs (it returns
-    NotImplemented where its kernel cannot take the call), `builtin(*args)` otherwise."""
+def interceptor(builtin: Callable, op: str, name: str) -> Callable:
+    """An interceptor in front of `builtin` for the op family `op`: the function this thread's forward
+    runs for `op` (`active().elementwise`; it returns NotImplemented where it cannot take the call), else
+    `builtin(*args)`: other threads, compiled graphs and calls the function does not take."""
 
     def routed_call(*args, **kwargs):
-        if fused_here():
+        # `is_dynamo_compiling`: `is_compiling()` is True for every thread while any thread compiles
+        if not torch.compiler.is_dynamo_compiling():
+            replacement = active().elementwise.get(op)
+            if replacement is not None:
+                result = replacement(*args, **kwargs)
+                if result is not NotImplemented:
+                    return result
+        return builtin(*args, **kwargs)
+
+    routed_call.__name__ = routed_call.__qualname__ = f"routed_{name}"
+    routed_call._autobucket_builtin = builtin  # type: ignore[attr-defined]
+    return routed_call
+
+
+def router(builtin: Callable, fused: Callable, name: str) -> Callable:
+    """An interceptor in front of `builtin` that calls `fused(*args)` where this thread's forward runs
+    that very function for one of its ops (it returns NotImplemented where its kernel cannot take the
+    call), `builtin(*args)` otherwise."""
+
+    def routed_call(*args, **kwargs):
+        if not torch.compiler.is_dynamo_compiling() and fused in active().elementwise.values():
             result = fused(*args, **kwargs)
             if result is not NotImplemented:
                 return result
