@@ -120,3 +120,25 @@ def test_the_plan_is_this_threads_alone_and_closes_with_the_call(tiny_models):
 def test_the_cli_summary_names_each_ops_backend():
     plan = {"linear": "cpu", "rms_norm": "toy", "decode_step": "engine", "reasons": {"linear": "why"}}
     assert plan_line(plan) == "plan: linear=cpu rms_norm=toy decode=engine"
+
+
+def test_the_auto_policy_takes_the_engine_kernels_where_they_run_and_says_why_not_elsewhere(tiny_models):
+    """"auto" is a plan policy (the default-kernels work makes it a `kernels` value): the engine's kernel
+    set where it can run the model, the model's own ops elsewhere, each with its reason."""
+    from types import SimpleNamespace
+
+    from autobucket.engine.plan import choose_plan
+
+    auto = SimpleNamespace(kernels="auto", op_backends=None)
+    plan = choose_plan(tiny_models("tiny-llama"), auto)
+    kernel_ops = ("linear", "prefill_attention", "decode_attention", "shared_prefix_attention", *ELEMENTWISE)
+    assert {op: plan.backend_of(op) for op in kernel_ops} == dict.fromkeys(kernel_ops, "cpu")
+    invariant = choose_plan(tiny_models("tiny-llama"), SimpleNamespace(kernels="invariant", op_backends=None))
+    assert {op: plan.backend_of(op) for op in OPS} == {op: invariant.backend_of(op) for op in OPS}
+    eager = choose_plan(tiny_models("tiny-llama", attn_implementation="eager"), auto)
+    assert eager.kernel_set == "torch" and eager.backend_of("linear") == "torch"
+    assert eager.choice("linear").reason == (
+        "kernels='auto': not cpu: the model's attention does not go through transformers' 'sdpa' interface"
+    )
+    assert eager.backend_of("rotary") == "cpu"  # an elementwise kernel needs no attention interface
+    assert eager.choice("decode_attention").reason.startswith("not cpu: the model's attention does not go")

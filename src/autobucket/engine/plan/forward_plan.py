@@ -93,12 +93,11 @@ def choose_plan(model: torch.nn.Module, config: Any, compile_decision: Any = Non
     where `op_backends` asks for a backend that cannot run its op here (the backend's reason)."""
     op_backends = config.op_backends or {}
     check_op_backends(op_backends)
-    device = next(model.parameters()).device
-    kernel_set = ("triton" if runs_triton_set(device) else "cpu") if config.kernels == "invariant" else "torch"
+    kernel_set, why = _kernel_set(config.kernels, model)
     choices = []
     for op in ops.OPS:
         wanted = op_backends.get(op)
-        choice = _required(op, wanted, model) if wanted is not None else _default(op, kernel_set, model)
+        choice = _required(op, wanted, model) if wanted is not None else _default(op, kernel_set, model, why)
         choices.append((op, choice))
     step, reason = _decode_step(model, compile_decision, route)
     return ForwardPlan(kernel_set, tuple(choices), step, reason)
@@ -117,30 +116,49 @@ def _first_supplying(op: str, names: tuple[str, ...], model: torch.nn.Module, wh
     for name in names:
         supplied = registered_backend(name).supply(op, model)
         if not isinstance(supplied, str):
-            return OpChoice(name, "; ".join([*refusals, why]) if refusals else why, supplied)
+            return OpChoice(name, "; ".join([*refusals, f"{name} runs it"]) if refusals else why, supplied)
         refusals.append(f"not {name}: {supplied}")
-    return OpChoice("torch", "; ".join(refusals))
+    raise AssertionError(f"no backend of {names} supplies {op}: {'; '.join(refusals)}")  # "torch" always does
 
 
-def _default(op: str, kernel_set: str, model: torch.nn.Module) -> OpChoice:
+def _kernel_set(kernels: str, model: torch.nn.Module) -> tuple[str, str]:
+    """The backend of the linears and attention calls, and why: "invariant" requires the engine's set
+    (refused elsewhere before the plan is made), "torch" is the model's own, and "auto" (a policy, not yet
+    a `kernels` value) takes the engine's set where it can run the model."""
+    engine_set = "triton" if runs_triton_set(next(model.parameters()).device) else "cpu"
+    if kernels == "invariant":
+        return engine_set, "kernels='invariant': the batch-invariant kernel set"
+    if kernels == "auto":
+        refusal = registered_backend(engine_set).supply(ops.LINEAR, model)
+        if isinstance(refusal, str):
+            return "torch", f"kernels='auto': not {engine_set}: {refusal}"
+        return engine_set, f"kernels='auto': the engine's {engine_set} kernel set runs this model"
+    return "torch", "kernels='torch': the model's own ops"
+
+
+def _default(op: str, kernel_set: str, model: torch.nn.Module, why: str) -> OpChoice:
+    """`op`'s backend where the config names none: the kernel set's, or for the ops outside it the
+    engine's kernel where the kernel set is the engine's (or the policy is "auto") and it can run."""
+    engine_ops = kernel_set != "torch" or why.startswith("kernels='auto'")
     if op in ops.KERNEL_SET_OPS:
-        if kernel_set == "torch":
-            return OpChoice("torch", "kernels='torch': the model's own ops")
-        return OpChoice(kernel_set, "kernels='invariant': the batch-invariant kernel set", registered_backend(kernel_set).supply(op, model))
+        supplied = None if kernel_set == "torch" else registered_backend(kernel_set).supply(op, model)
+        return OpChoice(kernel_set, why, supplied)
     if op == ops.DECODE_ATTENTION:
-        if kernel_set == "torch":
-            return OpChoice("torch", "kernels='torch': transformers' SDPA")
-        return OpChoice(kernel_set, "the kernel set's invariant attention (as prefill)")
+        if kernel_set != "torch":
+            return OpChoice(kernel_set, "the kernel set's invariant attention (as prefill)")
+        if engine_ops:
+            return _first_supplying(op, ("cpu", "torch"), model, "the decode kernel reads only each row's own keys")
+        return OpChoice("torch", "kernels='torch': transformers' SDPA")
     if op == ops.SHARED_PREFIX_ATTENTION:
         return _shared_prefix(kernel_set, model)
     if op in ops.ELEMENTWISE_OPS:
-        if kernel_set == "torch":
+        if not engine_ops:
             return OpChoice("torch", "kernels='torch': the modeling code's own op")
         if op == ops.RMS_NORM and kernel_set == "triton":
-            return _first_supplying(op, ("triton",), model, "the Triton set's row kernel (batch-invariant on a GPU)")
-        return _first_supplying(op, ("cpu",), model, "the fused kernel, bitwise the modeling code's values")
+            return _first_supplying(op, ("triton", "torch"), model, "the Triton set's row kernel (batch-invariant on a GPU)")
+        return _first_supplying(op, ("cpu", "torch"), model, "the fused kernel, bitwise the modeling code's values")
     if op == ops.LOGPROBS:
-        return _first_supplying(op, ("cpu",), model, "bitwise torch's log_softmax of the bf16 logits, without the copy")
+        return _first_supplying(op, ("cpu", "torch"), model, "bitwise torch's log_softmax of the bf16 logits, without the copy")
     return OpChoice("torch", "the engine's sampler on torch ops")
 
 
