@@ -142,3 +142,22 @@ def test_the_auto_policy_takes_the_engine_kernels_where_they_run_and_says_why_no
     )
     assert eager.backend_of("rotary") == "cpu"  # an elementwise kernel needs no attention interface
     assert eager.choice("decode_attention").reason.startswith("not cpu: the model's attention does not go")
+
+
+def test_the_trainer_scope_opens_the_same_context_with_the_trainers_plan(tiny_models):
+    import torch
+
+    import autobucket
+
+    model = tiny_models("tiny-llama")
+    seen = []
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: seen.append(active().plan))
+    try:
+        with autobucket.invariant(model), torch.no_grad():
+            model(torch.tensor([PROMPTS[0]]))
+        model(torch.tensor([PROMPTS[0]]))  # outside the scope: no plan
+    finally:
+        handle.remove()
+    inside, outside = seen
+    assert outside is None and inside.kernel_set == "cpu" and inside.decode_step == "model"
+    assert inside.backend_of("linear") == "cpu" and inside.backend_of("rms_norm") == "torch"

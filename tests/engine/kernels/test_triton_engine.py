@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs  # noqa: E402
 from autobucket.engine.batching.prefill import positions_from_mask  # noqa: E402
-from autobucket.engine.intercept.functions import routers_installed  # noqa: E402
+from autobucket.engine.intercept.functions import interceptors_installed  # noqa: E402
 from autobucket.engine.intercept.kernel_sets import runs_triton_set  # noqa: E402
 from autobucket.engine.intercept.triton_set import forced_on_cpu  # noqa: E402
 from autobucket.engine.trainer_logprobs import teacher_forced_batch  # noqa: E402
@@ -71,7 +71,7 @@ def test_rollout_logprobs_equal_the_triton_scoped_trainer_forward_bitwise(tiny_m
     # controls: the CPU kernel set's forward and the model's own forward are not the Triton set's
     assert max_abs_diff(trainer_side(model, prompts, completions, invariant(model)), completions, logprobs) > 0.0
     assert max_abs_diff(trainer_side(model, prompts, completions, contextlib.nullcontext()), completions, logprobs) > 0.0
-    assert not routers_installed()  # the scope's routers are out again
+    assert not interceptors_installed()  # the scope's routers are out again
 
 
 def test_the_switch_is_per_thread_and_cpu_models_keep_the_cpu_set():

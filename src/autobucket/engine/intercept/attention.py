@@ -208,7 +208,7 @@ def kernel_attention(function: AttentionFunction) -> Iterator[None]:
 @contextmanager
 def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
     """Forwards inside the block behave as in `model.eval()` (no dropout: this thread's dropout calls
-    routed to their input, `function_routes.dropout_off`), without writing `model.training`. A model
+    returning their input, `functions.dropout_off`), without writing `model.training`. A model
     already in eval mode pays nothing."""
     if not any(module.training for module in model.modules()):
         yield

@@ -17,7 +17,7 @@ import torch
 
 from autobucket.engine.intercept.active import active, forward_with
 from autobucket.engine.intercept.functions import builtin_behind
-from autobucket.engine.intercept.modeling import family_class, interceptor, llama_modeling_module, routed
+from autobucket.engine.intercept.modeling import family_class, intercepted, interceptor, llama_modeling_module
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.library import kernel_library_builds
 
@@ -73,7 +73,7 @@ def elementwise_on(model: torch.nn.Module, functions: Mapping[str, Callable]) ->
                 continue
             owner, name = site
             attribute = rotary.NAME if op == "rotary" else "forward"
-            stack.enter_context(routed(owner, name, modeling, lambda builtin, o=op, a=attribute: interceptor(builtin, o, a)))
+            stack.enter_context(intercepted(owner, name, modeling, lambda builtin, o=op, a=attribute: interceptor(builtin, o, a)))
             taken[op] = function
         stack.enter_context(forward_with(elementwise=MappingProxyType(taken)))
         yield

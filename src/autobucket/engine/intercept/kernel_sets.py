@@ -125,7 +125,7 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
 def invariant_kernels(packs: PackedLinears, recompute_safe: bool = False, conv1d: bool = False) -> Iterator[None]:
     """This thread's forwards in the block run the invariant linears (packed in `packs`) and attention;
     `recompute_safe` for models that recompute forwards in backward (gradient checkpointing); `conv1d`
-    for models with transformers `Conv1D` layers (`function_routes.has_conv1d`)."""
+    for models with transformers `Conv1D` layers (`functions.has_conv1d`)."""
     with packed_linears(packs, recompute_safe, conv1d), kernel_attention(invariant_sdpa):
         yield
 

@@ -1,12 +1,12 @@
 """How the model's own elementwise code reaches the fused kernels without a change to the model.
 
 While an engine call is in flight, a function of the Llama family's modeling module, or the `forward`
-of one of its classes, is a router (`function_routes.function_replaced`, as `F.linear` is under the
+of one of its classes, is an interceptor (`functions.function_replaced`, as `F.linear` is under the
 invariant kernels) that sends this thread's engine forwards to a fused kernel where the kernel can take
 the call, and everything else to the module's own code: other threads, autograd, compiled graphs (dynamo
 cannot read a context variable, so a graph traces the model's own code), and inputs the kernel does not
 take. Each kernel computes its expression exactly as the eager code rounds it, so the values are the
-same either way (tested per kernel and on whole rollouts). Only the modeling file's own code is routed:
+same either way (tested per kernel and on whole rollouts). Only the modeling file's own code intercepted:
 a replacement someone else made (a kernel library's, a profiler's) keeps running as it is."""
 
 from __future__ import annotations
@@ -41,23 +41,23 @@ def family_class(model: torch.nn.Module, modeling: Any, suffix: str) -> Any | No
 
 
 @contextmanager
-def routed(owner: Any, name: str, modeling: Any, router_for: Callable[[Callable], Callable | None]) -> Iterator[None]:
-    """`owner.name` (a modeling module's function or one of its classes' `forward`) is the router
-    `router_for(builtin)` inside the block, where the builtin is the modeling file's own code and
-    `router_for` accepts it (returns a router); otherwise nothing changes."""
+def intercepted(owner: Any, name: str, modeling: Any, interceptor_for: Callable[[Callable], Callable | None]) -> Iterator[None]:
+    """`owner.name` (a modeling module's function or one of its classes' `forward`) is the interceptor
+    `interceptor_for(builtin)` inside the block, where the builtin is the modeling file's own code and
+    `interceptor_for` accepts it (returns an interceptor); otherwise nothing changes."""
     current = getattr(owner, name, None)
-    builtin = builtin_behind(current) if current is not None else None  # another call's router: its builtin
+    builtin = builtin_behind(current) if current is not None else None  # another call's interceptor: its builtin
     own = builtin is not None and getattr(builtin, "__module__", None) == modeling.__name__
-    router = router_for(builtin) if own else None
-    if router is None:
+    interceptor = interceptor_for(builtin) if own else None
+    if interceptor is None:
         yield
         return
-    with function_replaced(owner, name, builtin, router):
+    with function_replaced(owner, name, builtin, interceptor):
         yield
 
 
-def is_router(function: Any) -> bool:
-    """Whether `function` is one of these routers (the fused scope put it in front of the model's code)."""
+def is_interceptor(function: Any) -> bool:
+    """Whether `function` is one of these interceptors (the fused scope put it in front of the model's code)."""
     return getattr(function, "_autobucket_builtin", None) is not None
 
 
@@ -81,7 +81,7 @@ def interceptor(builtin: Callable, op: str, name: str) -> Callable:
     return routed_call
 
 
-def router(builtin: Callable, fused: Callable, name: str) -> Callable:
+def calling_interceptor(builtin: Callable, fused: Callable, name: str) -> Callable:
     """An interceptor in front of `builtin` that calls `fused(*args)` where this thread's forward runs
     that very function for one of its ops (it returns NotImplemented where its kernel cannot take the
     call), `builtin(*args)` otherwise."""

@@ -36,7 +36,7 @@ def triton_rms_norm(module: Any, hidden_states: Any, *args: Any, **kwargs: Any) 
 
 
 @contextmanager
-def norms_routed(model: torch.nn.Module | None) -> Iterator[None]:
+def norms_on_triton(model: torch.nn.Module | None) -> Iterator[None]:
     """This thread's calls of `model`'s RMSNorm class (Llama family) run the Triton kernel in the block."""
     if model is None:
         yield

@@ -1,8 +1,8 @@
 """The scope in which a forward runs the Triton kernel set: this thread's linears (`F.linear` and
-transformers' `Conv1D` addmm calls, through `function_routes`) on the invariant linear, its attention
+transformers' `Conv1D` addmm calls, through `functions.py`) on the invariant linear, its attention
 calls (through transformers' "sdpa" dispatcher) on the invariant attention, and a Llama-family model's
 RMSNorms on the row kernel (`triton_norms.py`). Nothing on the model changes,
-and other threads' forwards keep the builtins (the same routers as the CPU set's).
+and other threads' forwards keep the builtins (the same interceptors as the CPU set's).
 
 Which set a forward runs is the device's: CUDA tensors take this one, CPU tensors the C++ set, unless
 `forced_on_cpu` (a test switch, under Triton's interpreter only) sends CPU tensors here too, so CPU CI runs
@@ -20,11 +20,11 @@ import torch
 from autobucket.engine.intercept.active import active, forward_with
 from autobucket.engine.intercept.attention import kernel_attention
 from autobucket.engine.intercept.functions import (
-    linears_routed_to,
+    linears_on,
     original_addmm,
     original_linear,
 )
-from autobucket.engine.intercept.triton_norms import norms_routed
+from autobucket.engine.intercept.triton_norms import norms_on_triton
 from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
 from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
 from autobucket.engine.kernels.triton.linear import invariant_linear
@@ -49,7 +49,7 @@ def runs_triton_set(device: torch.device) -> bool:
 
 
 class TritonLinears:
-    """The linear route (`function_routes.LinearRoute`) of the Triton set: every call on `invariant_linear`,
+    """The linear route (`functions.LinearKernel`) of the Triton set: every call on `invariant_linear`,
     on the weight where it lives (nothing to pack, so nothing goes stale after an optimizer step)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,5 +120,5 @@ def triton_sdpa(module: Any, query, key, value, attention_mask, dropout: float =
 def triton_kernels(model: torch.nn.Module | None = None, conv1d: bool = False) -> Iterator[None]:
     """This thread's forwards in the block run their linears and attention on the Triton set, and
     `model`'s RMSNorms (Llama family) on its row kernel."""
-    with linears_routed_to(TritonLinears(), conv1d), kernel_attention(triton_sdpa), norms_routed(model):
+    with linears_on(TritonLinears(), conv1d), kernel_attention(triton_sdpa), norms_on_triton(model):
         yield

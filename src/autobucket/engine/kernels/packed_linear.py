@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from autobucket.engine.intercept.functions import (
-    linear_route,
-    linears_routed_to,
+    active_linears,
+    linears_on,
     original_addmm,
     original_linear,
 )
@@ -351,7 +351,7 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
 def current_packs() -> PackedLinears | None:
     """The packs this thread's linears run on now (`packed_linears`), where the scope computes values only
     (no gradient checkpointing); else None."""
-    route = linear_route()
+    route = active_linears()
     if isinstance(route, _Route) and not route.recompute_safe:
         return route.packs
     return None
@@ -379,7 +379,7 @@ def packed_linears(packs: PackedLinears, recompute_safe: bool = False, conv1d: b
     `conv1d`: the model has such layers); `recompute_safe`: the model recomputes forwards in backward
     (gradient checkpointing), see `_with_values`."""
     try:
-        with linears_routed_to(_Route(packs, recompute_safe), conv1d):
+        with linears_on(_Route(packs, recompute_safe), conv1d):
             yield
     finally:
         packs.forwards_done()

@@ -103,6 +103,20 @@ def choose_plan(model: torch.nn.Module, config: Any, compile_decision: Any = Non
     return ForwardPlan(kernel_set, tuple(choices), step, reason)
 
 
+def trainer_plan(model: torch.nn.Module) -> ForwardPlan:
+    """The plan `autobucket.invariant(model)` opens for a trainer's forward: the engine's kernel set for
+    the linears and attention (the rollout's under kernels="invariant"), the modeling code's own
+    elementwise ops (the Triton set's RMSNorm on its set), the model's forward."""
+    kernel_set, why = _kernel_set("invariant", model)
+    choices = []
+    for op in ops.OPS:
+        if op in (*ops.KERNEL_SET_OPS, ops.DECODE_ATTENTION) or (op == ops.RMS_NORM and kernel_set == "triton"):
+            choices.append((op, _default(op, kernel_set, model, why)))
+        else:
+            choices.append((op, OpChoice("torch", "a trainer's forward keeps the modeling code's own op")))
+    return ForwardPlan(kernel_set, tuple(choices), "model", "a trainer's forward")
+
+
 def _required(op: str, name: str, model: torch.nn.Module) -> OpChoice:
     supplied = registered_backend(name).supply(op, model)
     if isinstance(supplied, str):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.intercept.functions import call_linear
-from autobucket.engine.intercept.modeling import is_router, router, wants_grad
+from autobucket.engine.intercept.modeling import calling_interceptor, is_interceptor, wants_grad
 from autobucket.engine.kernels.library import kernel_library_builds
 
 
@@ -69,7 +69,7 @@ def _fusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
 def routed_module(mlp: Any) -> bool:
     """Whether the MLP class's forward on `mlp` (as the direct decode step calls it) runs `fused_forward`
     with the fused product for fp32 inputs: the router is in and the activation is the plain SiLU."""
-    return is_router(type(mlp).forward) and "forward" not in vars(mlp) and _plain_silu(mlp.act_fn)
+    return is_interceptor(type(mlp).forward) and "forward" not in vars(mlp) and _plain_silu(mlp.act_fn)
 
 
 def fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
@@ -84,4 +84,4 @@ def fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
 
 @functools.cache
 def router_for(builtin: Callable) -> Callable:
-    return router(builtin, fused_forward, "forward")
+    return calling_interceptor(builtin, fused_forward, "forward")
