@@ -1,7 +1,7 @@
 """The scope under which a forward runs the engine's own batch-invariant kernels, for this thread only;
 the model is not changed. Two kernel sets, chosen by the model's device: on a CPU, every linear on
 prepacked weights (`packed_linear.py`) and every attention call on the C++ invariant kernel
-(`invariant_attention.py`); on a CUDA device, the Triton set (`triton/scope.py`)."""
+(`invariant_attention.py`); on a CUDA device, the Triton set (`triton_set.py`)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     PeftModel or a DDP / FSDP / DeepSpeed wrapper, as `Rollout` takes, but not compiled
     (`check_not_compiled`: pass the module a `torch.compile` wrapper holds, `._orig_mod`).
     `packed_weights_mb` is accepted for older callers and bounds nothing (a DeprecationWarning says so).
-    On a CUDA model the Triton set runs (`triton/scope.py`). Raises ValueError for models the kernels
+    On a CUDA model the Triton set runs (`triton_set.py`). Raises ValueError for models the kernels
     cannot reach (eager attention, a device other than CPU and CUDA, CUDA without triton, compiled), for
     fp32 set to compute in a lower precision, or for a negative `packed_weights_mb`."""
     if packed_weights_mb is not None:

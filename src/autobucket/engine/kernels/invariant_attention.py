@@ -12,7 +12,7 @@ may see (masked columns are skipped, not read), and grouped-query heads share on
 It is part of the engine's C++ kernel library (`library.py`), compiled for the machine at first use.
 
 `invariant_sdpa` has transformers' attention-function signature; the engine selects it per thread
-(`engine/model_access/attention.py`), so no model config is written."""
+(`engine/intercept/attention.py`), so no model config is written."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ in the last bits on some shapes). oneDNN on a weight reordered once (`mkldnn._re
 is faster on the decode shapes that dominate (no reorder per call) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
 probed; M = 1 took another path on one shape (1,536 -> 576), so a single row runs as a batch of two.
 
-Every linear the engine's forwards run is routed here by `packed_linears` (`function_routes.py`: the
+Every linear the engine's forwards run is routed here by `packed_linears` (`intercept/functions.py`: the
 `F.linear` and `Conv1D` addmm calls of this thread's forwards inside the block, the model's modules never
 touched; LoRA layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike;
 GPT-2's `Conv1D` is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
