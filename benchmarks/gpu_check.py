@@ -42,7 +42,7 @@ def forced(rehearse: bool):
     """The Triton set on CPU tensors for the rehearsal; nothing to force on a GPU."""
     import contextlib
 
-    from autobucket.engine.kernels.triton.scope import forced_on_cpu
+    from autobucket.engine.intercept.triton_set import forced_on_cpu
 
     return forced_on_cpu() if rehearse else contextlib.nullcontext()
 

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.compiled.compiled_decode import CompiledDecode
-from autobucket.engine.kernels.elementwise import fused_elementwise
+from autobucket.engine.intercept.elementwise import fused_elementwise
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts

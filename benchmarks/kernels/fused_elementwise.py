@@ -27,7 +27,7 @@ import torch
 from interleave import interleaved
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels.elementwise import scope as fused_scope
+from autobucket.engine.intercept import elementwise as fused_scope
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rms_norm import rms_norm
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding

@@ -19,8 +19,8 @@ import torch
 from decode_step import filled_runner, step_at_context, timed
 
 from autobucket import load_model
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 
 
 def main() -> None:

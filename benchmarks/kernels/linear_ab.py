@@ -23,12 +23,12 @@ import torch
 from decode_step import filled_runner, step_at_context
 from revision_ab import build_revision_kernel, tree_against_baseline
 
+from autobucket.engine.intercept.elementwise import fused_elementwise
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels import kernel_decode
-from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
-from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.models import build_tiny_model
 
 NAMESPACE = "autobucket_linear_baseline"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 
 FP32_BYTES = 4
 

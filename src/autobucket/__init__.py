@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from autobucket.config import CompileChoice, RolloutConfig, Route, SamplingConfig
     from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
     from autobucket.distributed import RayRollout
-    from autobucket.engine.kernels.trainer_scope import invariant
+    from autobucket.engine.intercept.trainer import invariant
     from autobucket.engine.rollout import Rollout
     from autobucket.engine.trainer_logprobs import trainer_logprobs
     from autobucket.models import load_model
@@ -41,7 +41,7 @@ _LAZY_NAMES = {
     "Profile": "autobucket.profile",
     "load_model": "autobucket.models",
     "RayRollout": "autobucket.distributed",
-    "invariant": "autobucket.engine.kernels.trainer_scope",
+    "invariant": "autobucket.engine.intercept.trainer",
     "trainer_logprobs": "autobucket.engine.trainer_logprobs",
 }
 

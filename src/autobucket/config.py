@@ -5,7 +5,10 @@ model work starts and names the field, the value and the fix."""
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
 from autobucket.checks import (
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
 # The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
 CompileChoice: TypeAlias = bool | Literal["auto"]
-Kernels: TypeAlias = Literal["hf", "invariant"]
+Kernels: TypeAlias = Literal["torch", "invariant", "hf"]  # "hf": the deprecated spelling of "torch"
 LogprobsMode: TypeAlias = Literal["trainer", "processed"]
 ShardedWeights: TypeAlias = Literal["gathered", "lockstep"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
@@ -32,6 +35,7 @@ CostsSpec: TypeAlias = "CostCoefficients | str | os.PathLike[str] | None"
 ROUTES: tuple[Route, ...] = get_args(Route)
 COMPILE_CHOICES: tuple[CompileChoice, ...] = ("auto", True, False)
 KERNELS: tuple[Kernels, ...] = get_args(Kernels)
+DEPRECATED_KERNELS = {"hf": "torch"}  # old spelling -> the value it now means
 LOGPROBS_MODES: tuple[LogprobsMode, ...] = get_args(LogprobsMode)
 SHARDED_WEIGHTS: tuple[ShardedWeights, ...] = get_args(ShardedWeights)
 
@@ -70,9 +74,9 @@ class RolloutConfig:
       `RANK` environment variable (set by torchrun, accelerate and deepspeed launchers) is 0 or unset;
       the other ranks read. A cache folder that cannot be written gets one warning and the call goes
       on. False: the cache folder is neither read nor written; learning stays in this process.
-    kernels: "hf" (default): the model's own forward, op by op, except that eager decode steps on a CPU
-      attend on the engine's attention kernel (it reads only each row's own keys; transformers' SDPA
-      where the kernel cannot be built or cannot take the call); "invariant": the engine's own kernels
+    kernels: "torch" (default): the model's own ops everywhere (its linears, transformers' SDPA, its
+      elementwise code); "hf" is its deprecated spelling (a DeprecationWarning, stored as "torch");
+      "invariant": the engine's own kernels
       (`engine/kernels/`): every linear on oneDNN-prepacked weights that follow in-place weight updates
       (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
       reduction order depends only on the sequence, so a token's logits are bitwise the same on every
@@ -81,6 +85,11 @@ class RolloutConfig:
       32-row blocks (it picks its kernel by the row count, so one GEMM over all rows is not invariant), or
       fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more copy of the linear weights is held;
       the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
+      `Profile.plan` names the backend that ran each op family, and why.
+    op_backends: op family -> backend name, for the ops a call may give to another backend than the
+      kernel set's ("rotary", "gated_mlp", "rms_norm", "decode_attention"): a built-in backend ("cpu":
+      the engine's C++ kernels, "torch") or one registered with `autobucket.engine.plan.register_backend`.
+      Checked when the Rollout is made (an unknown op or backend is a ValueError naming the choices).
     packed_weights_mb: with `kernels="invariant"`, the most memory its packed copies of the linear weights
       may hold (None, the default: every linear packed, one more copy of those weights). Linears past the
       budget read the live weight, bitwise the same values: fp32 ones on the fixed-order kernel's unpacked
@@ -110,11 +119,12 @@ class RolloutConfig:
     profile: bool = False
     compile: CompileChoice = False
     persist_costs: bool = True
-    kernels: Kernels = "hf"
+    kernels: Kernels = "torch"
     prefix_cache_mb: float = 0.0
     share_prefixes: bool = True
     packed_weights_mb: float | None = None
     sharded_weights: ShardedWeights = "gathered"
+    op_backends: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
@@ -126,6 +136,14 @@ class RolloutConfig:
                 "weights for the call), or HF generate(synced_gpus=True) for a model too large to gather"
             )
         require_choice("kernels", self.kernels, KERNELS)
+        if self.kernels in DEPRECATED_KERNELS:
+            instead = DEPRECATED_KERNELS[self.kernels]
+            warnings.warn(
+                f"RolloutConfig(kernels={self.kernels!r}) is deprecated: it means kernels={instead!r} (the model's "
+                f"own ops); pass kernels={instead!r}", DeprecationWarning, stacklevel=3,
+            )  # fmt: skip
+            _store(self, "kernels", instead)
+        _store(self, "op_backends", _op_backends(self.op_backends))
         if self.route not in ROUTES:
             raise ValueError(f"route={self.route!r} is invalid: choose one of {', '.join(ROUTES)}")
         # Numbers are stored as the plain Python values their checks return (numpy's are accepted).
@@ -352,6 +370,18 @@ def checked_stop_strings(name: str, value: object) -> str | list[str] | None:
             "or None for the model's generation config"
         )
     return strings
+
+
+def _op_backends(value: object) -> Mapping[str, str] | None:
+    """`op_backends` as a read-only mapping of strings (None stays None); TypeError otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TypeError(
+            f"op_backends={value!r} is invalid: pass a dict of op family -> backend name, both strings, e.g. "
+            '{"rms_norm": "cpu"}'
+        )
+    return MappingProxyType(dict(value))
 
 
 def _store(config: RolloutConfig | SamplingConfig, name: str, value: object) -> None:

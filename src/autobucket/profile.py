@@ -36,6 +36,8 @@ class Timing:
 @dataclass
 class Profile:
     route: str = ""
+    # the call's forward plan (`engine/plan`): op family -> backend, "decode_step", "reasons" (op -> why)
+    plan: dict[str, Any] = field(default_factory=dict)
     prefill_groups: list[list[list[int]]] = field(default_factory=list)  # per admission, its prefill groups' prompt indices
     prefill_forms: list[list[str]] = field(default_factory=list)  # per admission, each bucket's form
     prefill_forwards: int = 0

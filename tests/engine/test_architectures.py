@@ -19,7 +19,7 @@ from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
-from autobucket.engine.model_access.attention import uses_attention_interface
+from autobucket.engine.intercept.attention import uses_attention_interface
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 

@@ -140,7 +140,10 @@ def test_auto_plans_a_call_outgrowing_the_window_as_any_other(kernels):
 
 # how a shared prompt's decode attention runs: the invariant kernels; the default kernels on the engine's
 # kernel; the default kernels' two flash parts merged (where the kernel cannot take the call)
-CASCADE_DECODES = {"invariant": "invariant", "engine kernel": "hf", "flash parts": "hf", "math parts": "hf"}
+CASCADE_DECODES = {
+    "invariant": {"kernels": "invariant"}, "engine kernel": {"op_backends": {"decode_attention": "cpu"}},
+    "flash parts": {}, "math parts": {},
+}
 SAMPLED = dataclasses.replace(SAMPLING, n=3, temperature=1.0, seed=[5, 6, 7, 8], logprobs=True,
                              continuous_batch_size=5)  # 12 rows on 5: a prompt's samples split over admissions, refilled
 
@@ -162,13 +165,13 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
 
         monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
     model = windowed_model(name)
-    config = RolloutConfig(route="aligned", compile=False, kernels=CASCADE_DECODES[decode])
+    config = RolloutConfig(route="aligned", compile=False, **CASCADE_DECODES[decode])
     greedy = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
     assert greedy.profile.shared_kv_rows > 0
     assert greedy.profile.decode_forward == ("model" if name == "gemma3" else "direct")  # Llama family: the direct step
     assert greedy.tokens == [[answer] * 3 for answer in oracle(model, LONG)]
     shared = Rollout(model, None, config).generate(LONG, SAMPLED)
-    monkeypatch.setattr(routes, "_cascade_allowed", lambda call: False)
+    monkeypatch.setattr(routes, "_shared_prefix_allowed", lambda call: False)
     copies = Rollout(model, None, config).generate(LONG, SAMPLED)
     assert (shared.profile.shared_kv_rows > 0, copies.profile.shared_kv_rows) == (True, 0)
     assert shared.tokens == copies.tokens

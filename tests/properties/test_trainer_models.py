@@ -255,7 +255,7 @@ def test_a_model_name_instead_of_a_model_is_pointed_at_load_model():
 def test_control_fsdp2_under_inference_mode_fails(monkeypatch):
     """Why the engine picks its autograd mode per model: FSDP2 cannot unshard under inference mode (in a
     forward's own unshard, as without the call's gathering, which unshards under no_grad)."""
-    from autobucket.engine.model_access import grad_mode
+    from autobucket.engine.intercept import grad_mode
 
     model = build_tiny_model("tiny-mistral", seed=36)
     monkeypatch.setattr(grad_mode, "needs_version_counters", lambda model: False)

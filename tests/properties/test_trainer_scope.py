@@ -29,7 +29,8 @@ from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, invariant, trainer_logprobs
 from autobucket.engine.batching.prefill import positions_from_mask
-from autobucket.engine.kernels import trainer_positions, trainer_scope
+from autobucket.engine.intercept import trainer as trainer_scope
+from autobucket.engine.intercept import trainer_positions
 from autobucket.engine.trainer_logprobs import teacher_forced_batch
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.engine]

@@ -274,7 +274,8 @@ def test_control_decode_blocks_without_their_probe_change_rows(monkeypatch):
 def test_the_onednn_fp32_fallback_keeps_the_equality(tiny_models, monkeypatch):
     """Builds without AVX-512 run fp32 linears on oneDNN instead of the fixed-order kernel: the rollout
     and the scoped trainer still agree bitwise (both sides choose the kernel the same way)."""
-    from autobucket.engine.kernels import packed_linear, trainer_scope
+    from autobucket.engine.intercept import trainer as trainer_scope
+    from autobucket.engine.kernels import packed_linear
 
     monkeypatch.setattr(packed_linear, "fixed_order_op", lambda: None)
     model = model_in("tiny-qwen2", torch.float32, tiny_models)

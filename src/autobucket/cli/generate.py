@@ -351,7 +351,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({counted(summary['prefill_tokens'], 'padded token')}{cache}), "
         f"{counted(summary['decode_forwards'], 'decode forward')}; finish: {reasons}; out: {summary['out']}",
         cost_model_line(summary),
+        *([plan_line(summary["plan"])] if summary.get("plan") else []),
     ]
+
+
+def plan_line(plan: dict[str, Any]) -> str:
+    """`plan: linear=cpu prefill_attention=cpu ... decode=engine`: the last call's backend per op family."""
+    ops = " ".join(f"{op}={backend}" for op, backend in plan.items() if op not in ("decode_step", "reasons"))
+    return f"plan: {ops} decode={plan.get('decode_step', '')}"
 
 
 def cost_model_line(summary: dict[str, Any]) -> str:

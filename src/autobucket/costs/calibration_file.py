@@ -37,7 +37,7 @@ REQUIRED_METADATA = ("model", *MUST_MATCH, *WARN_ONLY, "date")
 FINGERPRINT_SOURCES = (
     "costs/coefficients.py", "planning/planner.py", "engine/batching/batcher.py", "engine/batching/model_runner.py",
     "engine/batching/static_cache.py", "engine/batching/prefill.py", "engine/routes.py", "planning/forms.py",
-    "engine/batching/packed_prefill.py", "engine/admission.py", "engine/model_access/attention.py", "engine/batching/decode_rows.py",
+    "engine/batching/packed_prefill.py", "engine/admission.py", "engine/intercept/attention.py", "engine/batching/decode_rows.py",
 )
 # Config fields that change with how a model was loaded, not with what it is.
 _VOLATILE_CONFIG_KEYS = frozenset({

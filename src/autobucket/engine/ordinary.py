@@ -20,7 +20,7 @@ from autobucket.engine.batching.batcher import admission_order
 from autobucket.engine.batching.prefill import left_pad
 from autobucket.engine.finished import StopStrings, cut_finished
 from autobucket.engine.generation_setup import ResolvedSampling
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.request import Request, call_requests
 from autobucket.engine.selection import Selection, seen_in_left_padded
 from autobucket.profile import PhaseTimer, Profile, Timing

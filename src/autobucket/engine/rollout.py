@@ -25,19 +25,17 @@ from autobucket.costs.source import CostSource, RunRoute
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedSampling, resolve_generation
-from autobucket.engine.kernels.elementwise import fused_elementwise
-from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
-from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import (
+from autobucket.engine.intercept.attention import checkpointing_layers_kept_cached, eval_semantics
+from autobucket.engine.intercept.functions import has_conv1d
+from autobucket.engine.intercept.grad_mode import autograd_off_for
+from autobucket.engine.intercept.kernel_sets import (
     check_call_settings,
     check_invariant_model,
     check_kernel_device,
-    kernel_set,
     runs_triton_set,
 )
-from autobucket.engine.model_access.attention import checkpointing_layers_kept_cached, eval_semantics
-from autobucket.engine.model_access.function_routes import has_conv1d
-from autobucket.engine.model_access.grad_mode import autograd_off_for
+from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
+from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
     attention_backend,
@@ -55,6 +53,7 @@ from autobucket.engine.model_access.sharded_weights import (
     is_sharded,
 )
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
+from autobucket.engine.plan.forward_plan import ForwardPlan, check_op_backends, choose_plan, plan_entered
 from autobucket.engine.request import Request
 from autobucket.engine.routes import PLANNING_ROUTES, ROUTES, RouteCall, with_compile_decision
 from autobucket.profile import PeakMemory, PhaseTimer, Profile
@@ -87,6 +86,7 @@ class Rollout:
         if not isinstance(self.config, RolloutConfig):
             raise TypeError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
         self.spec: ForwardSpec = forward_spec(self.model)
+        check_op_backends(self.config.op_backends or {})
         parameter = next(self.model.parameters())
         if self.config.kernels == "invariant":
             check_kernel_device(parameter.device)
@@ -224,36 +224,39 @@ class Rollout:
             prefix_cache=prefix_cache, stops=stops,
         )  # fmt: skip
         call = with_compile_decision(call)
-        with PeakMemory(self.device) as memory, self.forward_scope(profile):
+        plan = choose_plan(self.model, config, call.compile_decision, config.route)
+        profile.plan = plan.summary()
+        with PeakMemory(self.device) as memory, self.forward_scope(profile, plan):
             finished = ROUTES[config.route](call)
         return _result(call, finished, memory, started)
 
     @contextmanager
-    def forward_scope(self, profile: Profile) -> Iterator[None]:
+    def forward_scope(self, profile: Profile, plan: ForwardPlan | None = None) -> Iterator[None]:
         """What every engine forward on this thread runs under: the model's own dtype, autograd off, eval
-        semantics (no dropout) for a model handed over in train() mode without flipping its flag, the fused
-        elementwise kernels, the KV cache kept under gradient checkpointing, and the call's kernels. Other
-        threads' forwards are untouched."""
+        semantics (no dropout) for a model handed over in train() mode without flipping its flag, the KV
+        cache kept under gradient checkpointing, and the call's plan (None: this Rollout's config's plan).
+        Other threads' forwards are untouched."""
+        plan = plan if plan is not None else choose_plan(self.model, self.config)
         with (
             without_autocast(self.device),
             autograd_off_for(self.model),
             eval_semantics(self.model),
-            fused_elementwise(self.model),
             checkpointing_layers_kept_cached(self.model),
-            self._kernels(profile),
+            self._kernels(profile, plan),
         ):
             yield
 
     @contextmanager
-    def _kernels(self, profile: Profile) -> Iterator[None]:
-        """The engine's own kernels for this call's forwards (`kernels="invariant"`), with what packing cost
-        (the Triton set on a CUDA model packs nothing)."""
-        if self.config.kernels != "invariant":
-            yield
+    def _kernels(self, profile: Profile, plan: ForwardPlan) -> Iterator[None]:
+        """`plan` entered for this call's forwards, with what packing cost (the C++ kernel set's packed
+        weights; the Triton set packs nothing)."""
+        if plan.kernel_set == "torch":
+            with plan_entered(plan, self.model, None):
+                yield
             return
         check_call_settings(self.model)
-        if runs_triton_set(self.device):
-            with kernel_set(self.model, None, conv1d=self._conv1d):
+        if plan.kernel_set == "triton":
+            with plan_entered(plan, self.model, None, conv1d=self._conv1d):
                 yield
             return
         if self.packed_linears is None:  # created on a CUDA device, now on the CPU
@@ -262,7 +265,7 @@ class Rollout:
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
         try:
-            with kernel_set(self.model, packs, conv1d=self._conv1d):
+            with plan_entered(plan, self.model, packs, conv1d=self._conv1d):
                 yield
         finally:
             profile.packs_made += packs.packs_made - made
@@ -326,12 +329,12 @@ def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> 
     prepared forward's logits) but their decode steps attend on the engine's kernel in the model's dtype,
     where the forward's SDPA computes in bf16, so their tokens can differ from it (measured: as often as a
     bf16 model's default-kernel routes differ from its own generate). Named once per process."""
-    if config.kernels != "hf" or config.route == "ordinary":
+    if (config.op_backends or {}).get("decode_attention") != "cpu" or config.route == "ordinary":
         return
     if "forward" in vars(model) and hasattr(model, "_original_forward"):  # accelerate's wrapped forward
         warn_once(
             f"autobucket: {type(model).__name__}.forward runs under accelerate's mixed precision (autocast); "
-            f"route={config.route!r} with kernels='hf' runs its decode attention in the model's dtype where that "
+            f"route={config.route!r} with op_backends={{'decode_attention': 'cpu'}} runs its decode attention in the model's dtype where that "
             "forward computes it in bf16, so its tokens can differ from that forward's generate. Use "
             "kernels='invariant' (the model's dtype on every route, bitwise autobucket.invariant's trainer "
             "forward), route='ordinary', or a model loaded in bfloat16",

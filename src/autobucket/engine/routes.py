@@ -21,8 +21,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from autobucket.config import RolloutConfig
 from autobucket.engine.admission import (
     PlannedGroups,
@@ -43,11 +41,12 @@ from autobucket.engine.compiled.compile_setup import (
     compiled_decode_for,
     record_compile,
 )
-from autobucket.engine.kernels.invariant_attention import decode_kernel_builds, decode_sdpa
-from autobucket.engine.kernels.scope import runs_triton_set
-from autobucket.engine.model_access.attention import AttentionFunction, dispatches, sliding_windows_applied
+from autobucket.engine.intercept.active import active
+from autobucket.engine.intercept.attention import AttentionFunction, dispatches, sliding_windows_applied
 from autobucket.engine.model_access.hf_compat import attention_implementation, continuous_batching_refusal
 from autobucket.engine.ordinary import run_ordinary
+from autobucket.engine.plan.forward_plan import ForwardPlan
+from autobucket.engine.plan.ops import DECODE_ATTENTION
 from autobucket.engine.request import Request
 from autobucket.engine.route_call import RouteCall
 from autobucket.planning.compile_choice import CompileDecision
@@ -191,7 +190,7 @@ def run_continuous(
     runner = ModelRunner(
         call.model, call.spec, shape, call.sampling.pad_token_id, call.vocab_size,
         track_seen=call.sampling.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
-        cascade=_cascade_allowed(call), share_samples=_shares_samples_kv(call),
+        cascade=_shared_prefix_allowed(call), share_samples=_shares_samples_kv(call),
         decode_attention=_decode_attention(call),
     )  # fmt: skip
     call.profile.decode_forward = "direct" if runner.direct is not None else "model"
@@ -211,30 +210,23 @@ def run_continuous(
 
 
 def _decode_attention(call: RouteCall) -> AttentionFunction | None:
-    return eager_decode_attention(call.model, call.config.kernels)
+    return eager_decode_attention(active().plan)
 
 
-def eager_decode_attention(model: torch.nn.Module, kernels: str) -> AttentionFunction | None:
-    """The default kernels' eager decode steps attend on the engine's kernel, which reads only each row's
-    own keys (measured on bench-qwen2, 16 new tokens: a 512-token prompt among 31 of 16 tokens decoded
-    19% faster, equal lengths 2% faster), where transformers' attention interface reaches it and the
-    kernel builds; `kernels="invariant"` runs that kernel everywhere anyway."""
-    if kernels != "hf" or not dispatches(model) or next(model.parameters()).device.type != "cpu":
-        return None
-    return decode_sdpa if decode_kernel_builds() else None
+def eager_decode_attention(plan: ForwardPlan) -> AttentionFunction | None:
+    """The attention the eager decode steps ask for: the plan's decode attention where a backend other
+    than the kernel set's runs it (the C++ decode kernel, which reads only each row's own keys), else
+    None (the forward's own attention: transformers' SDPA, or the kernel set's)."""
+    return plan.function(DECODE_ATTENTION) if plan.kernel_set == "torch" else None
 
 
-def _cascade_allowed(call: RouteCall) -> bool:
-    """Rows may read one shared copy of K/V (cascade decode) when attention goes through transformers'
-    interface (where the engine's decode attention is called); with `kernels="invariant"` the invariant
-    kernel reads the shared keys as part of the row's own sequence (bitwise a per-row copy's). A prefix
-    shared inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`). A
-    call past the model's sliding window shares too: a sliding layer's rows read the shared keys their
-    window still covers (`CascadeAttention`). The Triton set has no shared-prefix kernel yet: its rows
-    read their own copies."""
-    if call.config.kernels == "invariant" and runs_triton_set(next(call.model.parameters()).device):
-        return False
-    return dispatches(call.model)
+def _shared_prefix_allowed(call: RouteCall) -> bool:
+    """Rows may read one shared copy of K/V where the plan runs shared-prefix attention (the model's
+    attention goes through transformers' interface, and the kernel set has the kernel). A prefix shared
+    inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`); a
+    call past the model's sliding window shares too (a sliding layer's rows read the shared keys their
+    window still covers)."""
+    return active().plan.shares_prefixes
 
 
 def _shares_samples_kv(call: RouteCall) -> bool:

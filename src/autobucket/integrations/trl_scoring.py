@@ -97,7 +97,7 @@ def refresh_packs_once_per_step(trainer: Any, invariant_kernels: bool) -> None:
     if cached is not None:
         cached[2].refresh_weights()
     if invariant_kernels:
-        from autobucket.engine.kernels.trainer_scope import packs_for
+        from autobucket.engine.intercept.trainer import packs_for
         from autobucket.engine.model_access.hf_compat import unwrap_model
 
         for model in (trainer.model, getattr(trainer, "ref_model", None)):

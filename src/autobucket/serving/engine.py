@@ -31,6 +31,7 @@ from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import resolve_generation
 from autobucket.engine.model_access.hf_compat import attention_backend
 from autobucket.engine.model_access.weight_versions import weights_version
+from autobucket.engine.plan.forward_plan import choose_plan
 from autobucket.engine.rollout import Rollout
 from autobucket.engine.routes import eager_decode_attention
 from autobucket.profile import Profile
@@ -72,7 +73,7 @@ class AsyncEngine:
         self.limits = Limits(self.model, tokenizer, self.rollout.vocab_size, self._model_len(max_model_len))
         shape = CacheShape(_checked_optional_int("max_batch", max_batch, 1), 2 * self.limits.max_model_len)
         pad = resolve_generation(self.model, SamplingConfig(), {}, self.limits.vocab_size).pad_token_id
-        decode_attention = eager_decode_attention(self.model, self.rollout.config.kernels)
+        decode_attention = eager_decode_attention(choose_plan(self.model, self.rollout.config))
         self._new_batch = lambda: RunningBatch(self.model, self.rollout.spec, shape, pad, self.limits.vocab_size, decode_attention)
         self.batch = self._new_batch()
         self._control = threading.Condition()

@@ -18,7 +18,7 @@ import torch
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
 from autobucket.engine.batching.static_cache import fill_holes_order
-from autobucket.engine.model_access.attention import AttentionFunction
+from autobucket.engine.intercept.attention import AttentionFunction
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.serving.request import Request
 from autobucket.serving.token_choice import choose_tokens

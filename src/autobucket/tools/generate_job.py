@@ -288,6 +288,7 @@ def summarize(
         "generate_s": generate_s,
         "tokens_per_s": output_tokens / max(generate_s, 1e-9),
         "costs_source": profiles[-1].costs_source if profiles else "",
+        "plan": profiles[-1].plan if profiles else {},
         "predicted_ms": sum(p.predicted_ms or 0.0 for p in profiles) if any(p.predicted_ms for p in profiles) else None,
         "measured_ms": sum(p.measured_ms for p in profiles),
         "out": job.out,

@@ -25,7 +25,7 @@ SAMPLING = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], n=3, temperatu
 
 
 def _without_sharing(monkeypatch):
-    monkeypatch.setattr(routes, "_cascade_allowed", lambda call: False)
+    monkeypatch.setattr(routes, "_shared_prefix_allowed", lambda call: False)
 
 
 def _flat(logprobs):
@@ -48,10 +48,13 @@ def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, decode, alway
         monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
     model = tiny_models(arch)
     prompts = random_prompts([40, 70, 12, 90, 35], seed=ARCHS.index(arch) + 50)
-    shared = Rollout(model, config=RolloutConfig(route=route, compile=False)).generate(prompts, SAMPLING)
+    # the engine's decode kernel is asked for; "torch" otherwise runs transformers' SDPA there
+    asked = {"decode_attention": "cpu"} if decode == "engine kernel" else None
+    config = RolloutConfig(route=route, compile=False, op_backends=asked)
+    shared = Rollout(model, config=config).generate(prompts, SAMPLING)
     assert shared.profile.shared_kv_rows > 0
     _without_sharing(monkeypatch)
-    copies = Rollout(model, config=RolloutConfig(route=route, compile=False)).generate(prompts, SAMPLING)
+    copies = Rollout(model, config=config).generate(prompts, SAMPLING)
     assert copies.profile.shared_kv_rows == 0
     assert shared.tokens == copies.tokens
     difference = max(abs(a - b) for a, b in zip(_flat(shared.logprobs), _flat(copies.logprobs), strict=True))

@@ -22,8 +22,9 @@ from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
-from autobucket.engine.kernels.elementwise import fused_elementwise, gated_mlp, rms_norm, rotary
-from autobucket.engine.kernels.elementwise import scope as fused_scope
+from autobucket.engine.intercept import elementwise as fused_scope
+from autobucket.engine.intercept.elementwise import fused_elementwise
+from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
 from autobucket.engine.kernels.library import load_invariant_kernels
@@ -123,7 +124,9 @@ def generate(model, sampling, fused: bool, kernels: str):
         # call this small, which runs no decode step of the engine's (`decode_forward` is then ""); with
         # fixed costs, since buckets planned from costs learned online (the first call's timings) can move
         # between the two calls, and kernels="hf" gives a prompt other last bits in another bucket
-        config = RolloutConfig(route="bucketed", kernels=kernels, compile=False, costs=CostCoefficients())
+        # kernels="torch" runs the model's own elementwise code unless the config gives the ops to the kernels
+        asked = {op: "cpu" for op in ("rotary", "gated_mlp", "rms_norm")} if fused and kernels == "torch" else None
+        config = RolloutConfig(route="bucketed", kernels=kernels, compile=False, costs=CostCoefficients(), op_backends=asked)
         return Rollout(model, config=config).generate(random_prompts((5, 23, 11, 40, 2), seed=0), sampling)
 
 
@@ -134,7 +137,7 @@ def counting(monkeypatch, module, name):
     return calls
 
 
-@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("kernels", ["torch", "invariant"])
 @pytest.mark.parametrize("name", FAMILY)
 def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, name, kernels, monkeypatch):
     model = tiny_models(name)
@@ -160,7 +163,7 @@ def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, 
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(fused.logprobs, eager.logprobs, strict=True))
 
 
-@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("kernels", ["torch", "invariant"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_bf16_rollouts_with_and_without_the_fused_kernels_agree_bitwise(name, kernels, monkeypatch):
     model = build_tiny_model(name, dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels import fused_linear, onednn_probes, packed_linear
 from autobucket.engine.kernels.fused_linear import LinearFusion
 from autobucket.engine.kernels.onednn_probes import (
@@ -20,7 +21,6 @@ from autobucket.engine.kernels.onednn_probes import (
     onednn_available,
 )
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 

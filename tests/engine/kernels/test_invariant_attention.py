@@ -363,7 +363,7 @@ def test_windowed_cascade_rows_get_the_bits_of_rows_holding_their_prompt(dtype, 
     covers. The oracle is each row holding [prompt | own keys] with the window over that whole sequence,
     in a call of its own, bitwise. Control: the same narrowed own masks without the window argument read
     every shared key, and differ from the oracle wherever the window ends inside a prompt."""
-    from autobucket.engine.model_access.attention import within_window
+    from autobucket.engine.intercept.attention import within_window
 
     load_invariant_kernels()
     case = CascadeCase.make(dtype, dim, seed=dim + window, gap=6)
@@ -491,7 +491,7 @@ def test_a_cuda_model_without_triton_is_refused_naming_the_fix(tiny_models, monk
     on_cpu = Rollout._model_fingerprint
     monkeypatch.setattr(Rollout, "_model_fingerprint", lambda self: (*on_cpu(self)[:1], torch.device("cuda", 0),
                                                                       *on_cpu(self)[2:]))  # fmt: skip
-    monkeypatch.setattr("autobucket.engine.kernels.scope.triton_available", lambda: False)
+    monkeypatch.setattr("autobucket.engine.intercept.kernel_sets.triton_available", lambda: False)
     message = r"runs CUDA models on Triton kernels, and triton is not installed: pip install triton .*, or use RolloutConfig\(kernels='hf'\)"
     with pytest.raises(ValueError, match=message):
         rollout.generate([[3, 4]], sampling)
@@ -600,8 +600,8 @@ def test_control_hf_kernels_depend_on_the_batch_somewhere(tiny_models):
 def test_control_packed_linears_with_hf_attention_depend_on_the_batch(tiny_models, monkeypatch):
     """The attention kernel carries its share: the invariant linears over transformers' SDPA fail the check."""
     from autobucket.engine.batching.static_cache import StaticKVCache
-    from autobucket.engine.kernels import scope
-    from autobucket.engine.model_access.attention import hf_sdpa
+    from autobucket.engine.intercept import kernel_sets as scope
+    from autobucket.engine.intercept.attention import hf_sdpa
 
     monkeypatch.setattr(scope, "invariant_sdpa", lambda *args, **kwargs: hf_sdpa()(*args, **kwargs))
     # SDPA reads every cache column, owned or not, so it needs the zeroed cache the engine gives it wherever
@@ -641,7 +641,8 @@ def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
     monkeypatch.setattr(module, "invariant_attention", counting)
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([5, 19, 11], seed=8)
-    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(
+    config = RolloutConfig(route="aligned", op_backends={"decode_attention": "cpu"})  # the old "hf" default's
+    result = Rollout(model, config=config).generate(
         prompts, SamplingConfig(max_new_tokens=6, eos_token_id=[])
     )
     layers = model.config.num_hidden_layers
@@ -652,8 +653,8 @@ def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
 
 def test_default_decode_attention_falls_back_to_sdpa_where_the_kernel_cannot_take_the_call():
     """A per-head mask, softcapping or sinks go to transformers' own SDPA: bitwise its result."""
+    from autobucket.engine.intercept.attention import hf_sdpa
     from autobucket.engine.kernels.invariant_attention import decode_sdpa
-    from autobucket.engine.model_access.attention import hf_sdpa
 
     class Layer(torch.nn.Module):
         is_causal, layer_idx = True, 0
@@ -685,8 +686,8 @@ def test_the_avx2_build_gives_the_libraries_bits(tmp_path):
 
     from torch.utils import cpp_extension
 
+    from autobucket.engine.intercept.attention import within_window
     from autobucket.engine.kernels import library as module
-    from autobucket.engine.model_access.attention import within_window
 
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")

@@ -17,12 +17,12 @@ from windowed_models import windowed_model
 from workloads import random_prompts
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.intercept.attention import sliding_windows_applied
+from autobucket.engine.intercept.elementwise import fused_elementwise
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels import kernel_decode
-from autobucket.engine.kernels.elementwise import fused_elementwise
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access import direct_decode
-from autobucket.engine.model_access.attention import sliding_windows_applied
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 

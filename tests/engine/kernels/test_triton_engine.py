@@ -23,9 +23,9 @@ pytest.importorskip("triton")
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs  # noqa: E402
 from autobucket.costs.coefficients import CostCoefficients  # noqa: E402
 from autobucket.engine.batching.prefill import positions_from_mask  # noqa: E402
-from autobucket.engine.kernels.scope import runs_triton_set  # noqa: E402
-from autobucket.engine.kernels.triton.scope import forced_on_cpu  # noqa: E402
-from autobucket.engine.model_access.function_routes import routers_installed  # noqa: E402
+from autobucket.engine.intercept.functions import interceptors_installed  # noqa: E402
+from autobucket.engine.intercept.kernel_sets import runs_triton_set  # noqa: E402
+from autobucket.engine.intercept.triton_set import forced_on_cpu  # noqa: E402
 from autobucket.engine.trainer_logprobs import teacher_forced_batch  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -71,7 +71,7 @@ def test_rollout_logprobs_equal_the_triton_scoped_trainer_forward_bitwise(tiny_m
     # controls: the CPU kernel set's forward and the model's own forward are not the Triton set's
     assert max_abs_diff(trainer_side(model, prompts, completions, invariant(model)), completions, logprobs) > 0.0
     assert max_abs_diff(trainer_side(model, prompts, completions, contextlib.nullcontext()), completions, logprobs) > 0.0
-    assert not routers_installed()  # the scope's routers are out again
+    assert not interceptors_installed()  # the scope's routers are out again
 
 
 def test_the_switch_is_per_thread_and_cpu_models_keep_the_cpu_set():
@@ -89,8 +89,8 @@ def test_the_switch_is_per_thread_and_cpu_models_keep_the_cpu_set():
 def test_the_scope_routes_the_models_rms_norms_for_its_own_thread_only(tiny_models):
     """Inside the Triton scope the model's RMSNorm gives the Triton row kernel's bits; another thread's
     call at the same time, and any call after the scope, give the class's own forward's bits."""
+    from autobucket.engine.intercept.triton_set import triton_kernels
     from autobucket.engine.kernels.triton.row_reductions import rms_norm
-    from autobucket.engine.kernels.triton.scope import triton_kernels
 
     model = tiny_models("tiny-llama")
     norm = model.model.layers[0].input_layernorm

@@ -20,11 +20,11 @@ from workloads import random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.intercept.attention import sliding_windows_applied
+from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import invariant_kernels
 from autobucket.engine.model_access import direct_decode
-from autobucket.engine.model_access.attention import sliding_windows_applied
 from autobucket.engine.model_access.direct_decode import DirectDecode, ineligible_reason
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model

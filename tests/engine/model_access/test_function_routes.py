@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autobucket.engine.intercept import functions as function_routes
+from autobucket.engine.intercept.functions import interceptors_installed, original_addmm, original_linear
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
-from autobucket.engine.model_access import function_routes
-from autobucket.engine.model_access.function_routes import original_addmm, original_linear, routers_installed
 
 
 class Counting(PackedLinears):
@@ -40,14 +40,14 @@ def test_the_routers_are_in_only_while_a_scope_is_open_and_nest():
     outer, inner = Counting(), Counting()
     layer, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
     with torch.no_grad(), packed_linears(outer):
-        assert routers_installed()
+        assert interceptors_installed()
         layer(x)
         with packed_linears(inner):
             layer(x)
         layer(x)
     assert (outer.calls, inner.calls) == (2, 1)
     assert F.linear is original_linear and torch.addmm is original_addmm
-    assert not routers_installed()
+    assert not interceptors_installed()
 
 
 @torch.no_grad()
@@ -60,7 +60,7 @@ def test_dropout_off_routes_this_threads_dropout_to_its_input():
         assert torch.equal(drop(x), x) and torch.equal(F.dropout(x, 0.5, True), x)
         with_p = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         torch.testing.assert_close(with_p, F.scaled_dot_product_attention(q, k, v))
-    assert F.dropout is function_routes._ORIGINAL_DROPOUTS["dropout"] and not routers_installed()
+    assert F.dropout is function_routes._ORIGINAL_DROPOUTS["dropout"] and not interceptors_installed()
 
 
 def test_an_error_inside_the_scope_takes_the_routers_out():
@@ -81,7 +81,7 @@ def test_another_threads_linears_run_the_builtin_while_a_scope_is_open():
 
     def other_thread():
         inside.wait()
-        seen["routers in"] = routers_installed()
+        seen["routers in"] = interceptors_installed()
         seen["out"] = layer(x)
         # the builtin's answer on this thread: a new thread's OpenMP pool is its own, and MKL's bits
         # follow the thread count, which the test process may have set differently on its main thread

@@ -30,7 +30,7 @@ from autobucket.engine.batching.prefix_reuse import PrefixAdmission, PrefixReuse
 from autobucket.engine.batching.static_cache import fill_holes_order
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedSampling
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.request import PrefillRow, Request, call_requests
 from autobucket.planning.forms import PADDED
 from autobucket.profile import PhaseTimer, Profile

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from autobucket.engine.batching.prefill import PrefillOutput
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
     full_prefill_cache,

@@ -29,8 +29,8 @@ from transformers.cache_utils import Cache
 
 from autobucket.engine.batching.prefill import PrefillOutput
 from autobucket.engine.batching.prefix_cache import PrefixHit
-from autobucket.engine.model_access.attention import kernel_attention_active
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.attention import kernel_attention_active
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import CacheLayerFace, ForwardSpec
 
 

@@ -21,13 +21,13 @@ from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
-from autobucket.engine.kernels.cascade_attention import CascadeAttention
-from autobucket.engine.kernels.kernel_decode import KernelDecode
-from autobucket.engine.model_access.attention import (
+from autobucket.engine.intercept.attention import (
     AttentionFunction,
     engine_attention,
     kernel_attention_active,
 )
+from autobucket.engine.kernels.cascade_attention import CascadeAttention
+from autobucket.engine.kernels.kernel_decode import KernelDecode
 from autobucket.engine.model_access.direct_decode import DirectDecode
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens

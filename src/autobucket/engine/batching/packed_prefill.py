@@ -6,7 +6,7 @@ causal: a token attends only to earlier tokens of its own prompt. Two ways to ge
 
 - `segments` (SDPA models): this forward's attention runs HF's own SDPA once per prompt on its slice of
   the row (no mask, `is_causal`), exactly the call a single-request prefill makes; it is selected for the
-  engine's forward only (`engine/model_access/attention.py`), never by writing the model's config. Attention work is
+  engine's forward only (`engine/intercept/attention.py`), never by writing the model's config. Attention work is
   sum(L_i^2), as unpadded.
 - `dense` (any implementation, the always-available fallback): a 4-D additive mask `[1, 1, T, T]`,
   block-diagonal causal, through the model's own attention. It costs T^2 attention work and T^2 mask
@@ -21,14 +21,14 @@ columns belong to which prompt, and the runner copies each slice right-aligned i
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from autobucket.engine.batching.prefill import PrefillOutput
-from autobucket.engine.model_access.attention import (
+from autobucket.engine.intercept.active import active, forward_with
+from autobucket.engine.intercept.attention import (
     base_attention,
     dispatches,
     engine_attention,
@@ -36,7 +36,7 @@ from autobucket.engine.model_access.attention import (
     windows_applied,
     within_window,
 )
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
     full_prefill_cache,
@@ -55,15 +55,10 @@ class _Packing:
         self.bounds, self.calls = bounds, 0
 
 
-# A context variable, because HF's attention-function signature has no argument every architecture
-# passes on to the attention function.
-_PACKING: contextvars.ContextVar[_Packing | None] = contextvars.ContextVar("packing", default=None)
-
-
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> ([1, T, heads, D], None)."""
     sdpa = base_attention()  # transformers' SDPA, or the invariant kernel (kernels='invariant')
-    packing = _PACKING.get()
+    packing = active().packing
     assert packing is not None, "segment attention runs only inside a packed prefill"
     packing.calls += 1
     # Some layers (GPT-2 on transformers 4.57) derive is_causal=False from the 4-D placeholder mask;
@@ -108,12 +103,10 @@ def _segments_selected(bounds: list[tuple[int, int]]) -> Iterator[_Packing]:
     """This thread's forwards in the block run `_segment_attention`; yields the `_Packing` whose `calls`
     count the layers that used it."""
     packing = _Packing(bounds)
-    token = _PACKING.set(packing)
-    try:
-        with engine_attention(_segment_attention):
-            yield packing
-    finally:
-        _PACKING.reset(token)
+    # on the thread's record, because HF's attention-function signature has no argument every
+    # architecture passes on to the attention function
+    with forward_with(packing=packing), engine_attention(_segment_attention):
+        yield packing
 
 
 def _check_every_layer_used_segments(model: torch.nn.Module, packing: _Packing, layers: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.grad_mode import without_autograd
+from autobucket.engine.intercept.grad_mode import without_autograd
 from autobucket.engine.model_access.hf_compat import (
     ForwardSpec,
     full_prefill_cache,

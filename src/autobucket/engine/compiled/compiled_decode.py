@@ -21,7 +21,7 @@ Attention: under dynamo, transformers expands grouped K/V heads with `repeat_kv`
 cache every step, measured 2.6x slower than eager); here one decode token's query heads are grouped
 onto their K/V head instead (`[rows, kv_heads, group, head_dim]`), so SDPA reads the cache in place.
 The step passes that function as a forward keyword which transformers hands down to the attention
-call (`engine/model_access/attention.py`); the model's config is never written, so other threads are unaffected.
+call (`engine/intercept/attention.py`); the model's config is never written, so other threads are unaffected.
 
 Errors propagate; only compiling falls back. A compiled graph that raises at run time (the model's
 error, `torch.OutOfMemoryError`) raises the same exception object out of `step`. Dynamo reports an
@@ -59,8 +59,8 @@ from autobucket.engine.compiled.dynamo_compat import (
     raised_by_compiler,
 )
 from autobucket.engine.compiled.trace_local_variables import make_trace_local
-from autobucket.engine.model_access.attention import ATTENTION_KEYWORD, install_dispatcher
-from autobucket.engine.model_access.function_routes import compiled_dropout_off, dropout_suppressed
+from autobucket.engine.intercept.attention import ATTENTION_KEYWORD, install_dispatcher
+from autobucket.engine.intercept.functions import compiled_dropout_off, dropout_suppressed
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
 from autobucket.engine.model_access.weight_versions import forward_state
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.intercept.attention import windows_applied
+from autobucket.engine.intercept.functions import dropout_suppressed
 from autobucket.engine.kernels.invariant_attention import (
     invariant_attention_shared,
     kernel_takes,
     shared_prefix_tiles,
 )
-from autobucket.engine.model_access.attention import windows_applied
-from autobucket.engine.model_access.function_routes import dropout_suppressed
 
 
 @dataclass

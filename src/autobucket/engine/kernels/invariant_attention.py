@@ -12,7 +12,7 @@ may see (masked columns are skipped, not read), and grouped-query heads share on
 It is part of the engine's C++ kernel library (`library.py`), compiled for the machine at first use.
 
 `invariant_sdpa` has transformers' attention-function signature; the engine selects it per thread
-(`engine/model_access/attention.py`), so no model config is written."""
+(`engine/intercept/attention.py`), so no model config is written."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.intercept.attention import hf_sdpa
+from autobucket.engine.intercept.functions import dropout_suppressed
 from autobucket.engine.kernels.library import load_invariant_kernels
-from autobucket.engine.model_access.attention import hf_sdpa
-from autobucket.engine.model_access.function_routes import dropout_suppressed
 from autobucket.engine.model_access.weight_versions import in_place_version
 
 

@@ -31,16 +31,16 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.intercept.attention import chosen_attention, windows_applied, within_window
+from autobucket.engine.intercept.elementwise import fused_here
+from autobucket.engine.intercept.functions import call_unobserved, dropout_suppressed
 from autobucket.engine.kernels.cascade_attention import CascadeAttention, CascadeLayout
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
-from autobucket.engine.kernels.elementwise.routes import fused_here
 from autobucket.engine.kernels.invariant_attention import allowed_for, invariant_sdpa
 from autobucket.engine.kernels.library import kernel_library_builds
 from autobucket.engine.kernels.packed_linear import current_packs
 from autobucket.engine.kernels.packed_matmul import fixed_order_op
-from autobucket.engine.model_access.attention import chosen_attention, windows_applied, within_window
 from autobucket.engine.model_access.direct_decode import DirectDecode, KeyValueWrite
-from autobucket.engine.model_access.function_routes import call_unobserved, dropout_suppressed
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")

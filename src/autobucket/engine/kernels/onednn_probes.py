@@ -65,7 +65,7 @@ def native_bf16_gemm() -> bool:
 def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, native: bool) -> str | None:
     """One line with the fix, or None: a bf16 CPU model on `kernels="hf"` where the CPU lacks a native bf16
     GEMM (`native`) runs every linear on torch's slow bf16 path."""
-    if dtype != torch.bfloat16 or kernels != "hf" or device_type != "cpu" or native:
+    if dtype != torch.bfloat16 or kernels == "invariant" or device_type != "cpu" or native:
         return None
     return (
         "this bf16 model runs kernels='hf' on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "

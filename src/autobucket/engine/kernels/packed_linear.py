@@ -6,7 +6,7 @@ in the last bits on some shapes). oneDNN on a weight reordered once (`mkldnn._re
 is faster on the decode shapes that dominate (no reorder per call) and gave a row bitwise the same output for M = 2 ... 4,096 on every shape
 probed; M = 1 took another path on one shape (1,536 -> 576), so a single row runs as a batch of two.
 
-Every linear the engine's forwards run is routed here by `packed_linears` (`function_routes.py`: the
+Every linear the engine's forwards run is routed here by `packed_linears` (`intercept/functions.py`: the
 `F.linear` and `Conv1D` addmm calls of this thread's forwards inside the block, the model's modules never
 touched; LoRA layers' base and low-rank linears are ordinary `F.linear` calls and are packed alike;
 GPT-2's `Conv1D` is an `addmm` on a transposed parameter and is packed transposed). A packed copy is
@@ -29,6 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from autobucket.engine.intercept.functions import (
+    active_linears,
+    linears_on,
+    original_addmm,
+    original_linear,
+)
 from autobucket.engine.kernels.fused_linear import FusedGroup, LinearFusion
 from autobucket.engine.kernels.onednn_probes import (
     ROW_BLOCK,
@@ -45,12 +51,6 @@ from autobucket.engine.kernels.packed_matmul import (
     panel_bytes,
     panels_dtype,
     panels_shape,
-)
-from autobucket.engine.model_access.function_routes import (
-    linear_route,
-    linears_routed_to,
-    original_addmm,
-    original_linear,
 )
 from autobucket.engine.model_access.weight_versions import tensor_version
 
@@ -351,7 +351,7 @@ def _eligible(weight: torch.Tensor, x: torch.Tensor) -> bool:
 def current_packs() -> PackedLinears | None:
     """The packs this thread's linears run on now (`packed_linears`), where the scope computes values only
     (no gradient checkpointing); else None."""
-    route = linear_route()
+    route = active_linears()
     if isinstance(route, _Route) and not route.recompute_safe:
         return route.packs
     return None
@@ -379,7 +379,7 @@ def packed_linears(packs: PackedLinears, recompute_safe: bool = False, conv1d: b
     `conv1d`: the model has such layers); `recompute_safe`: the model recomputes forwards in backward
     (gradient checkpointing), see `_with_values`."""
     try:
-        with linears_routed_to(_Route(packs, recompute_safe), conv1d):
+        with linears_on(_Route(packs, recompute_safe), conv1d):
             yield
     finally:
         packs.forwards_done()

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.attention import dispatch_sdpa, dispatches
-from autobucket.engine.model_access.function_routes import builtin_behind, call_linear
+from autobucket.engine.intercept.attention import dispatch_sdpa, dispatches
+from autobucket.engine.intercept.functions import builtin_behind, call_linear
 
 # Causal LM class -> the prefix of its modeling module's classes; all share the Llama decoder layer's shape
 # (pre-norm attention and gated MLP with residuals). Qwen3 adds per-head q/k RMSNorms before RoPE.

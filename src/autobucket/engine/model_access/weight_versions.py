@@ -100,14 +100,14 @@ def _module_forward_state(index: int, module: torch.nn.Module) -> tuple | None:
 # checkpointing adds one per generation turn: keyed, it emptied the prefix cache between a tool episode's
 # turns, and would compile a new decode graph per call).
 # `autobucket.invariant`'s position hook supplies position ids only to forwards that pass none, and every
-# engine forward passes them (`kernels/trainer_positions.py`).
+# engine forward passes them (`intercept/trainer_positions.py`).
 _VALUE_NEUTRAL_HOOKS = frozenset(
     {
         (
             "transformers.modeling_utils",
             "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
         ),
-        ("autobucket.engine.kernels.trainer_positions", "count_positions_over_real_tokens"),
+        ("autobucket.engine.intercept.trainer_positions", "count_positions_over_real_tokens"),
     }
 )
 

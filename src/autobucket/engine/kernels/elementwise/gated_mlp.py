@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
+from autobucket.engine.intercept.functions import call_linear
+from autobucket.engine.intercept.modeling import calling_interceptor, is_interceptor, wants_grad
 from autobucket.engine.kernels.library import kernel_library_builds
-from autobucket.engine.model_access.function_routes import call_linear
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -67,12 +67,12 @@ def _fusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
 
 
 def routed_module(mlp: Any) -> bool:
-    """Whether the MLP class's forward on `mlp` (as the direct decode step calls it) runs `_fused_forward`
+    """Whether the MLP class's forward on `mlp` (as the direct decode step calls it) runs `fused_forward`
     with the fused product for fp32 inputs: the router is in and the activation is the plain SiLU."""
-    return is_router(type(mlp).forward) and "forward" not in vars(mlp) and _plain_silu(mlp.act_fn)
+    return is_interceptor(type(mlp).forward) and "forward" not in vars(mlp) and _plain_silu(mlp.act_fn)
 
 
-def _fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
+def fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
     """The MLP's forward with the fused product: the linears in the model's order (gate, up, down), the
     same values as the class's forward."""
     if not _plain_silu(mlp.act_fn):
@@ -84,4 +84,4 @@ def _fused_forward(mlp: Any, hidden: torch.Tensor) -> Any:
 
 @functools.cache
 def router_for(builtin: Callable) -> Callable:
-    return router(builtin, _fused_forward, "forward")
+    return calling_interceptor(builtin, fused_forward, "forward")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
+from autobucket.engine.intercept.modeling import calling_interceptor, is_interceptor, wants_grad
 from autobucket.engine.kernels.library import kernel_library_builds
 
 
@@ -57,12 +57,12 @@ def routed_module(norm: Any) -> bool:
     the router and its weight and epsilon are what `_takes` wants."""
     weight = getattr(norm, "weight", None)
     return (
-        is_router(type(norm).forward) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+        is_interceptor(type(norm).forward) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
         and weight.dim() == 1 and weight.is_contiguous() and isinstance(getattr(norm, "variance_epsilon", None), float)
     )
 
 
-def _fused_forward(norm: Any, hidden: Any) -> Any:
+def fused_forward(norm: Any, hidden: Any) -> Any:
     if not _takes(norm, hidden):
         return NotImplemented
     return rms_norm(hidden, norm.weight, norm.variance_epsilon)
@@ -70,4 +70,4 @@ def _fused_forward(norm: Any, hidden: Any) -> Any:
 
 @functools.cache
 def router_for(builtin: Callable) -> Callable:
-    return router(builtin, _fused_forward, "forward")
+    return calling_interceptor(builtin, fused_forward, "forward")

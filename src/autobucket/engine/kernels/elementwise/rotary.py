@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.elementwise.routes import is_router, router, wants_grad
+from autobucket.engine.intercept.modeling import calling_interceptor, is_interceptor, wants_grad
 
 NAME = "apply_rotary_pos_emb"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -53,10 +53,10 @@ def kernel_takes(q: Any, k: Any, cos: Any, sin: Any, args: tuple, kwargs: dict) 
 
 def routed(function: Any) -> bool:
     """Whether the modeling module's `apply_rotary_pos_emb` is this kernel's router."""
-    return is_router(function)
+    return is_interceptor(function)
 
 
-def _fused(q, k, cos, sin, *args, **kwargs):
+def fused_call(q, k, cos, sin, *args, **kwargs):
     if kernel_takes(q, k, cos, sin, args, kwargs):
         return fused_rotary_embedding(q, k, cos, sin)
     return NotImplemented
@@ -77,4 +77,4 @@ def router_for(builtin: Callable) -> Callable | None:
             got = fused_rotary_embedding(q, k, cos, sin)
         if not all(isinstance(w, torch.Tensor) and torch.equal(w, g) for w, g in zip(want, got, strict=True)):
             return None
-    return router(builtin, _fused, NAME)
+    return calling_interceptor(builtin, fused_call, NAME)

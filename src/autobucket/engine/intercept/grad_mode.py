@@ -3,12 +3,11 @@ or plain `torch.no_grad` for a model whose own forward hooks need version counte
 
 FSDP2's unshard (`fully_shard`) preserves its parameters' version counters around the all-gather, which
 inference tensors do not have: under inference mode its pre-forward hook raises. The choice is made once
-per call from the model (`autograd_off_for`) and read by every engine function through a context
-variable (per thread), so the decorated prefill and decode functions follow it."""
+per call from the model (`autograd_off_for`) and read by every engine function through this
+thread's `active()` record, so the decorated prefill and decode functions follow it."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,9 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from autobucket.engine.intercept.active import active, forward_with
 from autobucket.engine.model_access.hf_compat import class_names
 
-_PLAIN_NO_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_plain_no_grad", default=False)
 # Class names (not imports: torch.distributed may be absent) of wrappers that need version counters.
 _VERSIONED_WRAPPERS = frozenset({"FSDPModule", "FullyShardedDataParallel"})
 
@@ -26,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _mode() -> Any:
-    return torch.no_grad() if _PLAIN_NO_GRAD.get() else torch.inference_mode()
+    return torch.no_grad() if active().plain_no_grad else torch.inference_mode()
 
 
 def without_autograd(function: F) -> F:
@@ -47,9 +46,5 @@ def needs_version_counters(model: torch.nn.Module) -> bool:
 @contextmanager
 def autograd_off_for(model: torch.nn.Module) -> Iterator[None]:
     """The call's autograd mode: inference mode, or no_grad for an FSDP-sharded model."""
-    token = _PLAIN_NO_GRAD.set(needs_version_counters(model))
-    try:
-        with _mode():
-            yield
-    finally:
-        _PLAIN_NO_GRAD.reset(token)
+    with forward_with(plain_no_grad=needs_version_counters(model)), _mode():
+        yield

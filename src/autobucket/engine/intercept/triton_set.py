@@ -1,8 +1,8 @@
 """The scope in which a forward runs the Triton kernel set: this thread's linears (`F.linear` and
-transformers' `Conv1D` addmm calls, through `function_routes`) on the invariant linear, its attention
+transformers' `Conv1D` addmm calls, through `functions.py`) on the invariant linear, its attention
 calls (through transformers' "sdpa" dispatcher) on the invariant attention, and a Llama-family model's
-RMSNorms on the row kernel (`norm_route.py`). Nothing on the model changes,
-and other threads' forwards keep the builtins (the same routers as the CPU set's).
+RMSNorms on the row kernel (`triton_norms.py`). Nothing on the model changes,
+and other threads' forwards keep the builtins (the same interceptors as the CPU set's).
 
 Which set a forward runs is the device's: CUDA tensors take this one, CPU tensors the C++ set, unless
 `forced_on_cpu` (a test switch, under Triton's interpreter only) sends CPU tensors here too, so CPU CI runs
@@ -11,27 +11,24 @@ GEMMs on the live weight, attention's recomputed by SDPA)."""
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
-from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
-from autobucket.engine.kernels.triton.linear import invariant_linear
-from autobucket.engine.kernels.triton.norm_route import norms_routed
-from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
-from autobucket.engine.model_access.attention import kernel_attention
-from autobucket.engine.model_access.function_routes import (
-    context_value,
-    linears_routed_to,
+from autobucket.engine.intercept.active import active, forward_with
+from autobucket.engine.intercept.attention import kernel_attention
+from autobucket.engine.intercept.functions import (
+    linears_on,
     original_addmm,
     original_linear,
 )
-
-_FORCED_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_triton_on_cpu", default=False)
+from autobucket.engine.intercept.triton_norms import norms_on_triton
+from autobucket.engine.kernels.invariant_attention import allowed_for, attention_call, reference_attention
+from autobucket.engine.kernels.triton.attention import causal_counts, invariant_attention, memoized_key_order
+from autobucket.engine.kernels.triton.linear import invariant_linear
+from autobucket.engine.kernels.triton.tiles import LINEAR_TILES, interpreting
 
 
 @contextmanager
@@ -42,17 +39,17 @@ def forced_on_cpu() -> Iterator[None]:
             "forced_on_cpu runs the Triton kernels on CPU tensors through Triton's interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported"
         )
-    with context_value(_FORCED_ON_CPU, True):
+    with forward_with(triton_on_cpu=True):
         yield
 
 
 def runs_triton_set(device: torch.device) -> bool:
     """Whether `kernels="invariant"` on a model on `device` runs the Triton set (else the C++ one)."""
-    return device.type == "cuda" or (device.type == "cpu" and _FORCED_ON_CPU.get())
+    return device.type == "cuda" or (device.type == "cpu" and active().triton_on_cpu)
 
 
 class TritonLinears:
-    """The linear route (`function_routes.LinearRoute`) of the Triton set: every call on `invariant_linear`,
+    """The linear route (`functions.LinearKernel`) of the Triton set: every call on `invariant_linear`,
     on the weight where it lives (nothing to pack, so nothing goes stale after an optimizer step)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,5 +120,5 @@ def triton_sdpa(module: Any, query, key, value, attention_mask, dropout: float =
 def triton_kernels(model: torch.nn.Module | None = None, conv1d: bool = False) -> Iterator[None]:
     """This thread's forwards in the block run their linears and attention on the Triton set, and
     `model`'s RMSNorms (Llama family) on its row kernel."""
-    with linears_routed_to(TritonLinears(), conv1d), kernel_attention(triton_sdpa), norms_routed(model):
+    with linears_on(TritonLinears(), conv1d), kernel_attention(triton_sdpa), norms_on_triton(model):
         yield

@@ -22,7 +22,6 @@ value-neutral for that reason)."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import threading
@@ -33,10 +32,8 @@ from typing import Any
 import torch
 
 from autobucket.engine.batching.prefill import positions_from_mask
-from autobucket.engine.model_access.function_routes import context_value
+from autobucket.engine.intercept.active import active, forward_with
 
-# ids of the models whose scope is open in this context
-_SCOPED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("autobucket_scoped_positions", default=frozenset())
 _LOCK = threading.Lock()  # guards _HOOKS
 _HOOKS: dict[int, list] = {}  # id(model) -> [its hook's handle, scopes open on it in all threads]
 
@@ -47,7 +44,7 @@ def positions_over_real_tokens(model: torch.nn.Module) -> Iterator[None]:
     before real tokens and no position ids get position ids counted over the real tokens."""
     _hold_hook(model)
     try:
-        with context_value(_SCOPED, _SCOPED.get() | {id(model)}):
+        with forward_with(position_models=active().position_models | {id(model)}):
             yield
     finally:
         _release_hook(model)
@@ -76,7 +73,7 @@ def count_positions_over_real_tokens(
 ) -> tuple[tuple, dict[str, Any]] | None:
     """The forward pre-hook: (args, kwargs) with position ids where the scope supplies them, else None
     (the call as it was)."""
-    if torch.compiler.is_compiling() or id(module) not in _SCOPED.get():
+    if torch.compiler.is_compiling() or id(module) not in active().position_models:
         return None
     positional, keywords = _forward_parameters(type(module))
     if "position_ids" not in keywords:

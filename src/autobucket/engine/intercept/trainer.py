@@ -36,11 +36,13 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from autobucket.checks import require_finite
+from autobucket.engine.intercept.active import forward_with
+from autobucket.engine.intercept.functions import has_conv1d
+from autobucket.engine.intercept.kernel_sets import check_invariant_model, check_kernel_device, kernel_set
+from autobucket.engine.intercept.trainer_positions import positions_over_real_tokens
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.kernels.scope import check_invariant_model, check_kernel_device, kernel_set
-from autobucket.engine.kernels.trainer_positions import positions_over_real_tokens
-from autobucket.engine.model_access.function_routes import has_conv1d
 from autobucket.engine.model_access.hf_compat import unwrap_model
+from autobucket.engine.plan.forward_plan import trainer_plan
 
 # What a trainer with a model off the CPU should do instead (check_kernel_device names it)
 _DEVICE_FIX = "run its forward outside autobucket.invariant(...) there (the model's own kernels)"
@@ -68,7 +70,7 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     PeftModel or a DDP / FSDP / DeepSpeed wrapper, as `Rollout` takes, but not compiled
     (`check_not_compiled`: pass the module a `torch.compile` wrapper holds, `._orig_mod`).
     `packed_weights_mb` is accepted for older callers and bounds nothing (a DeprecationWarning says so).
-    On a CUDA model the Triton set runs (`triton/scope.py`). Raises ValueError for models the kernels
+    On a CUDA model the Triton set runs (`triton_set.py`). Raises ValueError for models the kernels
     cannot reach (eager attention, a device other than CPU and CUDA, CUDA without triton, compiled), for
     fp32 set to compute in a lower precision, or for a negative `packed_weights_mb`."""
     if packed_weights_mb is not None:
@@ -85,14 +87,18 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
     packs = packs_for(inner)
     packs.budget_bytes = LIVE_WEIGHTS_BYTES
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in inner.modules())
-    with kernel_set(inner, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)), positions_over_real_tokens(inner):
+    with (
+        forward_with(plan=trainer_plan(inner)),
+        kernel_set(inner, packs, recompute_safe=checkpointing, conv1d=has_conv1d(inner)),
+        positions_over_real_tokens(inner),
+    ):
         yield packs
 
 
 def check_not_compiled(model: Any) -> None:
     """A ValueError naming the first compiled module in `model` (a `torch.compile` wrapper, or a module
     compiled in place by `.compile()`) and what to pass instead. A compiled forward runs the graph dynamo
-    traced, and under tracing the scope's routers call the builtin linears (dynamo reads no context
+    traced, and under tracing the scope's interceptors call the builtin linears (dynamo reads no context
     variable), so its values are not the rollout's: the scope would silently not hold."""
     if not isinstance(model, torch.nn.Module):
         return

@@ -8,8 +8,8 @@ reads — would make those threads' forwards run the engine's attention. Instead
 - one dispatcher replaces transformers' registered `"sdpa"` attention function, process-wide. It looks up
   the attention the *current forward* asked for and otherwise calls the function it replaced with the
   same arguments, so every other forward is bit-for-bit what it was (tested from a second thread);
-- the engine asks for its attention through a context variable (`engine_attention`), which is per thread
-  and per asyncio task, for eager forwards; compiled graphs cannot read context variables, so the
+- the engine asks for its attention through this thread's `active()` record (`engine_attention`), which
+  is per thread and per asyncio task, for eager forwards; compiled graphs cannot read context variables, so the
   compiled decode step passes the function as a forward keyword (`ATTENTION_KEYWORD`) that transformers
   hands down to the attention call on the architectures that forward `**kwargs` (Llama, Qwen, Mistral
   families); elsewhere the compiled step runs transformers' own SDPA, which is equally exact.
@@ -22,7 +22,6 @@ off) without flipping its training flag, which another thread's training step re
 
 from __future__ import annotations
 
-import contextvars
 import sys
 import threading
 import weakref
@@ -32,25 +31,14 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.function_routes import context_value, dropout_off
+from autobucket.engine.intercept.active import active, forward_with
+from autobucket.engine.intercept.functions import dropout_off
 from autobucket.engine.model_access.hf_compat import attention_backend
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
 ATTENTION_KEYWORD = "autobucket_attention"  # forward kwarg carrying the engine's attention into a graph
 
-_ENGINE_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvars.ContextVar(
-    "autobucket_engine_attention", default=None
-)
-# The attention kernel of this thread's forwards: transformers' own SDPA (None) or the engine's
-# batch-invariant kernel (`kernels="invariant"`); engine-specific attention (packed segments) runs on it.
-_KERNEL_ATTENTION: contextvars.ContextVar[AttentionFunction | None] = contextvars.ContextVar(
-    "autobucket_kernel_attention", default=None
-)
 _HF_SDPA: AttentionFunction | None = None  # the function the dispatcher replaced
-# Set for the forwards of a continuous-batching call whose sequences outgrow the model's sliding window:
-# the masks the engine builds (decode steps, chunks over a cached prefix, dense packing) cover a row's
-# whole sequence, and the dispatcher narrows them to the window on the layers that ask for one.
-_APPLY_WINDOWS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_apply_windows", default=False)
 
 
 def hf_sdpa() -> AttentionFunction:
@@ -63,18 +51,19 @@ def hf_sdpa() -> AttentionFunction:
 def base_attention() -> AttentionFunction:
     """The attention kernel this thread's forward runs on: the invariant kernel inside `kernel_attention`,
     else transformers' own SDPA."""
-    return _KERNEL_ATTENTION.get() or hf_sdpa()
+    return active().kernel_attention or hf_sdpa()
 
 
 def kernel_attention_active() -> bool:
     """Whether this thread's forwards run on the engine's own attention kernel (`kernels="invariant"`)."""
-    return _KERNEL_ATTENTION.get() is not None
+    return active().kernel_attention is not None
 
 
 def chosen_attention() -> AttentionFunction | None:
     """What `dispatch_sdpa` calls for this thread's eager forward now: the engine's attention, else the
     kernel attention, else None (transformers' SDPA)."""
-    return _ENGINE_ATTENTION.get() or _KERNEL_ATTENTION.get()
+    forward = active()
+    return forward.step_attention or forward.kernel_attention
 
 
 def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
@@ -85,9 +74,10 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     # under dynamo's trace only (`is_compiling()` is True for every thread while any thread compiles)
     if chosen is None and not torch.compiler.is_dynamo_compiling():
-        chosen = chosen_attention()
+        forward = active()
+        chosen = forward.step_attention or forward.kernel_attention
         window = kwargs.get("sliding_window")
-        if window and _APPLY_WINDOWS.get() and not _is_placeholder(attention_mask):
+        if window and forward.windows and not _is_placeholder(attention_mask):
             attention_mask = within_window(attention_mask, window, query.shape[2], key.shape[2], query.device)
     if chosen is None:
         return _HF_SDPA(module, query, key, value, attention_mask, *args, **kwargs)
@@ -96,15 +86,16 @@ def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
 
 @contextmanager
 def sliding_windows_applied() -> Iterator[None]:
-    """This thread's forwards in the block attend within each layer's sliding window (`dispatch_sdpa`)."""
+    """This thread's forwards in the block attend within each layer's sliding window (`dispatch_sdpa`): for
+    a call whose sequences outgrow the window, the masks the engine builds cover a row's whole sequence."""
     install_dispatcher()
-    with context_value(_APPLY_WINDOWS, True):
+    with forward_with(windows=True):
         yield
 
 
 def windows_applied() -> bool:
     """Whether this thread's forwards attend within their layers' sliding windows now."""
-    return _APPLY_WINDOWS.get()
+    return active().windows
 
 
 _PLACEHOLDER = "_autobucket_placeholder"  # an attribute on masks that stand for none (`placeholder_mask`)
@@ -200,7 +191,7 @@ def uses_attention_interface(model: torch.nn.Module) -> bool:
 def engine_attention(function: AttentionFunction) -> Iterator[None]:
     """Run this thread's (task's) forwards inside the block through `function`; other threads are untouched."""
     install_dispatcher()
-    with context_value(_ENGINE_ATTENTION, function):
+    with forward_with(step_attention=function):
         yield
 
 
@@ -209,7 +200,7 @@ def kernel_attention(function: AttentionFunction) -> Iterator[None]:
     """This thread's forwards inside the block run their attention on `function` (the invariant kernel),
     including the engine's own attention (packed segments) built on `base_attention()`."""
     install_dispatcher()
-    with context_value(_KERNEL_ATTENTION, function):
+    with forward_with(kernel_attention=function):
         yield
 
 
@@ -217,7 +208,7 @@ def kernel_attention(function: AttentionFunction) -> Iterator[None]:
 @contextmanager
 def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
     """Forwards inside the block behave as in `model.eval()` (no dropout: this thread's dropout calls
-    routed to their input, `function_routes.dropout_off`), without writing `model.training`. A model
+    returning their input, `functions.dropout_off`), without writing `model.training`. A model
     already in eval mode pays nothing."""
     if not any(module.training for module in model.modules()):
         yield

@@ -1,7 +1,7 @@
 """The scope under which a forward runs the engine's own batch-invariant kernels, for this thread only;
 the model is not changed. Two kernel sets, chosen by the model's device: on a CPU, every linear on
 prepacked weights (`packed_linear.py`) and every attention call on the C++ invariant kernel
-(`invariant_attention.py`); on a CUDA device, the Triton set (`triton/scope.py`)."""
+(`invariant_attention.py`); on a CUDA device, the Triton set (`triton_set.py`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from contextlib import contextmanager
 import torch
 import transformers
 
+from autobucket.engine.intercept.attention import dispatches, kernel_attention
 from autobucket.engine.kernels.invariant_attention import invariant_sdpa
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.onednn_probes import check_fp32_precision, onednn_available
 from autobucket.engine.kernels.packed_linear import PackedLinears, packed_linears
 from autobucket.engine.kernels.triton import available as triton_available
-from autobucket.engine.model_access.attention import dispatches, kernel_attention
 
 
 def check_invariant_model(model: torch.nn.Module) -> None:
@@ -41,11 +41,11 @@ def check_invariant_model(model: torch.nn.Module) -> None:
 def runs_triton_set(device: torch.device) -> bool:
     """Whether a forward on `device` runs the Triton set: CUDA devices, and CPU tensors under the tests'
     `forced_on_cpu` switch (never on where its module was not imported: CPU callers skip triton's import)."""
-    if device.type == "cpu" and "autobucket.engine.kernels.triton.scope" not in sys.modules:
+    if device.type == "cpu" and "autobucket.engine.intercept.triton_set" not in sys.modules:
         return False
     if not triton_available():
         return False
-    from autobucket.engine.kernels.triton.scope import runs_triton_set as chosen
+    from autobucket.engine.intercept.triton_set import runs_triton_set as chosen
 
     return chosen(device)
 
@@ -125,7 +125,7 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
 def invariant_kernels(packs: PackedLinears, recompute_safe: bool = False, conv1d: bool = False) -> Iterator[None]:
     """This thread's forwards in the block run the invariant linears (packed in `packs`) and attention;
     `recompute_safe` for models that recompute forwards in backward (gradient checkpointing); `conv1d`
-    for models with transformers `Conv1D` layers (`function_routes.has_conv1d`)."""
+    for models with transformers `Conv1D` layers (`functions.has_conv1d`)."""
     with packed_linears(packs, recompute_safe, conv1d), kernel_attention(invariant_sdpa):
         yield
 
@@ -137,7 +137,7 @@ def kernel_set(
     """`invariant_kernels` on a CPU; the Triton set's scope on a CUDA device (`packs` unused there: its
     linear reads the weights in place)."""
     if runs_triton_set(next(model.parameters()).device):
-        from autobucket.engine.kernels.triton.scope import triton_kernels
+        from autobucket.engine.intercept.triton_set import triton_kernels
 
         with triton_kernels(model, conv1d):
             yield

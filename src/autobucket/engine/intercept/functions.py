@@ -1,7 +1,7 @@
 """How this thread's forwards reach the engine's linears and eval-mode dropout: a few `torch.nn.functional`
-functions replaced, while an engine call is in flight, by routers that read context variables.
+functions replaced, while an engine call is in flight, by interceptors that read context variables.
 
-- `F.linear` goes to the scope's `LinearRoute` (the packed, batch-invariant linears of
+- `F.linear` goes to the scope's `LinearKernel` (the packed, batch-invariant linears of
   `kernels="invariant"` and `autobucket.invariant`); so does transformers' `Conv1D` (`torch.addmm` on a
   transposed parameter) for models that have one, through `Conv1dAddmmMode`, a `TorchFunctionMode`:
   `torch.addmm` itself is not replaced, since inductor binds `torch.addmm` as an extern kernel when it
@@ -11,26 +11,25 @@ functions replaced, while an engine call is in flight, by routers that read cont
 
 Why not a `TorchFunctionMode`: a mode sees every torch call of the thread, not only these, and cost
 7 us a call on this VM: 2.4 ms of a 28.8 ms bench-qwen2 decode step (B = 32, context 512, 323 torch
-calls, Intel Xeon), more than every linear's wrapper together. A router costs a context-variable read,
+calls, Intel Xeon), more than every linear's wrapper together. An interceptor costs a context-variable read,
 and only on its own function's calls.
 
-What the routers reach: calls that look the function up when they run — `nn.Linear.forward`
+What the interceptors reach: calls that look the function up when they run — `nn.Linear.forward`
 (`F.linear(...)`, so LoRA layers' base and adapter linears too), `nn.Dropout.forward`, attention and
-dropout calls through `nn.functional.`, and `torch.nn.functional`'s own callers. Code that bound one of these names before the routers went in
+dropout calls through `nn.functional.`, and `torch.nn.functional`'s own callers. Code that bound one of these names before the interceptors went in
 keeps the builtin (for a linear: the model's own kernel, not batch-invariant; the zero-mismatch tests
 check the architectures it runs). Nothing on the model changes; other threads get the builtins (one
-context-variable read more while the routers are in). The routers go in when the first scope of the
+context-variable read more while the interceptors are in). The interceptors go in when the first scope of the
 process opens and come out when the last one closes; a replacement someone else made meanwhile is left
-alone. Under torch.compile's tracing (dynamo cannot read a context variable) the linear router calls
-the builtin and the dropout routers read `_traced_dropout_off`, a module global dynamo guards on, which
+alone. Under torch.compile's tracing (dynamo cannot read a context variable) the linear interceptor calls
+the builtin and the dropout interceptors read `_traced_dropout_off`, a module global dynamo guards on, which
 the engine's compiled decode step sets around its graph call (`compiled_dropout_off`): the graph is
 traced without dropout and costs nothing per op at run time. (A `TorchFunctionMode` around the graph
-call, what this replaced, was not consulted for a dropout reached through a router, measured.)"""
+call, what this replaced, was not consulted for a dropout reached through an interceptor, measured.)"""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,7 +40,9 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 
-# the builtins, for the engine's own calls and for every call outside a routed scope
+from autobucket.engine.intercept.active import active, forward_with
+
+# the builtins, for the engine's own calls and for every call outside a engine call
 original_linear: Callable[..., torch.Tensor] = F.linear
 original_addmm: Callable[..., torch.Tensor] = torch.addmm  # never replaced: the name stays the builtin
 _DROPOUT_NAMES = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
@@ -49,7 +50,7 @@ _ORIGINAL_DROPOUTS = {name: getattr(F, name) for name in _DROPOUT_NAMES}
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
-class LinearRoute(Protocol):
+class LinearKernel(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
     def addmm(self, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
@@ -60,11 +61,9 @@ class LinearRoute(Protocol):
         ...
 
 
-_LINEAR_ROUTE: contextvars.ContextVar[LinearRoute | None] = contextvars.ContextVar("autobucket_linears", default=None)
-_NO_DROPOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_no_dropout", default=False)
 _LOCK = threading.Lock()  # guards _OPEN_SCOPES and the replacements
 _OPEN_SCOPES = 0
-_traced_dropout_off = False  # what the dropout routers do while dynamo traces (`compiled_dropout_off`)
+_traced_dropout_off = False  # what the dropout interceptors do while dynamo traces (`compiled_dropout_off`)
 _COMPILE_LOCK = threading.RLock()  # one compiled step at a time while it sets _traced_dropout_off
 
 
@@ -74,16 +73,16 @@ def _tracing() -> bool:
     return torch.compiler.is_dynamo_compiling()
 
 
-def _routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    route = None if _tracing() else _LINEAR_ROUTE.get()
+def _intercepted_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    route = None if _tracing() else active().linears
     if route is None:
         return original_linear(input, weight, bias)
     return route.linear(input, weight, bias)
 
 
-def linear_route() -> LinearRoute | None:
+def active_linears() -> LinearKernel | None:
     """The linear route of this thread's forwards (None: outside a scope, or under dynamo's tracing)."""
-    return None if _tracing() else _LINEAR_ROUTE.get()
+    return None if _tracing() else active().linears
 
 
 _LINEAR_FORWARD = torch.nn.Linear.forward
@@ -92,12 +91,12 @@ _LINEAR_FORWARD = torch.nn.Linear.forward
 def call_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(x)`, for the engine's own calls of a model's linear layers (the direct decode step, the
     fused MLP): a plain `nn.Linear` whose call nothing can observe goes straight to this thread's linear
-    route's quick path, skipping the module call, `Linear.forward` and the `F.linear` router (on
+    route's quick path, skipping the module call, `Linear.forward` and the `F.linear` interceptor (on
     bench-qwen2's decode step, B = 16, context 256, ~0.6 ms of 5.9: 29 linears at ~20 us of Python each).
     The values are the route's, which is what `module(x)` reaches. Anything else — a LoRA layer, a
     subclass, a replaced forward, hooks (the module's or global ones: `Module.__call__` skips them only
     when there are none), no route, a call the quick path does not take — is `module(x)`."""
-    route = linear_route()
+    route = active_linears()
     if route is not None and type(module) is torch.nn.Linear and call_unobserved(module):
         out = route.ready_linear(x, module.weight, module.bias)
         if out is not None:
@@ -122,7 +121,7 @@ class Conv1dAddmmMode(TorchFunctionMode):
     """The `Conv1D` addmm calls of this thread's forwards to `route` (models with `Conv1D` layers only:
     a mode sees every torch call, see the module docstring)."""
 
-    def __init__(self, route: LinearRoute) -> None:
+    def __init__(self, route: LinearKernel) -> None:
         super().__init__()
         self.route = route
 
@@ -132,9 +131,9 @@ class Conv1dAddmmMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _dropout_router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _dropout_interceptor(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def routed(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+        if _traced_dropout_off if _tracing() else active().no_dropout:
             return args[0] if args else kwargs["input"]
         return original(*args, **kwargs)
 
@@ -148,16 +147,16 @@ def _without_dropout_p(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "dropout_p": 0.0}
 
 
-def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-    if _traced_dropout_off if _tracing() else _NO_DROPOUT.get():
+def _intercepted_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    if _traced_dropout_off if _tracing() else active().no_dropout:
         args, kwargs = _without_dropout_p(args, kwargs)
     return _ORIGINAL_SDPA(*args, **kwargs)
 
 
-_ROUTERS: list[tuple[Any, str, Callable, Callable]] = [  # (module, name, builtin, router)
-    (F, "linear", original_linear, _routed_linear),
-    (F, "scaled_dot_product_attention", _ORIGINAL_SDPA, _routed_sdpa),
-    *((F, name, builtin, _dropout_router(builtin)) for name, builtin in _ORIGINAL_DROPOUTS.items()),
+_INTERCEPTORS: list[tuple[Any, str, Callable, Callable]] = [  # (module, name, builtin, interceptor)
+    (F, "linear", original_linear, _intercepted_linear),
+    (F, "scaled_dot_product_attention", _ORIGINAL_SDPA, _intercepted_sdpa),
+    *((F, name, builtin, _dropout_interceptor(builtin)) for name, builtin in _ORIGINAL_DROPOUTS.items()),
 ]
 
 
@@ -170,17 +169,17 @@ def is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
     )  # fmt: skip
 
 
-def routers_installed() -> bool:
-    return F.linear is _routed_linear
+def interceptors_installed() -> bool:
+    return F.linear is _intercepted_linear
 
 
 @contextmanager
-def _routers_in() -> Iterator[None]:
+def _interceptors_in() -> Iterator[None]:
     global _OPEN_SCOPES
     with _LOCK:
         if _OPEN_SCOPES == 0:
-            for module, name, _, router in _ROUTERS:
-                setattr(module, name, router)
+            for module, name, _, interceptor in _INTERCEPTORS:
+                setattr(module, name, interceptor)
         _OPEN_SCOPES += 1
     try:
         yield
@@ -188,13 +187,13 @@ def _routers_in() -> Iterator[None]:
         with _LOCK:
             _OPEN_SCOPES -= 1
             if _OPEN_SCOPES == 0:
-                for module, name, builtin, router in _ROUTERS:
-                    if getattr(module, name) is router:
+                for module, name, builtin, interceptor in _INTERCEPTORS:
+                    if getattr(module, name) is interceptor:
                         setattr(module, name, builtin)
 
 
 def builtin_behind(function: Callable) -> Callable:
-    """The function a `function_replaced` router stands in front of (`function` itself if it is none)."""
+    """The function a `function_replaced` interceptor stands in front of (`function` itself if it is none)."""
     return getattr(function, "_autobucket_builtin", function)
 
 
@@ -202,15 +201,15 @@ _REPLACED: dict[tuple[int, str], int] = {}  # (id(module), name) -> open scopes,
 
 
 @contextmanager
-def function_replaced(module: Any, name: str, builtin: Callable, router: Callable) -> Iterator[None]:
-    """`module.name` (now `builtin`) is `router` while the block runs, as the routers above are while a
+def function_replaced(module: Any, name: str, builtin: Callable, interceptor: Callable) -> Iterator[None]:
+    """`module.name` (now `builtin`) is `interceptor` while the block runs, as the interceptors above are while a
     scope is open: in when the first such block opens, out when the last one closes (nested and
     concurrent calls share one replacement), and a replacement someone else made meanwhile is left alone.
-    The router itself must send other threads' calls to `builtin`."""
+    The interceptor itself must send other threads' calls to `builtin`."""
     key = (id(module), name)
     with _LOCK:
         if _REPLACED.get(key, 0) == 0:
-            setattr(module, name, router)
+            setattr(module, name, interceptor)
         _REPLACED[key] = _REPLACED.get(key, 0) + 1
     try:
         yield
@@ -219,26 +218,16 @@ def function_replaced(module: Any, name: str, builtin: Callable, router: Callabl
             _REPLACED[key] -= 1
             if _REPLACED[key] == 0:
                 del _REPLACED[key]
-                if getattr(module, name) is router:
+                if getattr(module, name) is interceptor:
                     setattr(module, name, builtin)
 
 
 @contextmanager
-def context_value(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
-    """`variable` set to `value` for this thread's (task's) code inside the block, restored after."""
-    token = variable.set(value)
-    try:
-        yield
-    finally:
-        variable.reset(token)
-
-
-@contextmanager
-def linears_routed_to(route: LinearRoute, conv1d: bool = False) -> Iterator[None]:
+def linears_on(route: LinearKernel, conv1d: bool = False) -> Iterator[None]:
     """This thread's (and context's) linear calls inside the block run on `route`; `conv1d`: the model
     has transformers `Conv1D` layers, whose addmm calls go there too."""
     conv1d_mode = Conv1dAddmmMode(route) if conv1d else contextlib.nullcontext()
-    with _routers_in(), conv1d_mode, context_value(_LINEAR_ROUTE, route):
+    with _interceptors_in(), conv1d_mode, forward_with(linears=route):
         yield
 
 
@@ -250,7 +239,7 @@ def has_conv1d(model: torch.nn.Module) -> bool:
 @contextmanager
 def dropout_off() -> Iterator[None]:
     """This thread's dropout calls inside the block return their input, and SDPA runs without dropout."""
-    with _routers_in(), context_value(_NO_DROPOUT, True):
+    with _interceptors_in(), forward_with(no_dropout=True):
         yield
 
 
@@ -271,4 +260,4 @@ def compiled_dropout_off(off: bool) -> Iterator[None]:
 
 def dropout_suppressed() -> bool:
     """Whether this thread's forwards run with dropout off (`dropout_off`)."""
-    return _NO_DROPOUT.get()
+    return active().no_dropout
