@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
 CompileChoice: TypeAlias = bool | Literal["auto"]
-Kernels: TypeAlias = Literal["hf", "invariant"]
+Kernels: TypeAlias = Literal["auto", "hf", "invariant"]
 LogprobsMode: TypeAlias = Literal["trainer", "processed"]
 ShardedWeights: TypeAlias = Literal["gathered", "lockstep"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
@@ -70,23 +70,31 @@ class RolloutConfig:
       `RANK` environment variable (set by torchrun, accelerate and deepspeed launchers) is 0 or unset;
       the other ranks read. A cache folder that cannot be written gets one warning and the call goes
       on. False: the cache folder is neither read nor written; learning stays in this process.
-    kernels: "hf" (default): the model's own forward, op by op, except that eager decode steps on a CPU
-      attend on the engine's attention kernel (it reads only each row's own keys; transformers' SDPA
-      where the kernel cannot be built or cannot take the call); "invariant": the engine's own kernels
-      (`engine/kernels/`): every linear on oneDNN-prepacked weights that follow in-place weight updates
-      (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
-      reduction order depends only on the sequence, so a token's logits are bitwise the same on every
-      route, batch, padding, refill order and n, and equal a trainer's forward under
-      `autobucket.invariant(model)`. fp32 stays strict fp32; bf16 linears run oneDNN's bf16 GEMM in fixed
-      32-row blocks (it picks its kernel by the row count, so one GEMM over all rows is not invariant), or
-      fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more copy of the linear weights is held;
-      the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
-    packed_weights_mb: with `kernels="invariant"`, the most memory its packed copies of the linear weights
-      may hold (None, the default: every linear packed, one more copy of those weights). Linears past the
-      budget read the live weight, bitwise the same values: fp32 ones on the fixed-order kernel's unpacked
-      form (1.0-1.8x the packed time per GEMM), bf16 ones on oneDNN reordering per call (0: no copies at
-      all). Measured (Intel Xeon, SmolLM2 fp32, one call): unbounded peak RSS 1.26x the default kernels' at
-      0.81x their time; 0 MB: 0.92x the memory at 1.05x the time.
+    kernels: which kernels the forwards run. "auto" (default): the engine's own kernels (as "invariant")
+      wherever they can run the model, the model's own ops ("hf") elsewhere: on a CUDA device, for a dtype
+      other than float32 / bfloat16, for attention that does not go through transformers' "sdpa"
+      interface (eager attention, a class calling torch's SDPA itself), without oneDNN or strict fp32
+      matmuls, where the C++ kernel library does not build, and with `compile=True` (the compiled step runs
+      the model's own ops; `compile="auto"` and False decode eagerly on the engine's kernels). Never
+      refused: `Profile.kernels` and `Profile.kernels_reason` say which set ran and why. Its tokens come
+      from the set that ran: equal to `kernels="invariant"`'s where the engine's kernels run (so not
+      always bitwise HF `generate`'s), to `kernels="hf"`'s elsewhere. "invariant": require the engine's
+      own kernels (`engine/kernels/`), refused where they cannot run: every linear on oneDNN-prepacked
+      weights that follow in-place weight updates (`Rollout.refresh_weights()` for writes through
+      `.data`) and every attention call on a kernel whose reduction order depends only on the sequence,
+      so a token's logits are bitwise the same on every route, batch, padding, refill order and n, and
+      equal a trainer's forward under `autobucket.invariant(model)`. fp32 stays strict fp32; bf16 linears
+      run oneDNN's bf16 GEMM in fixed 32-row blocks (it picks its kernel by the row count, so one GEMM over
+      all rows is not invariant), or fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more
+      copy of the linear weights is held (`packed_weights_mb` bounds it); the compiled step is not used;
+      needs SDPA attention (not eager) and a C++ compiler at first use. "hf": the model's own forward, op
+      by op, except that eager decode steps on a CPU attend on the engine's attention kernel (it reads only
+      each row's own keys; transformers' SDPA where the kernel cannot be built or cannot take the call).
+    packed_weights_mb: where the engine's kernels run ("invariant", or "auto" where it takes them), the most
+      memory their packed copies of the linear weights may hold (None, the default: every linear packed,
+      one more copy of those weights). Linears past the budget read the live weight, bitwise the same
+      values, more slowly: fp32 ones on the fixed-order kernel's unpacked form, bf16 ones on oneDNN
+      reordering per call (0: no copies at all; docs/benchmarks.md has the memory and time each costs).
     prefix_cache_mb: memory for a prefix KV cache across calls (0, the default: off). Every finished
       sequence (prompt + generated tokens) is kept, least recently used evicted first, so a next call
       whose prompt extends one (the next turn of a conversation, a shared system prompt) prefills only
@@ -110,7 +118,7 @@ class RolloutConfig:
     profile: bool = False
     compile: CompileChoice = False
     persist_costs: bool = True
-    kernels: Kernels = "hf"
+    kernels: Kernels = "auto"
     prefix_cache_mb: float = 0.0
     share_prefixes: bool = True
     packed_weights_mb: float | None = None

@@ -61,9 +61,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--allow-mismatch", action="store_true",
                         help="use a --costs calibration measured on another model, dtype, device or attention "
                         "backend (warns)")  # fmt: skip
-    parser.add_argument("--kernels", choices=KERNELS, default="hf",
-                        help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
-                        "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)")  # fmt: skip
+    parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                        help="auto (default): the engine's kernels wherever they can run the model, the model's "
+                        "own ops elsewhere (never refused); invariant: require the engine's batch-invariant "
+                        "kernels; hf: the model's own forward")  # fmt: skip
     parser.add_argument("--continuous-batch-size", type=positive_int, default=32, metavar="N",
                         help="most prompts decoded at once (default 32)")  # fmt: skip
     engine = parser.add_argument_group("engine (RolloutConfig)")

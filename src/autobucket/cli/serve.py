@@ -27,9 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--host", default="127.0.0.1", choices=("127.0.0.1", "localhost", "::1"),
                         help="the loopback address to bind (default 127.0.0.1; there is no authentication)")
     parser.add_argument("--port", type=non_negative_int, default=8000, metavar="P", help="default 8000; 0: a free port")
-    parser.add_argument("--kernels", choices=KERNELS, default="hf",
-                        help="hf (default) or invariant: the engine's batch-invariant kernels (bitwise logprobs "
-                        "whatever else is in flight)")  # fmt: skip
+    parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                        help="auto (default: the engine's kernels where they can run the model, else its own "
+                        "ops), invariant (require the engine's batch-invariant kernels: bitwise logprobs "
+                        "whatever else is in flight) or hf (the model's own forward)")  # fmt: skip
     parser.add_argument("--max-batch", type=positive_int, default=32, metavar="N", help="most rows decoded at once")
     parser.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                         help="most tokens of a request's prompt and completion (default: min(1024, the model's))")  # fmt: skip

@@ -72,7 +72,7 @@ class AsyncEngine:
         self.limits = Limits(self.model, tokenizer, self.rollout.vocab_size, self._model_len(max_model_len))
         shape = CacheShape(_checked_optional_int("max_batch", max_batch, 1), 2 * self.limits.max_model_len)
         pad = resolve_generation(self.model, SamplingConfig(), {}, self.limits.vocab_size).pad_token_id
-        decode_attention = eager_decode_attention(self.model, self.rollout.config.kernels)
+        decode_attention = eager_decode_attention(self.model, self.rollout.kernel_choice.kernels)
         self._new_batch = lambda: RunningBatch(self.model, self.rollout.spec, shape, pad, self.limits.vocab_size, decode_attention)
         self.batch = self._new_batch()
         self._control = threading.Condition()
@@ -259,7 +259,7 @@ class AsyncEngine:
                 request.finish("abort")
 
     def _weights_key(self) -> tuple:
-        return weights_version(self.model, attention_backend(self.model), self.rollout.config.kernels)
+        return weights_version(self.model, attention_backend(self.model), self.rollout.kernel_choice.kernels)
 
     def _model_len(self, max_model_len: int | None) -> int:
         positions = self.rollout.max_positions
