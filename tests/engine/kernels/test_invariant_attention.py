@@ -641,7 +641,7 @@ def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
     monkeypatch.setattr(module, "invariant_attention", counting)
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([5, 19, 11], seed=8)
-    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(
+    result = Rollout(model, config=RolloutConfig(route="aligned", kernels="hf")).generate(
         prompts, SamplingConfig(max_new_tokens=6, eos_token_id=[])
     )
     layers = model.config.num_hidden_layers

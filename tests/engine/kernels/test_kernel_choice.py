@@ -6,6 +6,7 @@ elsewhere, with the reason on `Profile`. Where the engine's kernels run, its tok
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -28,8 +29,10 @@ FIXED_COSTS = CostCoefficients()  # no online probe: the calls here are about ke
 ROUTES = ("ordinary", "aligned", "bucketed")
 
 
-def generate(model, kernels: str, route: str = "aligned", **config):
-    rollout = Rollout(model, None, RolloutConfig(route=route, kernels=kernels, costs=FIXED_COSTS, **config))
+def generate(model, kernels: str, route: str = "aligned"):
+    # compile=False: `make test-compile` turns the default on, and compile=True takes the model's own ops
+    config = RolloutConfig(route=route, kernels=kernels, costs=FIXED_COSTS, compile=False)
+    rollout = Rollout(model, None, config)
     return rollout.generate(PROMPTS, SAMPLING)
 
 
@@ -55,9 +58,12 @@ def test_auto_runs_the_engine_kernels_on_a_cpu_sdpa_model_bitwise_as_invariant(t
 
 
 def test_the_default_config_runs_auto(tiny_models):
-    result = Rollout(tiny_models("tiny-qwen2"), None, RolloutConfig(costs=FIXED_COSTS)).generate(PROMPTS, SAMPLING)
-    assert (result.profile.kernels, result.profile.kernels_reason.startswith("auto:")) == ("invariant", True)
-    assert result.logprobs == generate(tiny_models("tiny-qwen2"), "invariant", "auto").logprobs
+    config = RolloutConfig(costs=FIXED_COSTS)
+    ran = "hf" if config.compile is True else "invariant"  # `make test-compile` defaults compile=True
+    result = Rollout(tiny_models("tiny-qwen2"), None, config).generate(PROMPTS, SAMPLING)
+    assert (result.profile.kernels, result.profile.kernels_reason.startswith("auto:")) == (ran, True)
+    expected = Rollout(tiny_models("tiny-qwen2"), None, dataclasses.replace(config, kernels=ran))
+    assert result.logprobs == expected.generate(PROMPTS, SAMPLING).logprobs
 
 
 # ------------------------------------------------------------------ where they cannot: the model's own ops
@@ -134,7 +140,7 @@ def test_compile_true_takes_the_model_ops_and_compile_auto_the_engine_kernels(ti
 
 def test_auto_chooses_again_when_the_trainer_changes_the_model(tiny_models):
     model = copy.deepcopy(tiny_models("tiny-qwen2"))
-    rollout = Rollout(model, None, RolloutConfig(route="aligned", costs=FIXED_COSTS))
+    rollout = Rollout(model, None, RolloutConfig(route="aligned", costs=FIXED_COSTS, compile=False))
     assert rollout.generate(PROMPTS, SAMPLING).profile.kernels == "invariant"
     model.half()  # a trainer's cast between calls
     result = rollout.generate(PROMPTS, SAMPLING)
@@ -147,7 +153,7 @@ def test_auto_chooses_again_when_the_trainer_changes_the_model(tiny_models):
 def test_a_model_off_the_cpu_takes_the_model_ops(tiny_models):
     """Off the CPU (CUDA's Triton set is not chosen by default) "auto" takes the model's own ops."""
     model = copy.deepcopy(tiny_models("tiny-qwen2")).to("meta")
-    kernels, reason = resolve_kernels(model, RolloutConfig())
+    kernels, reason = resolve_kernels(model, RolloutConfig(compile=False))
     assert (kernels, "is on meta" in reason) == ("hf", True)
     assert resolve_kernels(model, RolloutConfig(kernels="invariant")).kernels == "invariant"  # as configured: its own checks refuse it
 
@@ -158,7 +164,8 @@ def test_cost_entries_and_prefix_cache_are_keyed_by_the_set_that_runs(tiny_model
     model = tiny_models("tiny-qwen2")
 
     def keys(kernels: str) -> tuple[str, tuple]:
-        rollout = Rollout(model, None, RolloutConfig(kernels=kernels, prefix_cache_mb=1.0, persist_costs=False))
+        config = RolloutConfig(kernels=kernels, prefix_cache_mb=1.0, persist_costs=False, compile=False)
+        rollout = Rollout(model, None, config)
         rollout._prefix_cache()
         return entry_key(rollout.cost_source.metadata), rollout.prefix_cache.version
 
