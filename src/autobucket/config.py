@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # The public value types, visible to a type checker (`RolloutConfig(route="fastest")` fails the check).
 Route: TypeAlias = Literal["ordinary", "equal_width", "aligned", "bucketed", "auto"]
 CompileChoice: TypeAlias = bool | Literal["auto"]
-Kernels: TypeAlias = Literal["torch", "invariant", "hf"]  # "hf": the deprecated spelling of "torch"
+Kernels: TypeAlias = Literal["auto", "invariant", "torch", "hf"]  # "hf": the deprecated spelling of "torch"
 LogprobsMode: TypeAlias = Literal["trainer", "processed"]
 ShardedWeights: TypeAlias = Literal["gathered", "lockstep"]
 # A path to a calibration / coefficients JSON, "online", None (learn online) or the coefficients themselves.
@@ -74,28 +74,36 @@ class RolloutConfig:
       `RANK` environment variable (set by torchrun, accelerate and deepspeed launchers) is 0 or unset;
       the other ranks read. A cache folder that cannot be written gets one warning and the call goes
       on. False: the cache folder is neither read nor written; learning stays in this process.
-    kernels: "torch" (default): the model's own ops everywhere (its linears, transformers' SDPA, its
-      elementwise code); "hf" is its deprecated spelling (a DeprecationWarning, stored as "torch");
-      "invariant": the engine's own kernels
-      (`engine/kernels/`): every linear on oneDNN-prepacked weights that follow in-place weight updates
+    kernels: which kernels the forwards run; `Profile.plan` names the backend of every op family and why.
+      "auto" (default): the engine's own kernels (as "invariant") wherever they can run the model, and
+      elsewhere the model's own linears and attention with the engine's elementwise and decode kernels
+      where those run: on a CUDA device, for a dtype other than float32 / bfloat16, for attention that
+      does not go through transformers' "sdpa" interface (eager attention, a class calling torch's SDPA
+      itself), without oneDNN or strict fp32 matmuls, where the C++ kernel library does not build, and
+      with `compile=True` (the compiled step runs the model's own ops). Never refused:
+      `Profile.kernels` and `Profile.kernels_reason` say which set ran and why. Its tokens come from the
+      set that ran: equal to `kernels="invariant"`'s where the engine's kernels run (so not always
+      bitwise HF `generate`'s). "invariant": require the engine's own kernels (`engine/kernels/`), refused
+      where they cannot run: every linear on oneDNN-prepacked weights that follow in-place weight updates
       (`Rollout.refresh_weights()` for writes through `.data`) and every attention call on a kernel whose
       reduction order depends only on the sequence, so a token's logits are bitwise the same on every
       route, batch, padding, refill order and n, and equal a trainer's forward under
       `autobucket.invariant(model)`. fp32 stays strict fp32; bf16 linears run oneDNN's bf16 GEMM in fixed
       32-row blocks (it picks its kernel by the row count, so one GEMM over all rows is not invariant), or
-      fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more copy of the linear weights is held;
-      the compiled step is not used; needs SDPA attention (not eager) and a C++ compiler at first use.
-      `Profile.plan` names the backend that ran each op family, and why.
+      fp32 GEMMs on an fp32 copy where the CPU has no bf16 GEMM; one more copy of the linear weights is
+      held (`packed_weights_mb` bounds it); the compiled step is not used; needs SDPA attention (not
+      eager) and a C++ compiler at first use. "torch": the model's own ops everywhere (its linears,
+      transformers' SDPA, its elementwise code); "hf" is its deprecated spelling (a DeprecationWarning,
+      stored as "torch").
     op_backends: op family -> backend name, for the ops a call may give to another backend than the
       kernel set's ("rotary", "gated_mlp", "rms_norm", "decode_attention"): a built-in backend ("cpu":
       the engine's C++ kernels, "torch") or one registered with `autobucket.engine.plan.register_backend`.
       Checked when the Rollout is made (an unknown op or backend is a ValueError naming the choices).
-    packed_weights_mb: with `kernels="invariant"`, the most memory its packed copies of the linear weights
-      may hold (None, the default: every linear packed, one more copy of those weights). Linears past the
-      budget read the live weight, bitwise the same values: fp32 ones on the fixed-order kernel's unpacked
-      form (1.0-1.8x the packed time per GEMM), bf16 ones on oneDNN reordering per call (0: no copies at
-      all). Measured (Intel Xeon, SmolLM2 fp32, one call): unbounded peak RSS 1.26x the default kernels' at
-      0.81x their time; 0 MB: 0.92x the memory at 1.05x the time.
+    packed_weights_mb: where the engine's kernels run ("invariant", or "auto" where it takes them), the most
+      memory their packed copies of the linear weights may hold (None, the default: every linear packed,
+      one more copy of those weights). Linears past the budget read the live weight, bitwise the same
+      values, more slowly: fp32 ones on the fixed-order kernel's unpacked form, bf16 ones on oneDNN
+      reordering per call (0: no copies at all; docs/benchmarks.md has the memory and time each costs).
     prefix_cache_mb: memory for a prefix KV cache across calls (0, the default: off). Every finished
       sequence (prompt + generated tokens) is kept, least recently used evicted first, so a next call
       whose prompt extends one (the next turn of a conversation, a shared system prompt) prefills only
@@ -119,7 +127,7 @@ class RolloutConfig:
     profile: bool = False
     compile: CompileChoice = False
     persist_costs: bool = True
-    kernels: Kernels = "torch"
+    kernels: Kernels = "auto"
     prefix_cache_mb: float = 0.0
     share_prefixes: bool = True
     packed_weights_mb: float | None = None

@@ -84,6 +84,8 @@ class Profile:
     eager_steps: int = 0  # decode steps run eagerly although compiling was on (new shape not compiled, fallback)
     compile_fallback: str = ""  # why compiled decoding was off or stopped ("" when it was not)
     compile_decision: str = ""
+    kernels: str = ""  # the kernels setting the call ran: "invariant", "torch", or "auto" where it fell back
+    kernels_reason: str = ""  # why that set (`engine/kernel_choice.py`)
     packs_made: int = 0  # linear weights packed by this call (kernels="invariant"): first packs and repacks
     pack_ms: float = 0.0  # their cost (a repack follows every in-place weight update)
     packed_weight_bytes: int = 0  # the packed copies held after the call

@@ -226,7 +226,7 @@ def test_slow_bf16_message_names_the_fix_only_where_it_applies(dtype, kernels, d
         assert "\n" not in message and "kernels=\"invariant\"" in message and "kernels='hf'" in message
 
 
-def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_bf16_gemm(monkeypatch):
+def test_a_bf16_rollout_on_the_models_own_ops_warns_once_where_the_cpu_lacks_a_bf16_gemm(monkeypatch):
     bf16_model = fresh_tiny_model().to(torch.bfloat16)
 
     def constructed(native: bool, **config) -> list[warnings.WarningMessage]:
@@ -238,10 +238,11 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
                 Rollout(bf16_model, config=RolloutConfig(**config))
         return [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
-    slow = constructed(native=False)
+    slow = constructed(native=False, kernels="hf")
     assert len(slow) == 1 and slow[0].filename == __file__  # pointed at the caller's line
-    assert constructed(native=True) == []  # the control: the CPU's bf16 GEMM decides it
+    assert constructed(native=True, kernels="hf") == []  # the control: the CPU's bf16 GEMM decides it
     assert constructed(native=False, kernels="invariant") == []
+    assert constructed(native=False, compile=False) == []  # the default, "auto", takes the engine's kernels
     monkeypatch.setattr(onednn_probes, "native_bf16_gemm", lambda: False)
     warn_once.cache_clear()  # once per process: start afresh
     with warnings.catch_warnings(record=True) as caught:
@@ -250,7 +251,7 @@ def test_a_bf16_rollout_on_the_default_kernels_warns_once_where_the_cpu_lacks_a_
     assert not [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
 
-@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("kernels", ["auto", "hf", "invariant"])
 def test_generate_kernels_flag_runs_that_kernel_set_in_bf16(kernels, tmp_path):
     """`generate --kernels` is the Python API's `RolloutConfig(kernels=...)`: the same tokens as that
     Rollout on the same model, and the slow-bf16 warning exactly where the API gives it."""

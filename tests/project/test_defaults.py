@@ -45,6 +45,9 @@ def test_the_generate_job_and_the_cli_agree_with_the_library_default():
 
     args = build_parser().parse_args(["generate", "--prompts", "p.jsonl"])
     assert args.route == GenerateJob(prompts="-").rollout.route == RolloutConfig().route == "auto"
+    assert args.kernels == GenerateJob(prompts="-").rollout.kernels == RolloutConfig().kernels == "auto"
+    serve = build_parser().parse_args(["serve", "--model", "tiny-qwen2"])
+    assert serve.kernels == "auto"
 
 
 # ------------------------------------------------------------------ public types

@@ -100,9 +100,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--kernels",
         choices=KERNELS,
-        default="hf",
-        help="hf (default): the model's own forward; invariant: the engine's batch-invariant "
-        "kernels (the faster on every CPU measured, 5-10x in bf16 where the CPU has AVX2 only)",
+        default="auto",
+        help="auto (default): the engine's kernels wherever they can run the model, the model's "
+        "own ops elsewhere (never refused); invariant: require the engine's batch-invariant "
+        "kernels; torch: the model's own ops (hf: its deprecated spelling)",
     )
     parser.add_argument(
         "--continuous-batch-size",

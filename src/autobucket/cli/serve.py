@@ -30,9 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--kernels",
         choices=KERNELS,
-        default="hf",
-        help="hf (default) or invariant: the engine's batch-invariant kernels (bitwise logprobs "
-        "whatever else is in flight)",
+        default="auto",
+        help="auto (default: the engine's kernels where they can run the model, else its own "
+        "ops), invariant (require the engine's batch-invariant kernels: bitwise logprobs "
+        "whatever else is in flight) or torch (the model's own ops)",
     )
     parser.add_argument("--max-batch", type=positive_int, default=32, metavar="N", help="most rows decoded at once")
     parser.add_argument(

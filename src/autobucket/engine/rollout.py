@@ -34,6 +34,7 @@ from autobucket.engine.intercept.kernel_sets import (
     check_kernel_device,
     runs_triton_set,
 )
+from autobucket.engine.kernel_choice import KernelChoice, resolve_kernels
 from autobucket.engine.kernels.onednn_probes import warn_if_slow_bf16_gemm
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.model_access.hf_compat import (
@@ -92,9 +93,11 @@ class Rollout:
             check_kernel_device(parameter.device)
         self.geometry = ModelGeometry.from_config(self.model.config, parameter.dtype)
         self.max_positions = self.geometry.max_positions
-        self.cost_source = CostSource(self.config, self.model, self.geometry, sliding_window_limit(self.model.config))
+        # the kernel set the forwards run ("auto" resolved), chosen again at each call (`_follow_model`)
+        self.kernel_choice: KernelChoice = resolve_kernels(self.model, self.config)
+        self.cost_source = CostSource(self._call_config(), self.model, self.geometry, sliding_window_limit(self.model.config))
         self._fingerprint = self._model_fingerprint()  # what the costs were learned for (`_follow_model`)
-        self.packed_linears = _packed_linears_for(self.model, self.config)
+        self.packed_linears = _packed_linears_for(self.model, self._call_config())
         self._conv1d = has_conv1d(self.model)  # GPT-2's Conv1D addmm calls need routing too
         self.prefix_cache = PrefixCache(int(self.config.prefix_cache_mb * 2**20)) if self.config.prefix_cache_mb else None
         self._stops: StopStrings | None = None  # the last call's stop strings, matched with the tokenizer
@@ -102,7 +105,7 @@ class Rollout:
         # one call at a time (re-entrant: `generate` reads `costs`, which may probe through `_run_route`)
         self._call_lock = threading.RLock()
         warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
-        warn_if_slow_bf16_gemm(parameter.dtype, self.config.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
+        warn_if_slow_bf16_gemm(parameter.dtype, self.kernel_choice.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
 
     @property
     def vocab_size(self) -> int:
@@ -130,12 +133,24 @@ class Rollout:
         fingerprint = self._model_fingerprint()
         if self.config.kernels == "invariant":
             check_kernel_device(fingerprint[1])
-        if fingerprint == self._fingerprint:
+        choice = resolve_kernels(self.model, self.config)  # "auto" may change its answer with the model
+        if (fingerprint, choice) == (self._fingerprint, self.kernel_choice):
             return
         geometry = ModelGeometry.from_config(self.model.config, fingerprint[0])
-        self.cost_source.follow(geometry)  # may refuse a calibration file: then nothing here changed
-        self._fingerprint, self.geometry = fingerprint, geometry
-        warn_if_slow_bf16_gemm(fingerprint[0], self.config.kernels, fingerprint[1].type)
+        self.cost_source.config = self._call_config(choice)  # costs are keyed by the set that runs
+        try:
+            self.cost_source.follow(geometry)  # may refuse a calibration file: then nothing here changed
+        except BaseException:
+            self.cost_source.config = self._call_config()
+            raise
+        self._fingerprint, self.geometry, self.kernel_choice = fingerprint, geometry, choice
+        warn_if_slow_bf16_gemm(fingerprint[0], choice.kernels, fingerprint[1].type)
+
+    def _call_config(self, choice: KernelChoice | None = None) -> RolloutConfig:
+        """The config the engine runs: `kernels` is the set `resolve_kernels` chose (`choice`, else this
+        Rollout's current one), so no route, cache key or cost entry ever reads "auto"."""
+        kernels = (choice or self.kernel_choice).kernels
+        return self.config if self.config.kernels == kernels else dataclasses.replace(self.config, kernels=kernels)
 
     def refresh_weights(self) -> None:
         """Repack before the next forward: for weight writes that bypass version counters (`param.data`
@@ -166,12 +181,12 @@ class Rollout:
             generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
             stops = self._stop_strings(generation.stop_strings)
             self._follow_model()
-            _warn_if_autocast_forward(self.model, self.config)
+            _warn_if_autocast_forward(self.model, self._call_config())
             token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
             check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
         with self._gathered():  # every rank of a sharded model, even one with no prompts, joins the gather
             if not token_prompts:
-                profile = Profile(route=self.config.route)
+                profile = self._profile(self.config.route)
                 return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
             return self._generate_checked(token_prompts, sampling, generation, stops, started)
 
@@ -185,7 +200,7 @@ class Rollout:
         plans = self.config.route in PLANNING_ROUTES and continuous_batching_refusal(self.model) is None
         costs = self.cost_source.current(self._probe_runner() if plans else None)
         prefix_cache, cleared = self._prefix_cache()
-        result = self._run_route(self.config, token_prompts, sampling, generation, costs, started, prefix_cache, stops)
+        result = self._run_route(self._call_config(), token_prompts, sampling, generation, costs, started, prefix_cache, stops)
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
@@ -215,7 +230,7 @@ class Rollout:
     ) -> RolloutResult:
         """One route on validated prompts: the engine-level runner both `generate` and the cost probe use
         (the probe without the prefix cache: its prompts are not the user's)."""
-        profile = Profile(route=config.route)
+        profile = self._profile(config.route)
         # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
         timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
         call = RouteCall(
@@ -229,6 +244,10 @@ class Rollout:
         with PeakMemory(self.device) as memory, self.forward_scope(profile, plan):
             finished = ROUTES[config.route](call)
         return _result(call, finished, memory, started)
+
+    def _profile(self, route: str) -> Profile:
+        kernels, reason = self.kernel_choice
+        return Profile(route=route, kernels=kernels, kernels_reason=reason)
 
     @contextmanager
     def forward_scope(self, profile: Profile, plan: ForwardPlan | None = None) -> Iterator[None]:
@@ -260,7 +279,7 @@ class Rollout:
                 yield
             return
         if self.packed_linears is None:  # created on a CUDA device, now on the CPU
-            self.packed_linears = _packed_linears_for(self.model, self.config)
+            self.packed_linears = _packed_linears_for(self.model, self._call_config())
         packs = self.packed_linears
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms
@@ -293,7 +312,7 @@ class Rollout:
         cache = self.prefix_cache
         if cache is None:
             return None, False
-        version = weights_version(self.model, attention_backend(self.model), self.config.kernels)
+        version = weights_version(self.model, attention_backend(self.model), self.kernel_choice.kernels)
         return cache, cache.use_version(version)
 
     def _probe_runner(self) -> RunRoute:
@@ -303,7 +322,7 @@ class Rollout:
 
         def run(route: str, prompts: list[list[int]], sampling: SamplingConfig) -> Profile:
             config = dataclasses.replace(
-                self.config, route=route, costs=CostCoefficients(), compile=False, cache_capacity=None
+                self._call_config(), route=route, costs=CostCoefficients(), compile=False, cache_capacity=None
             )  # the probe sizes its own calls
             generation = resolve_generation(self.model, sampling, {}, self.vocab_size)
             check_context(prompts, sampling.request_budgets(len(prompts)), self.max_positions)
@@ -329,12 +348,13 @@ def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> 
     prepared forward's logits) but their decode steps attend on the engine's kernel in the model's dtype,
     where the forward's SDPA computes in bf16, so their tokens can differ from it (measured: as often as a
     bf16 model's default-kernel routes differ from its own generate). Named once per process."""
-    if (config.op_backends or {}).get("decode_attention") != "cpu" or config.route == "ordinary":
+    engine_decode = config.kernels == "auto" or (config.op_backends or {}).get("decode_attention") == "cpu"
+    if not engine_decode or config.route == "ordinary":
         return
     if "forward" in vars(model) and hasattr(model, "_original_forward"):  # accelerate's wrapped forward
         warn_once(
             f"autobucket: {type(model).__name__}.forward runs under accelerate's mixed precision (autocast); "
-            f"route={config.route!r} with op_backends={{'decode_attention': 'cpu'}} runs its decode attention in the model's dtype where that "
+            f"route={config.route!r} with the engine's decode attention (kernels='auto' on a model the invariant set cannot run, or op_backends={{'decode_attention': 'cpu'}}) runs it in the model's dtype where that "
             "forward computes it in bf16, so its tokens can differ from that forward's generate. Use "
             "kernels='invariant' (the model's dtype on every route, bitwise autobucket.invariant's trainer "
             "forward), route='ordinary', or a model loaded in bfloat16",

@@ -260,7 +260,7 @@ class AsyncEngine:
                 request.finish("abort")
 
     def _weights_key(self) -> tuple:
-        return weights_version(self.model, attention_backend(self.model), self.rollout.config.kernels)
+        return weights_version(self.model, attention_backend(self.model), self.rollout.kernel_choice.kernels)
 
     def _model_len(self, max_model_len: int | None) -> int:
         positions = self.rollout.max_positions

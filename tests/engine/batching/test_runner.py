@@ -4,6 +4,8 @@ nested `Rollout`; the compile decision is made once per call."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from workloads import random_prompts
@@ -64,7 +66,10 @@ def test_the_online_probe_runs_the_routes_under_the_users_config_without_nested_
     assert len(probe) >= 3 and {c.route for c in probe} >= {"ordinary", "aligned"}
     assert all(c.packing is False and c.prefill_max_tokens == 48 and c.trim_cache for c in probe)
     assert all(c.costs == CostCoefficients() and c.compile is False for c in probe)
-    assert seen_configs[-1] is config
+    # the routes see the user's config with "auto" kernels resolved to the set that runs, never "auto"
+    ran = rollout.kernel_choice.kernels
+    assert ran in ("invariant", "hf") and seen_configs[-1] == dataclasses.replace(config, kernels=ran)
+    assert {c.kernels for c in seen_configs} == {ran}
 
 
 def test_the_compile_decision_is_made_once_per_call(monkeypatch):

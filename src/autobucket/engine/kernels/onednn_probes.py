@@ -63,12 +63,12 @@ def native_bf16_gemm() -> bool:
 
 
 def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, native: bool) -> str | None:
-    """One line with the fix, or None: a bf16 CPU model on `kernels="hf"` where the CPU lacks a native bf16
+    """One line with the fix, or None: a bf16 CPU model on its own linears where the CPU lacks a native bf16
     GEMM (`native`) runs every linear on torch's slow bf16 path."""
     if dtype != torch.bfloat16 or kernels == "invariant" or device_type != "cpu" or native:
         return None
     return (
-        "this bf16 model runs kernels='hf' on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
+        "this bf16 model runs the model's own linears on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
         "torch's bf16 linears take 5-10x the time of fp32 ones; RolloutConfig(kernels=\"invariant\") runs them "
         "as fp32 GEMMs rounded to bf16, in a fraction of the time (docs/benchmarks.md)"
     )

@@ -17,6 +17,7 @@ from autobucket.engine.intercept.active import forward_with
 from autobucket.engine.intercept.attention import dispatches
 from autobucket.engine.intercept.elementwise import elementwise_on
 from autobucket.engine.intercept.kernel_sets import invariant_kernels, runs_triton_set
+from autobucket.engine.kernel_choice import engine_kernels_obstacle
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.model_access.direct_decode import ineligible_reason
 from autobucket.engine.plan import ops
@@ -93,7 +94,7 @@ def choose_plan(model: torch.nn.Module, config: Any, compile_decision: Any = Non
     where `op_backends` asks for a backend that cannot run its op here (the backend's reason)."""
     op_backends = config.op_backends or {}
     check_op_backends(op_backends)
-    kernel_set, why = _kernel_set(config.kernels, model)
+    kernel_set, why = _kernel_set(config.kernels, model, config)
     choices = []
     for op in ops.OPS:
         wanted = op_backends.get(op)
@@ -107,7 +108,7 @@ def trainer_plan(model: torch.nn.Module) -> ForwardPlan:
     """The plan `autobucket.invariant(model)` opens for a trainer's forward: the engine's kernel set for
     the linears and attention (the rollout's under kernels="invariant"), the modeling code's own
     elementwise ops (the Triton set's RMSNorm on its set), the model's forward."""
-    kernel_set, why = _kernel_set("invariant", model)
+    kernel_set, why = _kernel_set("invariant", model, None)
     choices = []
     for op in ops.OPS:
         if op in (*ops.KERNEL_SET_OPS, ops.DECODE_ATTENTION) or (op == ops.RMS_NORM and kernel_set == "triton"):
@@ -135,17 +136,18 @@ def _first_supplying(op: str, names: tuple[str, ...], model: torch.nn.Module, wh
     raise AssertionError(f"no backend of {names} supplies {op}: {'; '.join(refusals)}")  # "torch" always does
 
 
-def _kernel_set(kernels: str, model: torch.nn.Module) -> tuple[str, str]:
+def _kernel_set(kernels: str, model: torch.nn.Module, config: Any) -> tuple[str, str]:
     """The backend of the linears and attention calls, and why: "invariant" requires the engine's set
-    (refused elsewhere before the plan is made), "torch" is the model's own, and "auto" (a policy, not yet
-    a `kernels` value) takes the engine's set where it can run the model."""
+    (refused elsewhere before the plan is made), "torch" is the model's own, and "auto" takes the engine's
+    set where `engine_kernels_obstacle` finds nothing in its way (the model's own set elsewhere, with the
+    engine's other kernels per op)."""
     engine_set = "triton" if runs_triton_set(next(model.parameters()).device) else "cpu"
     if kernels == "invariant":
         return engine_set, "kernels='invariant': the batch-invariant kernel set"
     if kernels == "auto":
-        refusal = registered_backend(engine_set).supply(ops.LINEAR, model)
-        if isinstance(refusal, str):
-            return "torch", f"kernels='auto': not {engine_set}: {refusal}"
+        obstacle = engine_kernels_obstacle(model, config)
+        if obstacle is not None:
+            return "torch", f"kernels='auto': the model's own linears and attention, since {obstacle}"
         return engine_set, f"kernels='auto': the engine's {engine_set} kernel set runs this model"
     return "torch", "kernels='torch': the model's own ops"
 
