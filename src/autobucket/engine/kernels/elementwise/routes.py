@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
+from autobucket.engine.decode.eligibility import LLAMA_FAMILY
 from autobucket.engine.model_access.function_routes import builtin_behind, function_replaced
 
 FUSED_FORWARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("autobucket_fused_elementwise", default=False)
