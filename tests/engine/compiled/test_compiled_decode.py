@@ -118,6 +118,24 @@ def test_control_compiled_step_with_wrong_positions_fails_the_oracle(own_model, 
 
 
 @pytest.mark.engine
+def test_control_the_compiled_step_of_a_llama_model_is_the_engines_step_on_its_graph_ops(monkeypatch):
+    """A Llama-family model compiles the engine's step (`engine/decode/step.py`), not its forward: that
+    step's graph ops with the queries left unrotated compile into every step and fail the oracle."""
+    model = build_tiny_model("tiny-llama", seed=16)  # its own graphs
+    expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    graph_ops = compiled_decode.decode_ops
+
+    def keys_only_rotated(*args):
+        ops = graph_ops(*args)
+        return dataclasses.replace(ops, rotary=lambda q, k, cos, sin: (q, ops.rotary(q, k, cos, sin)[1]))
+
+    monkeypatch.setattr(compiled_decode, "decode_ops", keys_only_rotated)
+    result = _generate(model, True)
+    assert result.profile.compiled_steps == result.profile.decode_forwards
+    assert len(mismatches(result.tokens, expected)) >= 2
+
+
+@pytest.mark.engine
 def test_a_model_that_does_not_trace_falls_back_to_eager_with_a_warning_and_the_reason():
     model = build_tiny_model("tiny-qwen2", seed=9)
     forward = model.forward
