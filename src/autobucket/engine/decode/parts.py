@@ -46,15 +46,20 @@ class LlamaParts:
     @classmethod
     def of(cls, model: torch.nn.Module) -> LlamaParts | None:
         """`model`'s parts, or None where only its own forward is exact (`ineligible_reason`, checked at
-        each call). One record per model while its layers stay: a compiled step's guards then hold
-        across calls."""
+        each call). One record per model while it holds the same modules: a compiled step's guards then
+        hold across calls."""
         if ineligible_reason(model) is not None:
             return None
-        parts = _PARTS.get(model)
-        if parts is None or parts.layers != list(model.model.layers[: model.config.num_hidden_layers]):
-            modeling = sys.modules[type(model).__module__]
-            parts = _PARTS[model] = cls(model, modeling, LLAMA_FAMILY[type(model).__name__] == "Qwen3")
+        modeling = sys.modules[type(model).__module__]
+        parts, kept = cls(model, modeling, LLAMA_FAMILY[type(model).__name__] == "Qwen3"), _PARTS.get(model)
+        if kept is not None and kept.modules() == parts.modules():
+            return kept
+        _PARTS[model] = parts  # first call, or a module replaced (resized embeddings, a LoRA layer wrapped in)
         return parts
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every module the record holds (compared by identity: `nn.Module` has no other equality)."""
+        return [self.inner, self.lm_head, *self.layers, *self.linears, *self.norms, *self.mlps]
 
     def layer_window(self, attention: Any) -> int | None:
         """The sliding window this layer's attention hands its attention function, as the model's reads it."""
