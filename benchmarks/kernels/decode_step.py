@@ -13,7 +13,7 @@ linears that read one input fused into one GEMM, attention on the batch-invarian
 `invariant_unfused` the same without fusing (what the trainer's scope runs), `invariant_onednn` with
 fp32 GEMMs on oneDNN's packed kernel instead of the fixed-order one;
 `invariant_model` and `default_model` are those steps through the model's own forward instead of the
-direct step (`direct_decode.py`: the model's parts without transformers' per-layer Python), bitwise alike;
+engine's step (`engine/decode/step.py`: the model's parts without transformers' per-layer Python), bitwise alike;
 `--dtype bfloat16` runs the model in bf16;
 `default_fused` and `invariant_fused` are the default and invariant steps as a rollout runs them, with
 the model's rotary, SiLU-and-multiply and RMSNorm on the fused elementwise kernels
@@ -92,11 +92,11 @@ def measure(args) -> dict:
     def through_model(step):  # the same step with the model's own forward instead of the direct step
         def run():
             runner = default if step is default_step else eager
-            direct, runner.direct = runner.direct, None
+            form, runner.decode_step = runner.decode_step, "model"
             try:
                 return step()
             finally:
-                runner.direct = direct
+                runner.decode_step = form
 
         return run
 
@@ -135,7 +135,7 @@ def measure(args) -> dict:
             "invariant_max_logit_difference": invariant_difference, "fusion_max_logit_difference": fusion_difference,
             "onednn_max_logit_difference": onednn_difference, "direct_max_logit_difference": direct_difference,
             "elementwise_max_logit_difference": elementwise_difference,
-            "direct_step": eager.direct is not None, "fixed_order": packs.fixed_order, "dtype": args.dtype,
+            "direct_step": eager.parts is not None, "fixed_order": packs.fixed_order, "dtype": args.dtype,
             "fused_groups": len(packs.fusion.groups) if packs.fusion else 0,
             "compiled_steps": compiled.compiled.stats.compiled_steps, "medians_ms": medians, "samples_ms": samples,
             "top_ops": top_ops(eager), "invariant_top_ops": top_ops(eager, packs, model)}  # fmt: skip

@@ -8,7 +8,7 @@ timed in separate processes cannot be told apart by a few percent. Here the revi
 the two run in turn:
 - the op alone on bench-qwen2's and SmolLM2's shapes at decode rows, its weight in cache (`warm`) or
   after a 64 MB write (`cold`);
-- bench-qwen2's fp32 decode step (`--rows` x `--context`) as a rollout runs it (`KernelDecode`: fused
+- bench-qwen2's fp32 decode step (`--rows` x `--context`) as a rollout runs it (the decode step's kernel ops: fused
   elementwise kernels, the invariant attention), its linears on one build or the other.
 Outputs must be bitwise equal (no change to the kernel may change a value). Medians, ratios this tree
 / baseline, raw samples to JSON."""
@@ -23,9 +23,9 @@ import torch
 from decode_step import filled_runner, step_at_context
 from revision_ab import build_revision_kernel, tree_against_baseline
 
+from autobucket.engine.decode import ops as decode_ops
 from autobucket.engine.intercept.elementwise import fused_elementwise
 from autobucket.engine.intercept.kernel_sets import invariant_kernels
-from autobucket.engine.kernels import kernel_decode
 from autobucket.engine.kernels.library import load_invariant_kernels
 from autobucket.engine.kernels.packed_linear import PackedLinears
 from autobucket.engine.kernels.packed_matmul import fixed_order_op, fixed_order_panels
@@ -72,7 +72,7 @@ def step_result(ops: dict, rows: int, context: int, repeats: int) -> dict:
             return op
 
         def run():
-            kernel_decode.fixed_order_op = linear_op  # the kernel step's linears on this build
+            decode_ops.fixed_order_op = linear_op  # the kernel step's linears on this build
             with invariant_kernels(packs), fused_elementwise(model):
                 return step_at_context(runner)
 
@@ -81,7 +81,7 @@ def step_result(ops: dict, rows: int, context: int, repeats: int) -> dict:
     try:
         compared = tree_against_baseline({name: step(name, op) for name, op in ops.items()}, repeats)
     finally:
-        kernel_decode.fixed_order_op = fixed_order_op
+        decode_ops.fixed_order_op = fixed_order_op
     assert used == set(ops), "the kernel decode step did not run: nothing was compared"
     medians = compared["medians_ms"]
     print(f"decode step {rows} x {context}: tree {medians['tree']:.2f} ms, baseline {medians['baseline']:.2f} ms, "

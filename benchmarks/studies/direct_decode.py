@@ -2,7 +2,7 @@
 
     quiet-run -- .venv/bin/python benchmarks/studies/direct_decode.py --out results/direct_decode.json
 
-The direct step (`engine/model_access/direct_decode.py`) runs a Llama-family model's decode step from its
+The direct step (`engine/decode/step.py`) runs a Llama-family model's decode step from its
 parts, bitwise the model's forward, without transformers' per-layer Python. Contenders: Auto with
 `kernels="invariant"` and with the default kernels, each with the direct step ("direct") and through the
 model's forward ("model"), on bench-qwen2 (4 layers) at bench-peers' workloads (32 prompts x 16 new
@@ -24,17 +24,17 @@ import torch
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.calibration_file import host_cpu
-from autobucket.engine.model_access import direct_decode
+from autobucket.engine.decode.parts import LlamaParts
 from autobucket.models import build_tiny_model, load_model
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import Workload, reference_workloads
 
-DIRECT_OF = direct_decode.DirectDecode.of
+DIRECT_OF = LlamaParts.of
 
 
 def set_direct(on: bool) -> None:
     """The direct step on (as shipped) or off (every decode step through the model's forward)."""
-    direct_decode.DirectDecode.of = DIRECT_OF if on else classmethod(lambda cls, model: None)
+    LlamaParts.of = DIRECT_OF if on else classmethod(lambda cls, model: None)
 
 
 def timed_call(rollout: Rollout, prompts, sampling, direct: bool) -> tuple[float, list]:

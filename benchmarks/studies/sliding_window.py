@@ -14,7 +14,7 @@ must agree (both equal HF generate, by the tests). One thread (pin the process w
 `--n` > 1 (a GRPO-like call past the window: n samples a prompt at temperature 1, the round's seed):
 the contenders are auto with a prompt's samples reading one shared copy of its K/V (cascade decode,
 each sliding layer's row reading the shared keys its window covers) and the same Rollout settings
-with per-row copies (`routes.SHARED_MIN_SAVED_COLUMNS`, which the engine reads at every call, set past
+with per-row copies (`routes.SHARED_PREFIX_MIN_SAVED_COLUMNS`, which the engine reads at every call, set past
 any call around that contender's calls). Both sample the same tokens (bitwise under either kernel
 set, by tests/engine/test_model_limits.py). `--model-forward-contender` adds auto with every decode step through
 the model's own forward instead of the direct (and, under `kernels="invariant"`, kernel) step."""
@@ -35,7 +35,7 @@ from interleave import abba_rounds, write_rounds
 from shared_decode import per_row_copies
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
-from autobucket.engine.batching import model_runner
+from autobucket.engine.decode.parts import LlamaParts
 from autobucket.prompts import random_prompts
 from autobucket.tools.workloads import sharegpt_like_lengths
 
@@ -53,12 +53,12 @@ def windowed_bench_model(window: int) -> torch.nn.Module:
 @contextmanager
 def model_forward_steps():
     """Every decode step through the model's own forward (no direct or kernel step) for the calls inside."""
-    saved = model_runner.DirectDecode.of
-    model_runner.DirectDecode.of = classmethod(lambda cls, model: None)
+    saved = LlamaParts.of
+    LlamaParts.of = classmethod(lambda cls, model: None)
     try:
         yield
     finally:
-        model_runner.DirectDecode.of = saved
+        LlamaParts.of = saved
 
 
 def contenders(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, tuple[Rollout, list]]:

@@ -52,7 +52,7 @@ class Profile:
     shared_kv_rows: int = 0  # cache rows that read their prompt's one shared K/V copy (n samples, cascade decode)
     decode_forwards: int = 0
     # CB routes: the forward eager decode steps take (a compiled step takes neither): "direct", the model's
-    # parts (Llama family, `engine/model_access/direct_decode.py`, bitwise its forward), or "model"
+    # parts (Llama family, `engine/decode/step.py`, bitwise its forward), or "model"
     decode_forward: str = ""
     plan_ms: float = 0.0
     prefill_ms: float = 0.0

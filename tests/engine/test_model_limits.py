@@ -161,9 +161,9 @@ def test_samples_past_the_window_read_one_copy_of_their_prompt(name, decode, alw
     if decode in ("flash parts", "math parts"):  # math parts: the form a GPU runs, here on the CPU
         monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
     if decode == "math parts":
-        from autobucket.engine.kernels import cascade_attention
+        from autobucket.engine.kernels import shared_prefix_attention
 
-        monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
+        monkeypatch.setattr(shared_prefix_attention, "_MATH_PARTS", True)
     model = windowed_model(name)
     config = RolloutConfig(route="aligned", compile=False, **CASCADE_DECODES[decode])
     greedy = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))
@@ -188,11 +188,11 @@ def test_control_a_cascade_reading_every_shared_key_fails_the_oracle(kernels, al
     """Negative control: the shared part read whole (the window not passed to the cascade) while each
     row's own keys stay windowed: the 21- and 30-token prompts' samples then attend past the window. The
     model's own forward runs each step (the kernel step would call the cascade's kernel itself)."""
-    from autobucket.engine.kernels import cascade_attention
-    from autobucket.engine.model_access.direct_decode import DirectDecode
+    from autobucket.engine.decode.parts import LlamaParts
+    from autobucket.engine.kernels import shared_prefix_attention
 
-    monkeypatch.setattr(cascade_attention, "windows_applied", lambda: False)
-    monkeypatch.setattr(DirectDecode, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(shared_prefix_attention, "windows_applied", lambda: False)
+    monkeypatch.setattr(LlamaParts, "of", classmethod(lambda cls, model: None))
     model = windowed_model("mistral")
     config = RolloutConfig(route="aligned", compile=False, kernels=kernels)
     result = Rollout(model, None, config).generate(LONG, dataclasses.replace(SAMPLING, n=3))

@@ -278,7 +278,8 @@ def test_a_workers_cancel_hook_leaves_the_direct_decode_step_on() -> None:
     # The hook sits on the input embeddings, which every forward runs; on the model it would bypass the
     # direct step (which refuses models with hooks on the modules it skips) in every Ray worker.
     from autobucket.distributed.worker import Worker, stop_if_cancelled
-    from autobucket.engine.model_access.direct_decode import DirectDecode, installed_release_verified
+    from autobucket.engine.decode.eligibility import installed_release_verified
+    from autobucket.engine.decode.parts import LlamaParts
 
     worker = Worker(RolloutConfig(), torch_threads=None)
     worker.load("tiny-llama")
@@ -286,4 +287,4 @@ def test_a_workers_cancel_hook_leaves_the_direct_decode_step_on() -> None:
     assert list(model.get_input_embeddings()._forward_pre_hooks.values()) == [stop_if_cancelled]
     assert not model._forward_pre_hooks
     if installed_release_verified():
-        assert DirectDecode.of(model) is not None
+        assert LlamaParts.of(model) is not None

@@ -33,7 +33,7 @@ from autobucket.engine.admission import (
     form_options,
 )
 from autobucket.engine.batching.batcher import AdmissionPolicy, ContinuousBatcher
-from autobucket.engine.batching.model_runner import SHARED_MIN_SAVED_COLUMNS, CacheShape, ModelRunner
+from autobucket.engine.batching.model_runner import SHARED_PREFIX_MIN_SAVED_COLUMNS, CacheShape, ModelRunner
 from autobucket.engine.batching.prefix_reuse import PrefixReuse
 from autobucket.engine.compiled.compile_setup import (
     compile_credit_ms,
@@ -190,10 +190,10 @@ def run_continuous(
     runner = ModelRunner(
         call.model, call.spec, shape, call.sampling.pad_token_id, call.vocab_size,
         track_seen=call.sampling.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
-        cascade=_shared_prefix_allowed(call), share_samples=_shares_samples_kv(call),
+        shared_prefix=_shared_prefix_allowed(call), samples_share_prompt=_shares_samples_kv(call),
         decode_attention=_decode_attention(call),
     )  # fmt: skip
-    call.profile.decode_forward = "direct" if runner.direct is not None else "model"
+    call.profile.decode_forward = "direct" if runner.parts is not None else "model"
     batcher = ContinuousBatcher(
         runner, call.sampling, call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
         call.stops,
@@ -223,7 +223,7 @@ def eager_decode_attention(plan: ForwardPlan) -> AttentionFunction | None:
 def _shared_prefix_allowed(call: RouteCall) -> bool:
     """Rows may read one shared copy of K/V where the plan runs shared-prefix attention (the model's
     attention goes through transformers' interface, and the kernel set has the kernel). A prefix shared
-    inside an admission is shared when its members save SHARED_MIN_SAVED_COLUMNS (`ModelRunner`); a
+    inside an admission is shared when its members save SHARED_PREFIX_MIN_SAVED_COLUMNS (`ModelRunner`); a
     call past the model's sliding window shares too (a sliding layer's rows read the shared keys their
     window still covers)."""
     return active().plan.shares_prefixes
@@ -231,9 +231,9 @@ def _shared_prefix_allowed(call: RouteCall) -> bool:
 
 def _shares_samples_kv(call: RouteCall) -> bool:
     """A prompt's n samples read one copy of its K/V when the copies saved over the call ((samples
-    decoded at once - 1) x prompt tokens) pass SHARED_MIN_SAVED_COLUMNS."""
+    decoded at once - 1) x prompt tokens) pass SHARED_PREFIX_MIN_SAVED_COLUMNS."""
     together = min(call.sampling.n, call.sampling.continuous_batch_size)
-    return together > 1 and (together - 1) * sum(len(p) for p in call.prompts) >= SHARED_MIN_SAVED_COLUMNS
+    return together > 1 and (together - 1) * sum(len(p) for p in call.prompts) >= SHARED_PREFIX_MIN_SAVED_COLUMNS
 
 
 def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy, share: bool) -> PrefixReuse | None:

@@ -33,7 +33,7 @@ def mirror_mismatches(batcher) -> list[str]:
             problems.append(f"{where}: cache_row {request.cache_row}")
         if tokens[row] != request.tokens[-1] or positions[row] != request.position:
             problems.append(f"{where}: device ({tokens[row]}, {positions[row]}), record ({request.tokens[-1]}, {request.position})")
-        group = runner.store.group_of[row]
+        group = runner.store.prefix_of[row]
         if (None if group < 0 else group) != request.shared_prefix:
             problems.append(f"{where}: cache group {group}, record {request.shared_prefix}")
         if runner.seen is not None:

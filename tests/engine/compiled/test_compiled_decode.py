@@ -118,6 +118,24 @@ def test_control_compiled_step_with_wrong_positions_fails_the_oracle(own_model, 
 
 
 @pytest.mark.engine
+def test_control_the_compiled_step_of_a_llama_model_is_the_engines_step_on_its_graph_ops(monkeypatch):
+    """A Llama-family model compiles the engine's step (`engine/decode/step.py`), not its forward: that
+    step's graph ops with the queries left unrotated compile into every step and fail the oracle."""
+    model = build_tiny_model("tiny-llama", seed=16)  # its own graphs
+    expected, _ = oracle_batch(model, random_prompts(LENGTHS, seed=3), BUDGET, eos_token_id=[])
+    graph_ops = compiled_decode.decode_ops
+
+    def keys_only_rotated(*args):
+        ops = graph_ops(*args)
+        return dataclasses.replace(ops, rotary=lambda q, k, cos, sin: (q, ops.rotary(q, k, cos, sin)[1]))
+
+    monkeypatch.setattr(compiled_decode, "decode_ops", keys_only_rotated)
+    result = _generate(model, True)
+    assert result.profile.compiled_steps == result.profile.decode_forwards
+    assert len(mismatches(result.tokens, expected)) >= 2
+
+
+@pytest.mark.engine
 def test_a_model_that_does_not_trace_falls_back_to_eager_with_a_warning_and_the_reason():
     model = build_tiny_model("tiny-qwen2", seed=9)
     forward = model.forward
@@ -250,20 +268,27 @@ def test_an_assert_outside_the_compiler_is_not_a_compile_failure():
     assert not raised_by_compiler(AssertionError("never raised: no traceback"))
 
 
+HOOKED = {  # where a trainer's hook sits: a decoder layer (the model's forward runs), a linear (the engine's step)
+    "layer": lambda model: model.model.layers[1],
+    "linear": lambda model: model.model.layers[1].mlp.down_proj,
+}
+
+
 @pytest.mark.engine
-def test_hooks_added_or_removed_after_compiling_are_followed():
+@pytest.mark.parametrize("where", HOOKED)
+def test_hooks_added_or_removed_after_compiling_are_followed(where):
     """Dynamo does not guard on module hooks: a graph compiled before a trainer adds a forward hook would
     skip it, and one compiled with it would keep running it after its removal. Each call's hooks select
     their own graphs (the hooked set compiled once, then reused; the plain graphs reused after removal),
     every call equal to HF generate with the same hooks."""
-    model = build_tiny_model("tiny-llama", seed=11)  # its own graphs
+    model = build_tiny_model("tiny-llama", seed=11 if where == "layer" else 15)  # its own graphs
     prompts = random_prompts(LENGTHS, seed=3)
     plain, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
     rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="hf"))
     sampling = _sampling()
     first = rollout.generate(prompts, sampling)
     assert first.tokens == plain and first.profile.compiled_graphs >= 1
-    handle = model.model.layers[1].register_forward_hook(steering_hook(model))
+    handle = HOOKED[where](model).register_forward_hook(steering_hook(model))
     try:
         hooked = hf_greedy(model, prompts, BUDGET)
         calls = [rollout.generate(prompts, sampling) for _ in range(2)]
@@ -280,12 +305,13 @@ def test_hooks_added_or_removed_after_compiling_are_followed():
 
 @pytest.mark.engine
 def test_control_without_the_hooks_key_a_compiled_graph_skips_a_new_hook(monkeypatch):
+    # on a linear: the engine's step stays on (a hook on a module it skips would make the model's forward run)
     model = build_tiny_model("tiny-llama", seed=14)
     prompts = random_prompts(LENGTHS, seed=3)
     monkeypatch.setattr(compiled_decode, "hooks_epoch", lambda model: 0)
     rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="hf"))
     rollout.generate(prompts, _sampling())
-    handle = model.model.layers[1].register_forward_hook(steering_hook(model))
+    handle = HOOKED["linear"](model).register_forward_hook(steering_hook(model))
     try:
         hooked = hf_greedy(model, prompts, BUDGET)
         result = rollout.generate(prompts, _sampling())

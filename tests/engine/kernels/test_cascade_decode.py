@@ -1,5 +1,5 @@
 """Cascade decode: the n samples of a prompt read one shared copy of its K/V
-(`engine/kernels/cascade_attention.py`), against the same call with per-row copies and against
+(`engine/kernels/shared_prefix_attention.py`), against the same call with per-row copies and against
 single-request HF `generate`; a negative control that points rows at the wrong prompt must break it.
 
 Cascade decode is an eager-step feature (the compiled step keeps per-row copies), so every Rollout here
@@ -15,7 +15,7 @@ from workloads import ARCHS, random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.engine import routes
 from autobucket.engine.batching.static_cache import StaticKVCache
-from autobucket.engine.kernels import cascade_attention
+from autobucket.engine.kernels import shared_prefix_attention
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 
@@ -45,7 +45,7 @@ def test_shared_prompt_kv_equals_per_row_copies(tiny_models, arch, decode, alway
     if decode != "engine kernel":
         monkeypatch.setattr(routes, "_decode_attention", lambda call: None)
     if decode == "math parts":
-        monkeypatch.setattr(cascade_attention, "_MATH_PARTS", True)
+        monkeypatch.setattr(shared_prefix_attention, "_MATH_PARTS", True)
     model = tiny_models(arch)
     prompts = random_prompts([40, 70, 12, 90, 35], seed=ARCHS.index(arch) + 50)
     # the engine's decode kernel is asked for; "torch" otherwise runs transformers' SDPA there

@@ -22,13 +22,13 @@ from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
+from autobucket.engine.decode import eligibility
 from autobucket.engine.intercept import elementwise as fused_scope
 from autobucket.engine.intercept.elementwise import fused_elementwise
 from autobucket.engine.kernels.elementwise import gated_mlp, rms_norm, rotary
 from autobucket.engine.kernels.elementwise.gated_mlp import silu_and_mul
 from autobucket.engine.kernels.elementwise.rotary import fused_rotary_embedding, kernel_takes
 from autobucket.engine.kernels.library import load_invariant_kernels
-from autobucket.engine.model_access import direct_decode
 from autobucket.models import build_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
@@ -152,7 +152,7 @@ def test_rollouts_with_and_without_the_fused_kernels_agree_bitwise(tiny_models, 
     assert all(calls), "the engine's forwards did not reach every fused kernel"
     # the MLP's router counts as the class's own forward (on a transformers release the direct step was
     # checked on; on a newer one every decode step runs the model's forward, by design)
-    expected = "direct" if direct_decode.installed_release_verified() else "model"
+    expected = "direct" if eligibility.installed_release_verified() else "model"
     assert fused.profile.decode_forward == expected
     assert (modeling.apply_rotary_pos_emb, *(cls.forward for cls in classes)) == builtins  # all as found
     for counted in calls:
@@ -206,7 +206,7 @@ def test_a_direct_step_built_before_the_scope_takes_the_fused_rotary_inside_it(t
 
     model = tiny_models("tiny-qwen2")
     runner = ModelRunner(model, forward_spec(model), CacheShape(2, 12), 0, model.config.vocab_size, track_seen=False)
-    if runner.direct is None:
+    if runner.parts is None:
         pytest.skip("the direct step is off on this transformers release")
     with torch.inference_mode():
         output, _ = runner.prefill(random_prompts([5, 8], seed=1))

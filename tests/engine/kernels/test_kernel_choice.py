@@ -12,11 +12,11 @@ import re
 import pytest
 import torch
 from autobucket.coefficients.store import entry_key
-from autobucket.planning.costs import CostCoefficients
 from oracles import oracle_generate
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
+from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.kernel_choice import resolve_kernels
 from autobucket.models import CACHE_DIR_ENV
 

@@ -1,5 +1,5 @@
-"""The kernel decode step (`engine/kernels/kernel_decode.py`) against the oracle it stands in for: the
-direct decode step, itself tested bitwise against the model's forward (test_direct_decode.py), on the
+"""The engine's decode step on the kernels straight (`engine/decode/ops.py`, `kernel_ops`) against the
+oracle it stands in for: the same step on the model's modules (the direct step), itself tested bitwise against the model's forward (test_direct_decode.py), on the
 same static cache, kernels and state. Logits and every layer's written K/V must be bitwise equal on each
 Llama-family architecture in fp32 with a padding mask, and in cascade steps over shared prompts; where the step cannot be exact (bf16, no invariant
 kernels, a hook to run, a weight to repack, a LoRA layer) it must decline, and the direct step's values
@@ -17,12 +17,12 @@ from windowed_models import windowed_model
 from workloads import random_prompts
 
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.decode import eligibility
+from autobucket.engine.decode import ops as decode_ops
 from autobucket.engine.intercept.attention import sliding_windows_applied
 from autobucket.engine.intercept.elementwise import fused_elementwise
 from autobucket.engine.intercept.kernel_sets import invariant_kernels
-from autobucket.engine.kernels import kernel_decode
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.model_access import direct_decode
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.usefixtures("single_thread"),
     pytest.mark.skipif(
-        not direct_decode.installed_release_verified(),
+        not eligibility.installed_release_verified(),
         reason=f"the direct step is off on transformers {transformers.__version__} (not yet checked on it)",
     ),
 ]
@@ -66,11 +66,11 @@ def shared_runner(model) -> ModelRunner:
     lengths, source_rows = (70, 19, 30), [0, 0, 0, 1, 1, 2]  # 70: a whole 64-key block, the group's tile
     prompts = random_prompts(lengths, seed=3)
     runner = ModelRunner(model, forward_spec(model), CacheShape(len(source_rows), max(lengths) + STEPS + 2), 0,
-                         model.config.vocab_size, track_seen=False, cascade=True, share_samples=True)  # fmt: skip
+                         model.config.vocab_size, track_seen=False, shared_prefix=True, samples_share_prompt=True)  # fmt: skip
     output, _ = runner.prefill(prompts)
     first_tokens = torch.tensor([5, 9, 13, 7, 2, 11])
     runner.insert(output, RowInsert(source_rows, first_tokens, [lengths[s] for s in source_rows], None))
-    assert len(runner.store.groups) == 2
+    assert len(runner.store.shared_prefixes) == 2
     return runner
 
 
@@ -84,35 +84,36 @@ def engine_scope(model, packs: PackedLinears) -> ExitStack:
 
 
 class Taken:
-    """Counts the steps `KernelDecode.step` took (returned logits) and declined."""
+    """Counts the steps whose kernel ops were taken (`kernel_ops` returned them) and declined."""
 
     def __init__(self, monkeypatch) -> None:
         self.taken = self.declined = 0
-        step = kernel_decode.KernelDecode.step
+        kernel_ops = decode_ops.kernel_ops
 
-        def counting(kernel_step, *args):
-            logits = step(kernel_step, *args)
-            if logits is None:
+        def counting(*args):
+            ops = kernel_ops(*args)
+            if ops is None:
                 self.declined += 1
             else:
                 self.taken += 1
-            return logits
+            return ops
 
-        monkeypatch.setattr(kernel_decode.KernelDecode, "step", counting)
+        monkeypatch.setattr(decode_ops, "kernel_ops", counting)
 
 
 def step_both_ways(runner: ModelRunner):
-    """One decode step at the same front with the kernel step on, then with only the direct step ->
-    (logits, written K/V) of each; the runner then advances with the direct step's tokens."""
-    results, front, kernel_step = [], runner.store.front, runner.kernel_step
-    for stand_in in (kernel_step, None):
-        runner.kernel_step = stand_in
-        runner.prepare_decode()
-        logits = runner.decode_logits()
+    """One decode step at the same front with the kernel ops allowed, then with only the module ops (the
+    direct step) -> (logits, written K/V) of each; the runner then advances with the direct step's tokens."""
+    results, front = [], runner.store.front
+    for kernels_allowed in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not kernels_allowed:
+                patch.setattr(decode_ops, "kernel_ops", lambda *args: None)
+            runner.prepare_decode()
+            logits = runner.decode_logits()
         written = [t[: runner.active_rows, :, front].clone() for t in (*runner.store.keys, *runner.store.values)]
         results.append((logits, written))
         runner.store.front = front
-    runner.kernel_step = kernel_step
     runner.store.front = front + 1
     runner.advance(results[1][0].argmax(-1))
     return results
@@ -139,7 +140,7 @@ def assert_kernel_step_equals_direct(runner: ModelRunner, steps: int = STEPS) ->
 def test_the_kernel_step_is_bitwise_the_direct_step(tiny_models, name, monkeypatch):
     model = tiny_models(name)
     runner = filled_runner(model)
-    assert runner.kernel_step is not None
+    assert runner.parts is not None
     counter = Taken(monkeypatch)
     with engine_scope(model, PackedLinears()):
         pack_in_a_direct_step(runner)
@@ -229,8 +230,7 @@ def test_the_kernel_step_declines_a_lora_model():
     runner = filled_runner(model)
     with engine_scope(model, PackedLinears()):
         runner.prepare_decode()
-        tokens, positions = runner.rows.tokens[:, None], runner.rows.positions[:, None]
-        assert runner.kernel_step.step(tokens, positions, runner.store.step_mask(), runner.store.write_step) is None
+        assert decode_ops.kernel_ops(runner.parts, runner.store.step_mask()) is None
 
 
 @pytest.mark.usefixtures("kernels_built")
@@ -249,7 +249,7 @@ def test_control_a_kernel_step_blind_to_weight_versions_serves_the_old_weights(m
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
     # (the direct step keeps the real packs, so it repacks and computes with the updated weight)
-    monkeypatch.setattr(kernel_decode, "current_packs", lambda: VersionBlind())
+    monkeypatch.setattr(decode_ops, "current_packs", lambda: VersionBlind())
     with engine_scope(model, packs), pytest.raises(AssertionError, match="differ"):
         assert_kernel_step_equals_direct(runner, steps=1)
 
@@ -262,16 +262,10 @@ def test_control_a_cascade_step_blind_to_the_shared_prompts_differs(tiny_models,
     runner = shared_runner(model)
     with engine_scope(model, PackedLinears()):
         pack_in_a_direct_step(runner)
-        attend = kernel_decode._Calls._attend
-
         def without_shared(calls, *args):
-            calls.cascade.calls += 1  # counted as the runner checks, so only the values can differ
-            cascade, calls.cascade = calls.cascade, None
-            try:
-                return attend(calls, *args)
-            finally:
-                calls.cascade = cascade
+            calls.layout.calls += 1  # counted as the runner checks, so only the values can differ
+            return calls.attention(*args)
 
-        monkeypatch.setattr(kernel_decode._Calls, "_attend", without_shared)
+        monkeypatch.setattr(decode_ops._KernelCalls, "shared_prefix_attention", without_shared)
         with pytest.raises(AssertionError, match="logits differ"):
             assert_kernel_step_equals_direct(runner, steps=1)

@@ -1,4 +1,4 @@
-"""The direct decode step (`engine/model_access/direct_decode.py`) against the oracle it stands in for:
+"""The engine's decode step on the model's modules (`engine/decode/`, `module_ops`) against the oracle it stands in for:
 the model's own forward on the same static cache, the same kernels and the same state. Logits and the
 K/V each layer writes must be bitwise equal on every Llama-family architecture, fp32 and bf16, with the
 default kernels, the invariant kernels and transformers' SDPA, with a padding mask and without one,
@@ -8,6 +8,7 @@ the comparison could not see a wrong step). Models the step cannot stand in for 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from contextlib import nullcontext
 
@@ -20,12 +21,15 @@ from workloads import random_prompts
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
 from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+from autobucket.engine.decode import eligibility
+from autobucket.engine.decode import ops as decode_ops
+from autobucket.engine.decode.eligibility import ineligible_reason
+from autobucket.engine.decode.forms import ENGINE, MODEL
+from autobucket.engine.decode.parts import LlamaParts
 from autobucket.engine.intercept.attention import sliding_windows_applied
 from autobucket.engine.intercept.kernel_sets import invariant_kernels
 from autobucket.engine.kernels.invariant_attention import decode_sdpa
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.model_access import direct_decode
-from autobucket.engine.model_access.direct_decode import DirectDecode, ineligible_reason
 from autobucket.engine.model_access.hf_compat import forward_spec
 from autobucket.models import build_tiny_model
 
@@ -33,7 +37,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("single_thread")]
 # On a transformers release the step was not checked on, the engine runs the model's forward instead (the
 # test just below says so); the step's own tests then have nothing to run, and wait for a verified release.
 needs_direct_step = pytest.mark.skipif(
-    not direct_decode.installed_release_verified(),
+    not eligibility.installed_release_verified(),
     reason=f"the direct step is off on transformers {transformers.__version__} (not yet checked on it)",
 )
 
@@ -51,19 +55,20 @@ def filled_runner(model, lengths, decode_attention=None) -> ModelRunner:
     return runner
 
 
-def step_both_ways(runner: ModelRunner, direct: DirectDecode | None):
-    """One decode step at the same front through `direct` and through the model's forward -> (logits,
-    K/V column) of each; the runner then advances with the model's tokens."""
+def step_both_ways(runner: ModelRunner):
+    """One decode step at the same front through the engine's step and through the model's forward ->
+    (logits, K/V column) of each; the runner then advances with the model's tokens."""
     results = []
     front = runner.store.front
-    for stand_in in (direct, None):
-        runner.direct = stand_in
+    for form in (ENGINE, MODEL):
+        runner.decode_step = form
         runner.prepare_decode()
         logits = runner.decode_logits()
         written = [k[: runner.active_rows, :, front].clone() for k in runner.store.keys]
         written += [v[: runner.active_rows, :, front].clone() for v in runner.store.values]
         results.append((logits, written))
         runner.store.front = front
+    runner.decode_step = ENGINE
     runner.store.front = front + 1
     runner.advance(results[1][0].argmax(-1))
     return results
@@ -72,12 +77,11 @@ def step_both_ways(runner: ModelRunner, direct: DirectDecode | None):
 def assert_direct_equals_forward(model, lengths, kernels: str, steps: int = STEPS) -> None:
     decode_attention = decode_sdpa if kernels == "hf" else None  # "sdpa": transformers' own attention
     runner = filled_runner(model, lengths, decode_attention)
-    direct = runner.direct
-    assert direct is not None, ineligible_reason(model)
+    assert runner.parts is not None, ineligible_reason(model)
     scope = invariant_kernels(PackedLinears()) if kernels == "invariant" else nullcontext()
     with torch.inference_mode(), scope:
         for step in range(steps):
-            (direct_logits, direct_kv), (model_logits, model_kv) = step_both_ways(runner, direct)
+            (direct_logits, direct_kv), (model_logits, model_kv) = step_both_ways(runner)
             assert torch.equal(direct_logits, model_logits), f"step {step}: logits differ"
             for layer, (ours, theirs) in enumerate(zip(direct_kv, model_kv, strict=True)):
                 assert torch.equal(ours, theirs), f"step {step}: K/V {layer} differs"
@@ -135,28 +139,32 @@ def test_the_direct_step_runs_a_lora_adapter_as_the_model_does():
 
 
 @needs_direct_step
-def test_control_a_step_that_rotates_only_the_keys_differs_from_the_forward(tiny_models):
+def test_control_a_step_that_rotates_only_the_keys_differs_from_the_forward(tiny_models, monkeypatch):
     model = tiny_models("tiny-llama")
     runner = filled_runner(model, PADDED_LENGTHS, decode_sdpa)
-    wrong = DirectDecode.of(model)
-    rotate = wrong.apply_rotary
-    wrong.apply_rotary = lambda q, k, cos, sin: (q, rotate(q, k, cos, sin)[1])
+    module_ops = decode_ops.module_ops
+
+    def keys_only_rotated(*args):
+        ops = module_ops(*args)
+        return dataclasses.replace(ops, rotary=lambda q, k, cos, sin: (q, ops.rotary(q, k, cos, sin)[1]))
+
+    monkeypatch.setattr(decode_ops, "module_ops", keys_only_rotated)
     with torch.inference_mode():
-        (wrong_logits, _), (model_logits, _) = step_both_ways(runner, wrong)
+        (wrong_logits, _), (model_logits, _) = step_both_ways(runner)
     assert not torch.equal(wrong_logits, model_logits)
 
 
 @needs_direct_step
 def test_models_it_cannot_stand_in_for_get_their_own_forward(tiny_models):
-    assert DirectDecode.of(tiny_models("tiny-opt")) is None
-    assert DirectDecode.of(tiny_models("tiny-gpt2")) is None
+    assert LlamaParts.of(tiny_models("tiny-opt")) is None
+    assert LlamaParts.of(tiny_models("tiny-gpt2")) is None
     assert "sdpa" in ineligible_reason(tiny_models("tiny-llama", attn_implementation="eager"))
     hooked = build_tiny_model("tiny-llama", seed=2)
-    assert DirectDecode.of(hooked) is not None
+    assert LlamaParts.of(hooked) is not None
     handle = hooked.model.layers[1].register_forward_pre_hook(lambda module, args: None)
     assert "hooks" in ineligible_reason(hooked)
     handle.remove()
-    assert DirectDecode.of(hooked) is not None
+    assert LlamaParts.of(hooked) is not None
     handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
     try:
         assert "hooks" in ineligible_reason(hooked)
@@ -166,7 +174,7 @@ def test_models_it_cannot_stand_in_for_get_their_own_forward(tiny_models):
     hooked.model.layers[0].mlp.forward = lambda x: x  # instrumentation, or a test's wrapper, on the instance
     assert "replaced" in ineligible_reason(hooked)
     del hooked.model.layers[0].mlp.forward
-    assert DirectDecode.of(hooked) is not None
+    assert LlamaParts.of(hooked) is not None
 
     class CustomLlama(type(hooked)):  # a subclass may override any forward
         pass
@@ -176,9 +184,9 @@ def test_models_it_cannot_stand_in_for_get_their_own_forward(tiny_models):
 
 
 def test_a_transformers_release_it_was_not_checked_on_gets_the_models_forward(tiny_models, monkeypatch):
-    assert direct_decode.transformers_verified("4.57.6") and direct_decode.transformers_verified("5.25.0")
-    assert direct_decode.transformers_verified("5.3.0.dev0")
-    assert not direct_decode.transformers_verified("5.26.0") and not direct_decode.transformers_verified("4.56.2")
+    assert eligibility.transformers_verified("4.57.6") and eligibility.transformers_verified("5.25.0")
+    assert eligibility.transformers_verified("5.3.0.dev0")
+    assert not eligibility.transformers_verified("5.26.0") and not eligibility.transformers_verified("4.56.2")
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module the engine imports
     assert "checked on" in ineligible_reason(tiny_models("tiny-llama"))
 
@@ -204,7 +212,7 @@ def test_a_rollout_on_the_direct_step_matches_one_on_the_models_forward(tiny_mod
     config = RolloutConfig(route="bucketed", costs=CostCoefficients())
     direct = Rollout(model, config=config).generate(prompts, sampling)
     assert direct.profile.decode_forward == "direct"
-    monkeypatch.setattr(DirectDecode, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(LlamaParts, "of", classmethod(lambda cls, model: None))
     forward = Rollout(model, config=config).generate(prompts, sampling)
     assert forward.profile.decode_forward == "model"
     assert direct.tokens == forward.tokens and direct.logprobs == forward.logprobs

@@ -178,7 +178,7 @@ class ContinuousBatcher:
         if not allocates and output.segments is None:  # a padded copy: rows x width, as the model has it
             self.timer.sync()
             self.profile.record(KV_COPY, len(keep), max(lengths), started)
-        groups = self.runner.store.group_of
+        groups = self.runner.store.prefix_of
         for row, request in enumerate(kept, start=len(self.rows)):
             request.cache_row = row
             request.shared_prefix = groups[row] if groups[row] >= 0 else None

@@ -7,6 +7,7 @@ Per-row device state is one `DecodeRows` record in cache-row order, aligned with
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,22 +22,24 @@ from autobucket.engine.batching.prefill import PrefillOutput, prefill_padded
 from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
+from autobucket.engine.decode import ops as decode_ops
+from autobucket.engine.decode.forms import COMPILED, MODEL, decode_form
+from autobucket.engine.decode.parts import LlamaParts
+from autobucket.engine.decode.step import llama_decode_step
 from autobucket.engine.intercept.attention import (
     AttentionFunction,
     engine_attention,
     kernel_attention_active,
 )
-from autobucket.engine.kernels.cascade_attention import CascadeAttention
-from autobucket.engine.kernels.kernel_decode import KernelDecode
-from autobucket.engine.model_access.direct_decode import DirectDecode
+from autobucket.engine.kernels.shared_prefix_attention import SharedPrefixAttention
 from autobucket.engine.model_access.hf_compat import ForwardSpec
 from autobucket.engine.selection import seen_tokens
 from autobucket.planning.forms import CHUNKED, PACKED, PADDED
 
 # Sharing a copy adds two attention kernels and a few gathers per layer and step, whatever the groups; it
-# pays once the copies it avoids are large: with a thousand columns saved the extra kernels cost more
-# than the reads they save, and the gain grows with the columns saved (docs/benchmarks.md, cascade decode).
-SHARED_MIN_SAVED_COLUMNS = 4096
+# pays once the copies it avoids are large, and the gain grows with the columns saved (docs/benchmarks.md,
+# shared-prefix decode).
+SHARED_PREFIX_MIN_SAVED_COLUMNS = 4096
 
 
 @dataclass(frozen=True)
@@ -68,23 +71,22 @@ class ModelRunner:
         track_seen: bool,
         trim_cache: bool = False,
         compiled: CompiledDecode | None = None,
-        cascade: bool = False,
-        share_samples: bool = False,
+        shared_prefix: bool = False,
+        samples_share_prompt: bool = False,
         decode_attention: AttentionFunction | None = None,
     ) -> None:
         self.model, self.spec, self.cache_shape = model, spec, cache_shape
         # The eager decode step's attention when not transformers' own (the default kernels' `decode_sdpa`)
         self.decode_attention = decode_attention
-        # Eager decode steps of Llama-family models run from the model's parts, bitwise its forward's
-        # values without transformers' per-layer Python (`direct_decode.py`); None: the model's forward.
-        self.direct = DirectDecode.of(model)
-        # ... and under the invariant kernels, with every part called straight on its kernel (`kernel_decode.py`)
-        self.kernel_step = KernelDecode.of(self.direct)
+        # The Llama family's parts for the engine's own decode step (`engine/decode`), bitwise the model's
+        # forward without transformers' per-layer Python; None: the model's forward.
+        self.parts = LlamaParts.of(model)
         self.compiled = compiled  # the compiled decode step, or None: every step eager
-        # Rows may read one shared copy of K/V (cascade decode attention): a prefix shared inside an
-        # admission, and with `share_samples` the samples of one prompt admitted together.
-        self.cascade = cascade and compiled is None
-        self.share_samples = self.cascade and share_samples
+        self.decode_step = decode_form(self.parts is not None, compiled is not None)  # MODEL, ENGINE or COMPILED
+        # Rows may read one shared copy of K/V (shared-prefix decode attention): a prefix shared inside an
+        # admission, and with `samples_share_prompt` the samples of one prompt admitted together.
+        self.shared_prefix = shared_prefix and compiled is None
+        self.samples_share_prompt = self.shared_prefix and samples_share_prompt
         self._prefix_groups: dict[int, int] = {}  # id(shared prefix hit) -> its store group
         self.num_layers = 0
         self.pad_token_id, self.vocab_size, self.trim_cache = pad_token_id, vocab_size, trim_cache
@@ -144,7 +146,7 @@ class ModelRunner:
             self.num_layers = len(keys)
         prefix_groups = self._shared_prefix_groups(output, rows)
         shared = {s: n for s, n in self._shared_sources(rows).items() if s not in prefix_groups}
-        groups = {source: self.store.add_group(*output.prompt_key_values(source, length, 0, copy=True))
+        groups = {source: self.store.add_shared_prefix(*output.prompt_key_values(source, length, 0, copy=True))
                   for source, length in shared.items()}
         groups.update(prefix_groups)
         # Admit in order: runs of plain rows (copied), of one prompt's samples (nothing copied), of one
@@ -158,9 +160,9 @@ class ModelRunner:
             elif sources[0] in prefix_groups:
                 width, prefix = output.keys[0].shape[2], output.shared_prefixes[sources[0]].tokens
                 own = [(b, width - (length - prefix), width) for b, length in zip(sources, rows.prompt_lengths[span], strict=True)]
-                self.store.admit_grouped(group, len(sources), (output.keys, output.values, own))
+                self.store.admit_sharing(group, len(sources), (output.keys, output.values, own))
             else:
-                self.store.admit_grouped(group, len(sources))
+                self.store.admit_sharing(group, len(sources))
             grouped += 0 if group is None else len(sources)
             index = span.stop
         positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
@@ -171,7 +173,7 @@ class ModelRunner:
         """Source rows continued from a prefix shared inside the call -> the group holding that prefix's
         K/V once, when the copies it saves are large (or the group exists already, from an earlier
         admission of this call)."""
-        if not self.cascade or output.shared_prefixes is None:
+        if not self.shared_prefix or output.shared_prefixes is None:
             return {}
         members: dict[int, list[int]] = {}
         for source in rows.source_rows:
@@ -182,16 +184,16 @@ class ModelRunner:
         for key, sources in members.items():
             hit = output.shared_prefixes[sources[0]]
             group = self._prefix_groups.get(key)
-            if group not in self.store.groups:
-                if (len(sources) - 1) * hit.tokens < SHARED_MIN_SAVED_COLUMNS:
+            if group not in self.store.shared_prefixes:
+                if (len(sources) - 1) * hit.tokens < SHARED_PREFIX_MIN_SAVED_COLUMNS:
                     continue
-                group = self._prefix_groups[key] = self.store.add_group(hit.keys, hit.values)
+                group = self._prefix_groups[key] = self.store.add_shared_prefix(hit.keys, hit.values)
             groups.update(dict.fromkeys(sources, group))
         return groups
 
     def _shared_sources(self, rows: RowInsert) -> dict[int, int]:
         """Source rows whose prompt goes to several cache rows now (-> its length), when sharing is on."""
-        if not self.share_samples:
+        if not self.samples_share_prompt:
             return {}
         counts: dict[int, int] = {}
         for source in rows.source_rows:
@@ -232,41 +234,51 @@ class ModelRunner:
         self.store.prepare_step(always_trim=self.trim_cache)
 
     def decode_logits(self) -> torch.Tensor:
-        """One forward of every active row's next token -> last logits [rows, vocab] fp32."""
+        """One forward of every active row's next token -> last logits [rows, vocab] fp32, in the form
+        chosen at construction (`decode_step`); a compiled step it cannot take runs eagerly."""
         logits = None
-        if self.compiled is not None:
-            logits = self.compiled.step(StepInputs(self.rows.tokens, self.rows.positions, self.store, self.pad_token_id))
-        if logits is not None:
-            self.store.finish_step()
-            return logits
-        if self.store.groups:
-            layout = self.store.cascade_layout()
-            own_kernel = self.decode_attention is not None
-            with engine_attention(CascadeAttention(layout, kernel_attention_active(), own_kernel)):
-                logits = self._decode_forward()
-            if layout.calls != self.num_layers:  # a layer bypassed the dispatcher: its rows lacked their prompt
-                raise RuntimeError(
-                    f"cascade decode attention ran in {layout.calls} of {self.num_layers} layers: this model's "
-                    "attention does not go through transformers' attention interface; report this model"
-                )
-        elif self.decode_attention is not None:
-            with engine_attention(self.decode_attention):
-                logits = self._decode_forward()
-        else:
-            logits = self._decode_forward()
+        if self.decode_step == COMPILED:
+            inputs = StepInputs(self.rows.tokens, self.rows.positions, self.store, self.pad_token_id, self.parts)
+            logits = self.compiled.step(inputs)
+        if logits is None:
+            logits = self._eager_step()[:, -1, :].float()
         self.store.finish_step()
-        return logits[:, -1, :].float()
+        return logits
 
-    def _decode_forward(self) -> torch.Tensor:
-        """Logits [rows, 1, vocab] of one forward of every active row's next token."""
+    def _eager_step(self) -> torch.Tensor:
+        """Logits [rows, 1, vocab] of one eager step, its attention overridden where rows read a shared
+        prefix or the default kernels attend on the engine's kernel (the model's forward and the engine's
+        step reach the override alike: the dispatcher, or the ops' own kernel call)."""
+        layout = self.store.shared_prefix_layout() if self.store.shared_prefixes else None
+        if layout is not None:
+            override = SharedPrefixAttention(layout, kernel_attention_active(), self.decode_attention is not None)
+        else:
+            override = self.decode_attention
+        with engine_attention(override) if override is not None else contextlib.nullcontext():
+            if self.parts is None or self.decode_step == MODEL:
+                logits = self._model_step()
+            else:  # ENGINE, or a COMPILED step run eagerly
+                logits = self._engine_step(layout is not None)
+        if layout is not None and layout.calls != self.num_layers:  # a layer bypassed the dispatcher
+            raise RuntimeError(
+                f"shared-prefix decode attention ran in {layout.calls} of {self.num_layers} layers: this model's "
+                "attention does not go through transformers' attention interface; report this model"
+            )
+        return logits
+
+    def _engine_step(self, shared_prefix: bool) -> torch.Tensor:
+        """The engine's Llama-family step on this step's ops (`decode_ops`: the one place that decides)."""
         tokens, positions, mask = self.rows.tokens[:, None], self.rows.positions[:, None], self.store.step_mask()
-        if self.direct is not None:
-            logits = self.kernel_step.step(tokens, positions, mask, self.store.write_step) if self.kernel_step else None
-            return logits if logits is not None else self.direct.step(tokens, positions, mask, self.store.write_step)
+        ops = decode_ops.decode_ops(self.parts, mask, positions)
+        return llama_decode_step(self.parts, ops, tokens, positions, self.store.write_step, shared_prefix)
+
+    def _model_step(self) -> torch.Tensor:
+        """The model's forward of every active row's next token -> logits [rows, 1, vocab]."""
+        tokens, positions, mask = self.rows.tokens[:, None], self.rows.positions[:, None], self.store.step_mask()
         output = self.model(
             input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
             **{self.spec.cache_keyword: self.cache},
-        )
+        )  # fmt: skip
         return output.logits
 
     def advance(self, tokens: torch.Tensor) -> None:
@@ -279,9 +291,9 @@ class ModelRunner:
         store = self.store
         columns = (store.attend[row, : store.front] == 0).nonzero().squeeze(1)
         keys, values = [k[row, :, columns] for k in store.keys], [v[row, :, columns] for v in store.values]
-        group = store.group_of[row]
+        group = store.prefix_of[row]
         if group >= 0:  # the shared prompt's K/V comes first
-            group_keys, group_values = store.groups[group]
+            group_keys, group_values = store.shared_prefixes[group]
             keys = [torch.cat([g, k], dim=1) for g, k in zip(group_keys, keys, strict=True)]
             values = [torch.cat([g, v], dim=1) for g, v in zip(group_values, values, strict=True)]
         return [k[:, start:] for k in keys], [v[:, start:] for v in values]

@@ -20,10 +20,11 @@ then have masked columns between their data and the front, which costs nothing t
 The class keeps plain integer bookkeeping on the host (`first_column` per row) so that trimming
 and capacity checks never need a device sync.
 
-Shared prompts (cascade decode, `kernels/cascade_attention.py`): the n samples of a prompt can share one
-copy of its K/V, a *group* held beside the rows (`add_group`). Such rows own only the columns of what
-they generate (`admit_grouped` admits them owning nothing yet); `cascade_layout()` tells the decode
-attention which rows read which group. A group is dropped when its last row retires.
+Shared prefixes (shared-prefix decode attention, `kernels/shared_prefix_attention.py`): the n samples of
+a prompt, or the prompts continued from one prefix, can share one copy of its K/V, held beside the rows
+(`add_shared_prefix`). Such rows own only the columns after it (`admit_sharing` admits them owning
+nothing yet, or their own tails); `shared_prefix_layout()` tells the decode attention which rows read
+which shared prefix. A shared prefix is dropped when its last row retires.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autobucket.engine.kernels.cascade_attention import CascadeLayout
+from autobucket.engine.kernels.shared_prefix_attention import SharedPrefixLayout
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
 
 try:  # transformers >= 4.56 has layered caches; both 4.57 and 5.x are supported.
@@ -90,22 +91,22 @@ class StaticKVCache:
         self.front = 0
         self.first_column: list[int] = []  # per active row: its first live column
         self.has_gap: list[bool] = []  # per active row: masked columns between its data and the front
-        self.group_of: list[int] = []  # per active row: its shared-prompt group (-1: none)
-        self.groups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id -> per layer [kv_heads, tokens, head_dim]
-        self._next_group = 0
-        self._layout: CascadeLayout | None = None  # rebuilt after rows or groups change
-        self._stacked: tuple | None = None  # (group ids, their stacked K/V): see _stacked_groups
+        self.prefix_of: list[int] = []  # per active row: the shared prefix it reads first (-1: none)
+        self.shared_prefixes: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id -> per layer [kv_heads, tokens, head_dim]
+        self._next_prefix = 0
+        self._layout: SharedPrefixLayout | None = None  # rebuilt after rows or shared prefixes change
+        self._stacked: tuple | None = None  # (shared prefix ids, their stacked K/V): see _stacked_prefixes
         self.trims = 0
         self.trimmed_columns = 0
         self.moved_bytes = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.attend)) + self.group_bytes
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.attend)) + self.shared_prefix_bytes
 
     @property
-    def group_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for keys, values in self.groups.values() for t in (*keys, *values))
+    def shared_prefix_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for keys, values in self.shared_prefixes.values() for t in (*keys, *values))
 
     @property
     def free_rows(self) -> int:
@@ -162,63 +163,63 @@ class StaticKVCache:
                 self.values[layer][first + offset, :, self.front - (end - start) : self.front] = v[row, :, start:end]
         return self._own_columns(first, lengths)
 
-    def add_group(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+    def add_shared_prefix(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
         """Hold one prompt's K/V (per layer [kv_heads, tokens, head_dim]) for rows to share; returns its id."""
-        group, self._next_group = self._next_group, self._next_group + 1
-        self.groups[group] = (list(keys), list(values))
-        return group
+        prefix, self._next_prefix = self._next_prefix, self._next_prefix + 1
+        self.shared_prefixes[prefix] = (list(keys), list(values))
+        return prefix
 
-    def admit_grouped(self, group: int, count: int, own=None, always_trim: bool = False) -> range:
-        """`count` rows that read `group`'s K/V first: owning no columns yet (a prompt's samples: their
+    def admit_sharing(self, prefix: int, count: int, own=None, always_trim: bool = False) -> range:
+        """`count` rows that read `prefix`'s K/V first: owning no columns yet (a prompt's samples: their
         decode tokens come next), or with `own` = (keys, values, segments) their own columns after the
-        group's tokens, copied as `admit_segments` does (the members of a shared prefix)."""
+        shared prefix's tokens, copied as `admit_segments` does (the members of a shared prefix)."""
         if count > self.free_rows:
             raise ValueError(f"cannot admit {count} rows: only {self.free_rows} of {self.rows} are free")
         if own is not None:
             rows = self.admit_segments(*own, always_trim=always_trim)
         else:
             rows = self._own_columns(self.active_rows, [0] * count)
-        self.group_of[-count:] = [group] * count
+        self.prefix_of[-count:] = [prefix] * count
         return rows
 
-    def cascade_layout(self) -> CascadeLayout:
-        """Which active rows read which group, with the groups' K/V stacked (see CascadeLayout)."""
+    def shared_prefix_layout(self) -> SharedPrefixLayout:
+        """Which active rows read which shared prefix, with their K/V stacked (see SharedPrefixLayout)."""
         if self._layout is None:
             self._layout = self._build_layout()
         self._layout.calls = 0
         return self._layout
 
-    def _build_layout(self) -> CascadeLayout:
-        used = sorted({g for g in self.group_of if g >= 0})
+    def _build_layout(self) -> SharedPrefixLayout:
+        used = sorted({g for g in self.prefix_of if g >= 0})
         slot_of, rows_in = {g: i for i, g in enumerate(used)}, dict.fromkeys(used, 0)
         row_group, row_slot = [], []
-        for group in self.group_of:
-            row_group.append(slot_of.get(group, -1))
-            row_slot.append(rows_in[group] if group >= 0 else 0)
-            if group >= 0:
-                rows_in[group] += 1
-        keys, values, mask, lengths, tiles = self._stacked_groups(tuple(used))
+        for prefix in self.prefix_of:
+            row_group.append(slot_of.get(prefix, -1))
+            row_slot.append(rows_in[prefix] if prefix >= 0 else 0)
+            if prefix >= 0:
+                rows_in[prefix] += 1
+        keys, values, mask, lengths, tiles = self._stacked_prefixes(tuple(used))
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.attend.device)  # noqa: E731
-        return CascadeLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()),
+        return SharedPrefixLayout(keys, values, mask, lengths, as_long(row_group), as_long(row_slot), max(rows_in.values()),
                              tiles=tiles)
 
-    def _stacked_groups(self, used: tuple[int, ...]):
-        """The groups' K/V stacked and zero-padded to the longest, per layer [groups, kv_heads, shared,
-        head_dim], their padding mask and lengths. Kept while the set of groups stays the same: rows retire
+    def _stacked_prefixes(self, used: tuple[int, ...]):
+        """The shared prefixes' K/V stacked and zero-padded to the longest, per layer [groups, kv_heads, shared,
+        head_dim], their padding mask and lengths. Kept while the set of shared prefixes stays the same: rows retire
         every few steps, and restacking would copy every shared prompt each time."""
         if self._stacked is not None and self._stacked[0] == used:
             return self._stacked[1]
-        lengths = [self.groups[g][0][0].shape[1] for g in used]
+        lengths = [self.shared_prefixes[g][0][0].shape[1] for g in used]
         device, dtype, longest = self.attend.device, self.keys[0].dtype, max(lengths)
         shape = (len(used), self.keys[0].shape[1], longest, self.keys[0].shape[3])
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.keys]
         mask = torch.full((len(used), longest), float("-inf"), dtype=torch.float32, device=device)
-        for slot, (group, length) in enumerate(zip(used, lengths, strict=True)):
-            group_keys, group_values = self.groups[group]
+        for slot, (prefix, length) in enumerate(zip(used, lengths, strict=True)):
+            prefix_keys, prefix_values = self.shared_prefixes[prefix]
             for layer in range(len(self.keys)):
-                keys[layer][slot, :, :length] = group_keys[layer]
-                values[layer][slot, :, :length] = group_values[layer]
+                keys[layer][slot, :, :length] = prefix_keys[layer]
+                values[layer][slot, :, :length] = prefix_values[layer]
             mask[slot, :length] = 0.0
         # tiles: per layer, the invariant kernel's tiles of these keys, made at the first step that reads them
         tiles: list[torch.Tensor | None] = [None] * len(self.keys)
@@ -235,7 +236,7 @@ class StaticKVCache:
             self.attend[first + offset, self.front - length : self.front] = 0
             self.first_column.append(self.front - length)
             self.has_gap.append(False)
-            self.group_of.append(-1)
+            self.prefix_of.append(-1)
         self.active_rows = last
         return range(first, last)
 
@@ -308,11 +309,11 @@ class StaticKVCache:
         self.attend[kept:before] = self.masked_value
         self.first_column = [self.first_column[row] for row in keep]
         self.has_gap = [self.has_gap[row] for row in keep]
-        self.group_of = [self.group_of[row] for row in keep]
-        for group in set(self.groups) - set(self.group_of):
-            del self.groups[group]  # its last row retired
-        if self._stacked is not None and not set(self._stacked[0]) <= set(self.groups):
-            self._stacked = None  # holds a dropped group's copy
+        self.prefix_of = [self.prefix_of[row] for row in keep]
+        for prefix in set(self.shared_prefixes) - set(self.prefix_of):
+            del self.shared_prefixes[prefix]  # its last row retired
+        if self._stacked is not None and not set(self._stacked[0]) <= set(self.shared_prefixes):
+            self._stacked = None  # holds a dropped shared prefix's copy
         self._layout = None
         self.active_rows = kept
         if kept == 0:

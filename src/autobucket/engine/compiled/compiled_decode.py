@@ -1,5 +1,9 @@
 """The continuous-batching decode step compiled with `torch.compile` over static shapes.
 
+What is compiled is the eager step itself: for a Llama-family model the engine's one decode step
+(`engine/decode/step.py`) on its graph ops (the model's modules, the grouped attention below), for any
+other model its forward; never another implementation.
+
 Why it can be static: the `StaticKVCache` is preallocated and right-aligned, so one decode step is
 "write column `front` of every row, attend over columns `[0, front]`". The compiled step takes the
 cache buffers sliced to a *column bucket* (a multiple of `COLUMN_STEP` covering `front + 1`), the
@@ -59,6 +63,9 @@ from autobucket.engine.compiled.dynamo_compat import (
     raised_by_compiler,
 )
 from autobucket.engine.compiled.trace_local_variables import make_trace_local
+from autobucket.engine.decode.ops import decode_ops
+from autobucket.engine.decode.parts import LlamaParts
+from autobucket.engine.decode.step import llama_decode_step
 from autobucket.engine.intercept.attention import ATTENTION_KEYWORD, install_dispatcher
 from autobucket.engine.intercept.functions import compiled_dropout_off, dropout_suppressed
 from autobucket.engine.model_access.hf_compat import CacheLayerFace
@@ -145,13 +152,17 @@ class StepCache(Cache):
         return self.keys[0].shape[2]
 
 
-def decode_step(model, cache_keyword, hooks, input_ids, position_ids, mask, column, keys, values):
-    """The function compiled: hooks, the model's `hooks_epoch`; input_ids, position_ids [rows, 1]; mask
-    [rows, 1, 1, columns]; column [1]; keys[l], values[l] [rows, kv_heads, columns, head_dim] -> logits
-    [rows, vocab] fp32."""
+def decode_step(model, parts, cache_keyword, hooks, input_ids, position_ids, mask, column, keys, values):
+    """The function compiled: parts, the model's `LlamaParts` (the engine's step) or None (its forward);
+    hooks, the model's `hooks_epoch`; input_ids, position_ids [rows, 1]; mask [rows, 1, 1, columns];
+    column [1]; keys[l], values[l] [rows, kv_heads, columns, head_dim] -> logits [rows, vocab] fp32."""
     # Read, so dynamo guards on it (an unused int argument gets no guard): each set of hooks its own graph.
     torch._check(hooks >= 0)
     cache = StepCache(keys, values, column)
+    if parts is not None:
+        write = lambda layer, key, value: cache.update(key, value, layer)  # noqa: E731
+        logits = llama_decode_step(parts, decode_ops(parts, mask, position_ids, grouped_decode_attention), input_ids, position_ids, write)
+        return logits[:, -1, :].float()
     output = model(
         input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
         **{cache_keyword: cache, ATTENTION_KEYWORD: grouped_decode_attention},
@@ -221,6 +232,7 @@ class StepInputs:
     positions: torch.Tensor  # [rows] long, its true position
     store: StaticKVCache  # the engine's static cache; this step writes its column `front`
     pad_token_id: int  # fed by the padding rows of a row bucket
+    parts: LlamaParts | None = None  # the engine's step runs on these; None: the model's forward
 
 
 @dataclass
@@ -274,7 +286,7 @@ class CompiledDecode:
         started, graphs_before = time.perf_counter(), _graph_count()
         try:
             with lifted_graph_limit(), compiled_dropout_off(dropout_suppressed()):
-                logits = _compiled_step()(self.model, self.cache_keyword, self.hooks, *self._inputs(inputs, key))
+                logits = _compiled_step()(self.model, inputs.parts, self.cache_keyword, self.hooks, *self._inputs(inputs, key))
         except torch._dynamo.exc.TorchDynamoException as error:
             self._compile_failed(error)
             return None

@@ -69,7 +69,7 @@ def chosen_attention() -> AttentionFunction | None:
 def dispatch_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' attention-function interface: the attention this forward asked for (a forward
     keyword, else this thread's engine or kernel attention), else transformers' own SDPA. Registered as
-    "sdpa"; the direct decode step (`direct_decode.py`) calls it as the model's attention would (only for
+    "sdpa"; the engine's decode step (`engine/decode/ops.py`) calls it as the model's attention would (only for
     models that `dispatches` accepted, so the dispatcher is installed by then)."""
     chosen = kwargs.pop(ATTENTION_KEYWORD, None)
     # under dynamo's trace only (`is_compiling()` is True for every thread while any thread compiles)

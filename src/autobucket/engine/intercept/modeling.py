@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.decode.eligibility import LLAMA_FAMILY
 from autobucket.engine.intercept.active import active
 from autobucket.engine.intercept.functions import builtin_behind, function_replaced
-from autobucket.engine.model_access.direct_decode import LLAMA_FAMILY
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from autobucket.engine.decode.eligibility import ineligible_reason
 from autobucket.engine.intercept.active import forward_with
 from autobucket.engine.intercept.attention import dispatches
 from autobucket.engine.intercept.elementwise import elementwise_on
 from autobucket.engine.intercept.kernel_sets import invariant_kernels, runs_triton_set
 from autobucket.engine.kernel_choice import engine_kernels_obstacle
 from autobucket.engine.kernels.packed_linear import PackedLinears
-from autobucket.engine.model_access.direct_decode import ineligible_reason
 from autobucket.engine.plan import ops
 from autobucket.engine.plan.backends import register_backend, registered_backend
 from autobucket.engine.plan.builtin_backends import CpuBackend, TorchBackend, TritonBackend

@@ -9,7 +9,7 @@ The MLP class's `forward` reaches it through a router (`routes.py`) that runs th
 the model's order and the fused product, where it can take the call: fp32 contiguous CPU tensors (in
 bf16 the kernel is bitwise but was not faster), no gradient
 wanted, the activation transformers' own SiLU with no hooks, ATen on the kernels of the width the library builds (AVX-512 or AVX2). The direct
-decode step (`direct_decode.py`) calls the class's `forward`, so it takes the router too."""
+decode step (`engine/decode/ops.py`) calls the class's `forward`, so it takes the router too."""
 
 from __future__ import annotations
 

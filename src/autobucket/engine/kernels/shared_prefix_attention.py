@@ -1,4 +1,5 @@
-"""Decode attention over a shared prompt (cascade attention): the n samples of one prompt keep a single
+"""Decode attention over a shared prefix: rows that share a prefix (the n samples of one prompt, the
+prompts of an admission that share a system prompt) keep a single
 copy of the prompt's K/V, and each decode step attends to it once for all of them.
 
 Without it, each of a prompt's n cache rows holds its own copy of the prompt's K/V, and a decode step
@@ -36,7 +37,7 @@ from autobucket.engine.kernels.invariant_attention import (
 
 
 @dataclass
-class CascadeLayout:
+class SharedPrefixLayout:
     """The step's grouping of cache rows onto shared prompts (rebuilt when rows or groups change).
 
     keys[l], values[l]: [groups, kv_heads, shared, head_dim], each group's prompt K/V left-aligned and
@@ -53,8 +54,8 @@ class CascadeLayout:
     calls: int = 0  # layers that ran on this layout in the current step (checked by the runner)
     # per layer: the invariant kernel's tiles of keys[l] (`shared_prefix_tiles`), made at their first read and
     # kept with the stacked keys while the groups stay (made anew, every step would transpose every
-    # layer's shared keys again, a large share of the cascade's attention); None: not kept (made per call). They hold
-    # the shared keys once more in fp32 (bf16: keys and values), beside the n - 1 copies the cascade saves
+    # layer's shared keys again, most of the shared-prefix attention's work); None: not kept (made per call). They hold
+    # the shared keys once more in fp32 (bf16: keys and values), beside the n - 1 copies sharing saves
     tiles: list[torch.Tensor | None] | None = None
 
     def shared_tiles(self, layer: int) -> torch.Tensor | None:
@@ -66,21 +67,21 @@ class CascadeLayout:
         return self.tiles[layer]
 
 
-class CascadeAttention:
+class SharedPrefixAttention:
     """transformers' attention-function interface for one decode forward over `layout`; `invariant`: on
     the batch-invariant kernel, which reads the shared keys first in the row's own key order (bitwise
     the per-row result), instead of two flash parts merged; `own_kernel` (the default kernels' decode):
     on that kernel too wherever it can take the call (faster than the flash parts on a GRPO-like call's
-    decode, docs/benchmarks.md), else the flash parts. The kernel decode step (`kernel_decode.py`) reads `layout` and
-    `invariant` to call the same kernel itself."""
+    decode, docs/benchmarks.md), else the flash parts. The decode step's kernel ops (`engine/decode/ops.py`) read `layout`
+    and `invariant` to call the same kernel themselves."""
 
-    def __init__(self, layout: CascadeLayout, invariant: bool = False, own_kernel: bool = False) -> None:
+    def __init__(self, layout: SharedPrefixLayout, invariant: bool = False, own_kernel: bool = False) -> None:
         self.layout, self.invariant, self.own_kernel = layout, invariant, own_kernel
 
     def __call__(self, module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                  **kwargs) -> tuple[torch.Tensor, None]:
         if dropout and not dropout_suppressed():
-            raise ValueError(f"cascade decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
+            raise ValueError(f"shared-prefix decode attention got attention dropout {dropout}; the engine decodes in eval semantics")
         layout, layer = self.layout, module.layer_idx
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # A sliding layer of a call past its window: the dispatcher narrowed the mask of the row's own keys
@@ -103,7 +104,7 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, 
 def _attention_part(query, key, value, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One part's attention output and its queries' logsumexp: query [B, H, Lq, D], key / value
     [B, H, Lk, D], mask additive, broadcast to [B, H, Lq, Lk] -> ([B, H, Lq, D], [B, H, Lq] fp32). SDPA's
-    flash kernel on a CPU (it returns the logsumexp); elsewhere (a GPU: the default kernels' cascade runs
+    flash kernel on a CPU (it returns the logsumexp); elsewhere (a GPU: the default kernels' shared-prefix attention runs
     here) the same in fp32 math, a decode step's one query per row being small."""
     if query.device.type == "cpu" and not _MATH_PARTS:
         return _FLASH(query, key, value, attn_mask=mask, scale=scale)[:2]
@@ -118,7 +119,7 @@ def _attention_part(query, key, value, mask: torch.Tensor | None, scale: float) 
 _MATH_PARTS = False  # tests: run the math form on a CPU too
 
 
-def _attend(query, key, value, attention_mask, scale: float, layout: CascadeLayout, layer: int,
+def _attend(query, key, value, attention_mask, scale: float, layout: SharedPrefixLayout, layer: int,
             window: int = 0) -> torch.Tensor:
     """query [rows, heads, 1, head_dim]; key, value [rows, kv_heads, own, head_dim] (each row's own
     columns, masked by `attention_mask`) -> [rows, 1, heads, head_dim] in the query's dtype.
@@ -161,7 +162,7 @@ def _own_keys_allowed(attention_mask: torch.Tensor | None, rows: int, columns: i
     return allowed.sum(-1).expand(rows)
 
 
-def _shared_part(q: torch.Tensor, scale: float, layout: CascadeLayout, layer: int,
+def _shared_part(q: torch.Tensor, scale: float, layout: SharedPrefixLayout, layer: int,
                  first_shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: attention output (fp32) and logsumexp over its group's shared keys, [rows, kv_heads,
     per_kv, head_dim] and [rows, kv_heads, per_kv]; 0 and -inf for a row without a group, or whose
