@@ -109,3 +109,40 @@ def test_the_scope_routes_the_models_rms_norms_for_its_own_thread_only(tiny_mode
         assert torch.equal(other_thread[0], builtin)
         assert type(norm).forward is own_forward
         assert torch.equal(norm(hidden), builtin)
+
+
+def shared_rollout(model, prompts):
+    config = RolloutConfig(route="aligned", kernels="invariant", persist_costs=False, costs=CostCoefficients())
+    sampling = SamplingConfig(max_new_tokens=3, temperature=1.0, seed=3, n=2, logprobs=True, eos_token_id=[])
+    with forced_on_cpu():
+        result = Rollout(model, config=config).generate(prompts, sampling)
+        completions = [tokens for per_prompt in result.tokens for tokens in per_prompt]
+        logprobs = [lp for per_prompt in result.logprobs for lp in per_prompt]
+        trainer = trainer_side(model, [p for p in prompts for _ in range(2)], completions, invariant(model))
+    return result, max_abs_diff(trainer, completions, logprobs)
+
+
+def test_samples_reading_one_shared_copy_on_the_triton_set_equal_the_trainer_forward_bitwise(
+    tiny_models, always_share, monkeypatch
+):
+    """A prompt's n samples decode over one copy of its K/V (the Triton shared-prefix kernel); each sampled
+    token's logprob equals the trainer's teacher-forced forward on the same set bitwise. Control: rows
+    that read the shared copy as another prompt's (a wrong row-to-prefix map) break it."""
+    model = copy.deepcopy(tiny_models("tiny-llama"))
+    prompts = random_prompts([11, 7], seed=9)
+    result, difference = shared_rollout(model, prompts)
+    assert result.profile.plan["shared_prefix_attention"] == "triton"
+    assert result.profile.shared_kv_rows == 4  # every sample read its prompt's one copy
+    assert difference == 0.0
+
+    from autobucket.engine.kernels.triton import shared_prefix_attention as kernel
+
+    real = kernel.shared_prefix_decode_attention
+
+    def other_prompts_prefix(*args):
+        args = list(args)
+        args[8] = args[8].flip(0)  # row_prefix: each row reads the other prompt's copy
+        return real(*args)
+
+    monkeypatch.setattr(kernel, "shared_prefix_decode_attention", other_prompts_prefix)
+    assert shared_rollout(model, prompts)[1] > 0.0

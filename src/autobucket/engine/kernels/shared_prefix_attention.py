@@ -87,7 +87,14 @@ class SharedPrefixAttention:
         # A sliding layer of a call past its window: the dispatcher narrowed the mask of the row's own keys
         # to the window; the shared keys the window still covers are the prompt's last (window - own).
         window = int(kwargs.get("sliding_window") or 0) if windows_applied() else 0
-        if self.invariant or (self.own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
+        if self.invariant and query.device.type != "cpu" or _triton_forced(query):
+            from autobucket.engine.kernels.triton.shared_prefix_attention import shared_prefix_decode_attention
+
+            output = shared_prefix_decode_attention(
+                query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
+                layout.shared_length, layout.row_group, window,
+            )
+        elif self.invariant or (self.own_kernel and kernel_takes(query, key, attention_mask, dropout, kwargs)):
             output = invariant_attention_shared(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
                 layout.shared_length, layout.row_group, layout.shared_tiles(layer), window,
@@ -96,6 +103,13 @@ class SharedPrefixAttention:
             output = _attend(query, key, value, attention_mask, scale, layout, layer, window)
         layout.calls += 1
         return output, None
+
+
+def _triton_forced(query: torch.Tensor) -> bool:
+    """CPU tensors on the Triton set (the tests' `forced_on_cpu`, under Triton's interpreter)."""
+    from autobucket.engine.intercept.active import active
+
+    return query.device.type == "cpu" and active().triton_on_cpu
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, logsumexp), CPU

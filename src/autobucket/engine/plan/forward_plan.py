@@ -182,9 +182,11 @@ def _shared_prefix(kernel_set: str, model: torch.nn.Module) -> OpChoice:
     if not dispatches(model):
         return OpChoice(NO_BACKEND, "the model's attention does not go through transformers' 'sdpa': rows read their own copies")
     if kernel_set == "triton":
-        return OpChoice(NO_BACKEND, "the Triton set has no shared-prefix kernel: rows read their own copies")
+        return OpChoice("triton", "the Triton kernel walks [shared keys | own keys] as one sequence (bitwise a copy's)")
     if kernel_set == "cpu":
         return OpChoice("cpu", "the invariant kernel walks [shared keys | own keys] as one sequence (bitwise a copy's)")
+    if next(model.parameters()).device.type != "cpu":
+        return OpChoice(NO_BACKEND, "the torch form of shared-prefix attention runs on CPUs: rows read their own copies")
     return OpChoice("torch", "two SDPA parts merged by their softmax statistics (equal to a copy's up to rounding)")
 
 
