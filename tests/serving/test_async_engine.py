@@ -202,7 +202,6 @@ def test_eos_and_stop_reasons_match_generate(tiny_models):
 
 BAD_SUBMISSIONS = {
     "n": (dict(n=2), "n=2"),
-    "penalty": (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
     "budgets": (dict(max_new_tokens=[3, 4]), "max_new_tokens=[3, 4]"),
     "too long": (dict(max_new_tokens=60), "max_model_len=64"),
 }

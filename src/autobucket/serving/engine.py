@@ -105,14 +105,18 @@ class AsyncEngine:
         request_id: str | None = None,
         sample: int = 0,
         generated: Sequence[int] = (),
+        **overrides: Any,
     ) -> RequestHandle:
         """Queue one request; it joins the batch at the loop's next step.
 
         prompt: token ids, text or chat messages (with the tokenizer). sampling: its `SamplingConfig` (n=1,
         one int budget: its new tokens). sample: its index among its prompt's samples (its stream key with
         the seed). generated: tokens it made before (resuming an aborted request: submit its prompt and its
-        tokens so far; it continues exactly as if it had not stopped)."""
-        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stops)
+        tokens so far; it continues exactly as if it had not stopped). overrides: GenerationConfig fields
+        and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`, as `Rollout.generate` takes them
+        (each processor sees this request's own ids, prompt and tokens so far, as in a single-request
+        `generate`)."""
+        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stops, overrides)
         with self._control:
             if self._closed:
                 raise RuntimeError("the engine is closed: create a new AsyncEngine")

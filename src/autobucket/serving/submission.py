@@ -38,16 +38,13 @@ def build_request(
     sample: int,
     generated: Sequence[int],
     stops: dict[tuple[str, ...], StopStrings],
+    overrides: dict[str, Any],
 ) -> Request:
-    """The request record for one submission (`stops`: matchers kept per stop strings, filled here)."""
+    """The request record for one submission (`stops`: matchers kept per stop strings, filled here).
+    `overrides`: GenerationConfig fields and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`,
+    as `Rollout.generate` takes them."""
     sampling = _checked_sampling(sampling)
-    generation = resolve_generation(limits.model, sampling, {}, limits.vocab_size)
-    if generation.row_processors is not None:
-        raise ValueError(
-            "the model's generation_config asks for per-sequence logits processors (no_repeat_ngram_size, "
-            "bad_words_ids, suppress_tokens, ...), which the asynchronous engine does not apply yet: unset them "
-            "on model.generation_config, or use Rollout.generate"
-        )
+    generation = resolve_generation(limits.model, sampling, overrides, limits.vocab_size)
     prompt_ids = normalize_prompts([prompt], limits.tokenizer, limits.vocab_size)[0]
     before = _checked_generated(generated, limits.vocab_size)
     _check_length(len(prompt_ids), len(before), sampling.max_new_tokens, limits.max_model_len)
@@ -71,11 +68,6 @@ def _checked_sampling(sampling: SamplingConfig | None) -> SamplingConfig:
         )
     if isinstance(sampling.max_new_tokens, list):
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens!r}: a request has one budget; pass one int")
-    if sampling.repetition_penalty != 1.0:
-        raise ValueError(
-            f"repetition_penalty={sampling.repetition_penalty}: the asynchronous engine does not apply a "
-            "repetition penalty yet; pass 1.0, or use Rollout.generate"
-        )
     return sampling
 
 
@@ -88,7 +80,7 @@ def _selection(sampling: SamplingConfig, generation, model: torch.nn.Module) -> 
     return Selection(
         sampler, generation.repetition_penalty, sampling.logprobs, sampling.logprobs_mode,
         next(model.parameters()).dtype, eos_token_ids=generation.eos_token_ids,
-        min_new_tokens=generation.min_new_tokens,
+        min_new_tokens=generation.min_new_tokens, row_processors=generation.row_processors,
     )  # fmt: skip
 
 
