@@ -20,6 +20,7 @@ first token is more than `max_staleness` versions old is aborted at the change, 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from autobucket.serving.running_batch import RunningBatch
 from autobucket.serving.submission import Limits, build_request
 
 DEFAULT_MAX_MODEL_LEN = 1024
+STOP_MATCHERS_KEPT = 64
 
 
 class AsyncEngine:
@@ -78,7 +80,9 @@ class AsyncEngine:
         self._control = threading.Condition()
         self._pending: deque[Request] = deque()
         self._live: dict[str, Request] = {}
-        self._stops: dict[tuple[str, ...], StopStrings] = {}
+        # matchers of the latest stop strings (building one reads the whole vocabulary); bounded, so a
+        # server's clients each sending their own strings cannot grow it without end
+        self._stop_matcher = functools.lru_cache(maxsize=STOP_MATCHERS_KEPT)(functools.partial(StopStrings, tokenizer))
         self._pause_requested = self._parked = self._closed = self._stale = False
         self._weights = self._weights_key()
         self._version = 0
@@ -116,7 +120,7 @@ class AsyncEngine:
         and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`, as `Rollout.generate` takes them
         (each processor sees this request's own ids, prompt and tokens so far, as in a single-request
         `generate`)."""
-        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stops, overrides)
+        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stop_matcher, overrides)
         with self._control:
             if self._closed:
                 raise RuntimeError("the engine is closed: create a new AsyncEngine")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +37,11 @@ def build_request(
     request_id: str | None,
     sample: int,
     generated: Sequence[int],
-    stops: dict[tuple[str, ...], StopStrings],
+    stop_matcher: Callable[[tuple[str, ...]], StopStrings],
     overrides: dict[str, Any],
 ) -> Request:
-    """The request record for one submission (`stops`: matchers kept per stop strings, filled here).
+    """The request record for one submission (`stop_matcher`: the engine's matcher for a tuple of stop
+    strings, kept across requests).
     `overrides`: GenerationConfig fields and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`,
     as `Rollout.generate` takes them."""
     sampling = _checked_sampling(sampling)
@@ -52,7 +53,7 @@ def build_request(
         request_id=_checked_id(request_id), prompt_ids=prompt_ids, generated=before, sampling=sampling,
         generation=generation, selection=_selection(sampling, generation, limits.model),
         stream_key=request_seeds(sampling.seed, 1)[0], sample=_checked_sample(sample),
-        stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stops),
+        stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stop_matcher),
     )  # fmt: skip
 
 
@@ -122,7 +123,7 @@ def _checked_sample(sample: int) -> int:
     return sample
 
 
-def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, kept: dict[tuple[str, ...], StopStrings]) -> StopStrings | None:
+def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, matcher: Callable[[tuple[str, ...]], StopStrings]) -> StopStrings | None:
     if not strings:
         return None
     if tokenizer is None:
@@ -130,6 +131,4 @@ def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, kept: dict[tuple[str
             f"stop_strings={list(strings)!r} need the model's tokenizer to match text: create the engine with "
             "it, AsyncEngine(model, tokenizer), or pass stop_strings=[]"
         )
-    if strings not in kept:
-        kept[strings] = StopStrings(tokenizer, strings)
-    return kept[strings]
+    return matcher(strings)
