@@ -202,7 +202,6 @@ def test_eos_and_stop_reasons_match_generate(tiny_models):
 
 BAD_SUBMISSIONS = {
     "n": (dict(n=2), "n=2"),
-    "penalty": (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
     "budgets": (dict(max_new_tokens=[3, 4]), "max_new_tokens=[3, 4]"),
     "too long": (dict(max_new_tokens=60), "max_model_len=64"),
 }
@@ -351,3 +350,19 @@ def test_stop_strings_end_requests_where_generate_ends_them(tiny_models):
         assert (output.tokens, output.finish_reason) == expected
         reasons.append(output.finish_reason)
     assert "stop" in reasons
+
+
+def test_stop_string_matchers_are_kept_up_to_their_bound(tiny_models):
+    """Clients each sending their own stop strings cannot grow the engine's matchers without end; a
+    request whose matcher was dropped gets a new one and still stops where generate stops."""
+    from byte_tokenizer import byte_bpe_tokenizer
+
+    from autobucket.serving.engine import STOP_MATCHERS_KEPT
+
+    model = tiny_models("tiny-qwen2")
+    prompt = random_prompts([6], seed=9)[0]
+    with AsyncEngine(model, byte_bpe_tokenizer(), max_batch=4, max_model_len=32) as engine:
+        for index in range(STOP_MATCHERS_KEPT + 6):
+            stopping = SamplingConfig(max_new_tokens=1, eos_token_id=[], stop_strings=[f"zq{index}"])
+            assert engine.submit(prompt, stopping).result(timeout=WAIT_S).tokens == oracle_generate(model, prompt, 1, eos_token_id=[])[0]
+        assert engine._stop_matcher.cache_info().currsize == STOP_MATCHERS_KEPT

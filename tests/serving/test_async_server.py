@@ -129,6 +129,17 @@ def test_sixty_four_concurrent_clients_each_get_their_own_oracle_answer(served):
         assert answer == oracle_generate(model, prompt, budget)[0]
 
 
+def test_generate_applies_the_repetition_penalty_as_generate_does(served):
+    engine, server, model = served
+    ids = random_prompts([7], seed=13)[0]
+    free, _ = oracle_generate(model, ids, 16)
+    expected, reason = oracle_generate(model, ids, 16, repetition_penalty=3.0)
+    assert expected != free  # the penalty bites: the oracle could fail
+    params = {"max_tokens": 16, "temperature": 0, "repetition_penalty": 3.0}
+    body = httpx.post(f"{server.url}/generate", json={"prompt_ids": ids, "sampling_params": params}, timeout=WAIT_S).json()
+    assert (body["token_ids"], body["finish_reason"]) == (expected, reason)
+
+
 def test_generate_and_abort_over_http(served):
     engine, server, model = served
     ids = random_prompts([6], seed=5)[0]
@@ -169,6 +180,7 @@ BAD_REQUESTS = [
     ("/generate", {"prompt_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n=2"),
     ("/generate", {"prompt_ids": [1], "sampling_params": {"seed": -1}}, "sampling_params.seed"),
     ("/generate", {"prompt_ids": [1], "sampling_params": {"presence_penalty": 0.5}}, "presence_penalty"),
+    ("/generate", {"prompt_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
     ("/generate", {"prompt_ids": [1], "sampling_params": {"stop": [1]}}, "sampling_params.stop"),
     ("/generate", {"prompt_ids": [1], "request_id": ""}, "request_id"),
     ("/generate", {"prompt_ids": [1], "sample": -1}, "sample"),

@@ -20,6 +20,7 @@ first token is more than `max_staleness` versions old is aborted at the change, 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from autobucket.serving.running_batch import RunningBatch
 from autobucket.serving.submission import Limits, build_request
 
 DEFAULT_MAX_MODEL_LEN = 1024
+STOP_MATCHERS_KEPT = 64
 
 
 class AsyncEngine:
@@ -79,7 +81,9 @@ class AsyncEngine:
         self._control = threading.Condition()
         self._pending: deque[Request] = deque()
         self._live: dict[str, Request] = {}
-        self._stops: dict[tuple[str, ...], StopStrings] = {}
+        # matchers of the latest stop strings (building one reads the whole vocabulary); bounded, so a
+        # server's clients each sending their own strings cannot grow it without end
+        self._stop_matcher = functools.lru_cache(maxsize=STOP_MATCHERS_KEPT)(functools.partial(StopStrings, tokenizer))
         self._pause_requested = self._parked = self._closed = self._stale = False
         self._weights = self._weights_key()
         self._version = 0
@@ -106,14 +110,18 @@ class AsyncEngine:
         request_id: str | None = None,
         sample: int = 0,
         generated: Sequence[int] = (),
+        **overrides: Any,
     ) -> RequestHandle:
         """Queue one request; it joins the batch at the loop's next step.
 
         prompt: token ids, text or chat messages (with the tokenizer). sampling: its `SamplingConfig` (n=1,
         one int budget: its new tokens). sample: its index among its prompt's samples (its stream key with
         the seed). generated: tokens it made before (resuming an aborted request: submit its prompt and its
-        tokens so far; it continues exactly as if it had not stopped)."""
-        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stops)
+        tokens so far; it continues exactly as if it had not stopped). overrides: GenerationConfig fields
+        and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`, as `Rollout.generate` takes them
+        (each processor sees this request's own ids, prompt and tokens so far, as in a single-request
+        `generate`)."""
+        request = build_request(self.limits, prompt, sampling, request_id, sample, generated, self._stop_matcher, overrides)
         with self._control:
             if self._closed:
                 raise RuntimeError("the engine is closed: create a new AsyncEngine")

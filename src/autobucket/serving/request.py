@@ -125,7 +125,7 @@ class Request:
 
     def reason_to_finish(self, stopped: bool) -> str | None:
         """Why its newest token ends it (EOS, a completed stop string, its budget), or None."""
-        if self.tokens[-1] in self.generation.eos_token_ids:
+        if self.tokens[-1] in self.selection.eos_token_ids:
             return "eos"
         if stopped:
             return "stop"

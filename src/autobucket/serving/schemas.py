@@ -1,7 +1,7 @@
 """The HTTP server's request bodies (pydantic): what each endpoint accepts, checked before any engine work.
 
 A field that fails its check becomes a 400 naming it (`server.py`); fields OpenAI defines that the engine
-cannot honour (penalties, logit bias, top alternatives, echo, best_of) are refused by name rather than
+cannot honour (presence and frequency penalties, logit bias, top alternatives, echo, best_of) are refused by name rather than
 silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras such
 as `user` or `stream_options`)."""
 
@@ -17,7 +17,7 @@ from autobucket.config import SamplingConfig
 
 class SamplingFields(BaseModel):
     """The sampling options every generating endpoint shares (OpenAI's names, and vLLM's top_k / min_p /
-    min_tokens). temperature defaults to 1.0 as OpenAI's does; 0 is greedy."""
+    min_tokens / repetition_penalty). temperature defaults to 1.0 as OpenAI's does; 0 is greedy."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -30,6 +30,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=128)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # HF's, over the prompt and tokens so far
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -51,6 +52,7 @@ class SamplingFields(BaseModel):
         return SamplingConfig(
             max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, min_new_tokens=self.min_tokens, seed=seed, logprobs=logprobs,
+            repetition_penalty=self.repetition_penalty,
             stop_strings=stops if stops is not None else [],
         )  # fmt: skip
 

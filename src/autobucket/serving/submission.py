@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,17 +36,15 @@ def build_request(
     request_id: str | None,
     sample: int,
     generated: Sequence[int],
-    stops: dict[tuple[str, ...], StopStrings],
+    stop_matcher: Callable[[tuple[str, ...]], StopStrings],
+    overrides: dict[str, Any],
 ) -> Request:
-    """The request record for one submission (`stops`: matchers kept per stop strings, filled here)."""
+    """The request record for one submission (`stop_matcher`: the engine's matcher for a tuple of stop
+    strings, kept across requests).
+    `overrides`: GenerationConfig fields and generate()'s `logits_processor` / `prefix_allowed_tokens_fn`,
+    as `Rollout.generate` takes them."""
     sampling = _checked_sampling(sampling)
-    generation = resolve_generation(limits.model, sampling, {}, limits.vocab_size)
-    if generation.selection.row_processors is not None:
-        raise ValueError(
-            "the model's generation_config asks for per-sequence logits processors (no_repeat_ngram_size, "
-            "bad_words_ids, suppress_tokens, ...), which the asynchronous engine does not apply yet: unset them "
-            "on model.generation_config, or use Rollout.generate"
-        )
+    generation = resolve_generation(limits.model, sampling, overrides, limits.vocab_size)
     prompt_ids = normalize_prompts([prompt], limits.tokenizer, limits.vocab_size)[0]
     before = _checked_generated(generated, limits.vocab_size)
     _check_length(len(prompt_ids), len(before), sampling.max_new_tokens, limits.max_model_len)
@@ -54,7 +52,7 @@ def build_request(
         request_id=_checked_id(request_id), prompt_ids=prompt_ids, generated=before, sampling=sampling,
         generation=generation,
         stream_key=request_seeds(sampling.seed, 1)[0], sample=_checked_sample(sample),
-        stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stops),
+        stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stop_matcher),
     )  # fmt: skip
 
 
@@ -70,11 +68,6 @@ def _checked_sampling(sampling: SamplingConfig | None) -> SamplingConfig:
         )
     if isinstance(sampling.max_new_tokens, list):
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens!r}: a request has one budget; pass one int")
-    if sampling.repetition_penalty != 1.0:
-        raise ValueError(
-            f"repetition_penalty={sampling.repetition_penalty}: the asynchronous engine does not apply a "
-            "repetition penalty yet; pass 1.0, or use Rollout.generate"
-        )
     return sampling
 
 
@@ -116,7 +109,7 @@ def _checked_sample(sample: int) -> int:
     return sample
 
 
-def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, kept: dict[tuple[str, ...], StopStrings]) -> StopStrings | None:
+def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, matcher: Callable[[tuple[str, ...]], StopStrings]) -> StopStrings | None:
     if not strings:
         return None
     if tokenizer is None:
@@ -124,6 +117,4 @@ def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, kept: dict[tuple[str
             f"stop_strings={list(strings)!r} need the model's tokenizer to match text: create the engine with "
             "it, AsyncEngine(model, tokenizer), or pass stop_strings=[]"
         )
-    if strings not in kept:
-        kept[strings] = StopStrings(tokenizer, strings)
-    return kept[strings]
+    return matcher(strings)

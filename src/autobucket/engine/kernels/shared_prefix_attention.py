@@ -88,7 +88,9 @@ class SharedPrefixAttention:
         # to the window; the shared keys the window still covers are the prompt's last (window - own).
         window = int(kwargs.get("sliding_window") or 0) if windows_applied() else 0
         if self.invariant and query.device.type != "cpu" or _triton_forced(query):
-            from autobucket.engine.kernels.triton.shared_prefix_attention import shared_prefix_decode_attention
+            from autobucket.engine.kernels.triton.shared_prefix_attention import (
+                shared_prefix_decode_attention,
+            )
 
             output = shared_prefix_decode_attention(
                 query, key, value, attention_mask, scale, layout.keys[layer], layout.values[layer],
