@@ -148,8 +148,10 @@ class RolloutConfig:
             instead = DEPRECATED_KERNELS[self.kernels]
             warnings.warn(
                 f"RolloutConfig(kernels={self.kernels!r}) is deprecated: it means kernels={instead!r} (the model's "
-                f"own ops); pass kernels={instead!r}", DeprecationWarning, stacklevel=3,
-            )  # fmt: skip
+                f"own ops); pass kernels={instead!r}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             _store(self, "kernels", instead)
         _store(self, "op_backends", _op_backends(self.op_backends))
         if self.route not in ROUTES:
@@ -271,9 +273,7 @@ class SamplingConfig:
         _store(self, "repetition_penalty", penalty)
         temperature = require_finite("temperature", self.temperature, "use 0.0 for greedy decoding")
         if temperature < 0:
-            raise ValueError(
-                f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value"
-            )
+            raise ValueError(f"temperature={self.temperature!r} is invalid: use 0.0 (greedy) or a positive value")
         _store(self, "temperature", temperature)
         _store(self, "top_k", require_int("top_k", self.top_k, 0, "0 disables top-k"))
         top_p = require_finite("top_p", self.top_p, "1.0 disables top-p")
@@ -297,7 +297,9 @@ class SamplingConfig:
         GRPO trainer zero advantages, and a warper set means sampling was meant."""
         if self.temperature > 0:
             return
-        ignored = [f"{name}={getattr(self, name)!r}" for name, off in _SAMPLING_ONLY.items() if getattr(self, name) != off]
+        ignored = [
+            f"{name}={getattr(self, name)!r}" for name, off in _SAMPLING_ONLY.items() if getattr(self, name) != off
+        ]
         if ignored:
             raise ValueError(
                 f"{', '.join(ignored)} only act when sampling, and temperature=0.0 is greedy decoding: set "

@@ -4,7 +4,6 @@
    figures live in docs/ and benchmark JSON, the source keeps the reason in words.
 2. `# fmt: skip` marks only tables: a dict, list, set or tuple literal laid out by hand over several lines,
    or a Triton kernel's parameters and launch arguments grouped by role. Anything else is formatted like the rest of the code.
-`OTHERS_FILES` lists the files whose rewrite other work owns right now; it shrinks to nothing as that lands.
 """
 
 from __future__ import annotations
@@ -24,27 +23,6 @@ MEASUREMENT = re.compile(
     r"|\d%\s+(?:faster|slower|more|less|fewer)\b"
     r"|\b(?:Xeon|EPYC|Zen ?\d|Ryzen|Sapphire Rapids|Graviton|this VM)\b"
 )
-# Package-relative paths that other work is rewriting now (the forward plan, the decode step, serving):
-# each leaves this list as it merges, until the list is empty.
-OTHERS_FILES = frozenset(
-    {
-        "config.py",
-        "engine/compiled/compiled_decode.py",
-        "engine/kernels/scope.py",
-        "engine/kernels/trainer_scope.py",
-        "engine/kernels/triton/norm_route.py",
-        "engine/kernels/triton/scope.py",
-        "engine/model_access/attention.py",
-        "engine/model_access/function_routes.py",
-        "engine/rollout.py",
-        "engine/routes.py",
-        "serving/request.py",
-        "serving/schemas.py",
-        "serving/submission.py",
-    }
-)
-
-
 def comment_and_docstring_lines(source: str) -> dict[int, str]:
     """Line number -> the comment or docstring text on that line."""
     lines = source.splitlines()
@@ -100,7 +78,6 @@ def test_no_comment_or_docstring_quotes_a_measurement():
     found = {
         name: measurement_lines(source)
         for name, source in package_sources().items()
-        if name not in OTHERS_FILES
     }
     assert {name: lines for name, lines in found.items() if lines} == {}, (
         "say why in words; figures go to docs/"
@@ -111,7 +88,6 @@ def test_fmt_skip_marks_only_tables():
     found = {
         name: fmt_skips_off_tables(source)
         for name, source in package_sources().items()
-        if name not in OTHERS_FILES
     }
     assert {name: lines for name, lines in found.items() if lines} == {}, (
         "let ruff format lay out what is no table"

@@ -104,8 +104,8 @@ class Rollout:
         self._stops_vocabulary: int | None = None  # len(tokenizer) when that matcher was built
         # one call at a time (re-entrant: `generate` reads `costs`, which may probe through `_run_route`)
         self._call_lock = threading.RLock()
-        warn_if_oversubscribed()  # a 5-20x slowdown on small CPU machines (autobucket.threads)
-        warn_if_slow_bf16_gemm(parameter.dtype, self.kernel_choice.kernels, parameter.device.type)  # 5-10x on AVX2-only CPUs
+        warn_if_oversubscribed()  # more threads than cores slows every step (autobucket.threads)
+        warn_if_slow_bf16_gemm(parameter.dtype, self.kernel_choice.kernels, parameter.device.type)  # torch's bf16 GEMM is slow on AVX2-only CPUs
 
     @property
     def vocab_size(self) -> int:
@@ -193,14 +193,16 @@ class Rollout:
     def _generate_checked(
         self, token_prompts: list[list[int]], sampling: SamplingConfig, generation: ResolvedSampling,
         stops: StopStrings | None, started: float,
-    ) -> RolloutResult:  # fmt: skip
+    ) -> RolloutResult:
         # Only the planning routes need coefficients: the others never trigger the online probe, nor do
         # models continuous batching cannot run (auto runs ordinary generate for them, bucketed refuses).
         # the model was followed above: the cost source directly, not `self.costs` (which follows again)
         plans = self.config.route in PLANNING_ROUTES and continuous_batching_refusal(self.model) is None
         costs = self.cost_source.current(self._probe_runner() if plans else None)
         prefix_cache, cleared = self._prefix_cache()
-        result = self._run_route(self._call_config(), token_prompts, sampling, generation, costs, started, prefix_cache, stops)
+        result = self._run_route(
+            self._call_config(), token_prompts, sampling, generation, costs, started, prefix_cache, stops
+        )
         result.profile.prefix_cache_invalidations = int(cleared)
         self.cost_source.after_call(result.profile, costs)
         return result
@@ -234,10 +236,20 @@ class Rollout:
         # Online learning needs true phase times, so it synchronises a CUDA device at phase boundaries.
         timer = PhaseTimer(profile, self.device, synchronize=config.profile or self.cost_source.online)
         call = RouteCall(
-            self.model, self.spec, self.geometry, costs or CostCoefficients(), config, prompts,
-            generation.for_prompts(sampling, len(prompts)), profile, timer, self.vocab_size, self.max_positions,
-            prefix_cache=prefix_cache, stops=stops,
-        )  # fmt: skip
+            self.model,
+            self.spec,
+            self.geometry,
+            costs or CostCoefficients(),
+            config,
+            prompts,
+            generation.for_prompts(sampling, len(prompts)),
+            profile,
+            timer,
+            self.vocab_size,
+            self.max_positions,
+            prefix_cache=prefix_cache,
+            stops=stops,
+        )
         call = with_compile_decision(call)
         plan = choose_plan(self.model, config, call.compile_decision, config.route)
         profile.plan = plan.summary()
@@ -358,8 +370,9 @@ def _warn_if_autocast_forward(model: torch.nn.Module, config: RolloutConfig) -> 
             "forward computes it in bf16, so its tokens can differ from that forward's generate. Use "
             "kernels='invariant' (the model's dtype on every route, bitwise autobucket.invariant's trainer "
             "forward), route='ordinary', or a model loaded in bfloat16",
-            RuntimeWarning, stacklevel=5,  # warn_once, this, _generate, generate: the caller's line
-        )  # fmt: skip
+            RuntimeWarning,
+            stacklevel=5,  # warn_once, this, _generate, generate: the caller's line
+        )
 
 
 def without_autocast(device: torch.device) -> torch.autocast:

@@ -184,20 +184,34 @@ def run_continuous(
     call.profile.cache_capacity = shape.cache_capacity
     assert call.compile_decision is not None, "a CB route runs on a call with its compile decision"
     compiled = compiled_decode_for(
-        call.model, call.spec.cache_keyword, call.compile_decision, call.profile,
+        call.model,
+        call.spec.cache_keyword,
+        call.compile_decision,
+        call.profile,
         round_capacity=call.config.cache_capacity is None,
-    )  # fmt: skip
+    )
     runner = ModelRunner(
-        call.model, call.spec, shape, call.sampling.pad_token_id, call.vocab_size,
-        track_seen=call.sampling.selection.uses_penalty, trim_cache=call.config.trim_cache, compiled=compiled,
-        shared_prefix=_shared_prefix_allowed(call), samples_share_prompt=_shares_samples_kv(call),
+        call.model,
+        call.spec,
+        shape,
+        call.sampling.pad_token_id,
+        call.vocab_size,
+        track_seen=call.sampling.selection.uses_penalty,
+        trim_cache=call.config.trim_cache,
+        compiled=compiled,
+        shared_prefix=_shared_prefix_allowed(call),
+        samples_share_prompt=_shares_samples_kv(call),
         decode_attention=_decode_attention(call),
-    )  # fmt: skip
+    )
     call.profile.decode_forward = "direct" if runner.parts is not None else "model"
     batcher = ContinuousBatcher(
-        runner, call.sampling, call.profile, call.timer, _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
+        runner,
+        call.sampling,
+        call.profile,
+        call.timer,
+        _prefix_reuse(call, continuation, share_prefixes and call.config.share_prefixes),
         call.stops,
-    )  # fmt: skip
+    )
     evicted = call.prefix_cache.stats.evicted_blocks if call.prefix_cache is not None else 0
     with sliding_windows_applied() if windowed else contextlib.nullcontext():
         finished = batcher.run(call.prompts, call.sampling.n, admission_policy)
@@ -240,10 +254,13 @@ def _prefix_reuse(call: RouteCall, continuation: ContinuationPolicy, share: bool
     if call.prefix_cache is None and not share:
         return None
     return PrefixReuse(
-        call.prefix_cache, lambda indices, suffixes: continuation(call, indices, suffixes),
+        call.prefix_cache,
+        lambda indices, suffixes: continuation(call, indices, suffixes),
         call.config.prefill_max_tokens,
-        share=(lambda prompts: plan_shared_prefixes(prompts, call.geometry, call.costs, call.sampling.n)) if share else None,
-    )  # fmt: skip
+        share=(lambda prompts: plan_shared_prefixes(prompts, call.geometry, call.costs, call.sampling.n))
+        if share
+        else None,
+    )
 
 
 def with_compile_decision(call: RouteCall) -> RouteCall:
@@ -259,18 +276,26 @@ def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision
     items = len(call.prompts) * call.sampling.n
     if call.outgrown_window is not None and call.config.compile is not False:
         # The compiled step's attention is not narrowed to the window (the dispatcher's eager path is).
-        decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
-                                    call.most_new_tokens, shape.cache_capacity)  # fmt: skip
+        decision = compile_decision(
+            call.model, False, shape.continuous_batch_size, items, longest, call.most_new_tokens, shape.cache_capacity
+        )
         return dataclasses.replace(decision, reason="sequences outgrow the model's sliding window: decodes eagerly")
     if call.config.kernels == "invariant" and call.config.compile is not False:
         # The engine's own kernels run eagerly: a graph of the model's own linears would not be invariant.
-        decision = compile_decision(call.model, False, shape.continuous_batch_size, items, longest,
-                                    call.most_new_tokens, shape.cache_capacity)  # fmt: skip
+        decision = compile_decision(
+            call.model, False, shape.continuous_batch_size, items, longest, call.most_new_tokens, shape.cache_capacity
+        )
         return dataclasses.replace(decision, reason="kernels='invariant' decodes eagerly (compile not used)")
     return compile_decision(
-        call.model, call.config.compile, shape.continuous_batch_size, items, longest,
-        call.most_new_tokens, shape.cache_capacity, round_capacity=call.config.cache_capacity is None,
-    )  # fmt: skip
+        call.model,
+        call.config.compile,
+        shape.continuous_batch_size,
+        items,
+        longest,
+        call.most_new_tokens,
+        shape.cache_capacity,
+        round_capacity=call.config.cache_capacity is None,
+    )
 
 
 def _record_cache(profile: Profile, runner: ModelRunner) -> None:

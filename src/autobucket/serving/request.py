@@ -92,9 +92,13 @@ class Request:
     def output(self) -> RequestOutput:
         """A snapshot (call with `progress.condition` held)."""
         return RequestOutput(
-            self.request_id, list(self.prompt_ids), list(self.tokens),
-            list(self.logprobs) if self.sampling.logprobs else None, list(self.versions), self.finish_reason,
-        )  # fmt: skip
+            self.request_id,
+            list(self.prompt_ids),
+            list(self.tokens),
+            list(self.logprobs) if self.sampling.logprobs else None,
+            list(self.versions),
+            self.finish_reason,
+        )
 
     def chunk_from(self, start: int) -> StreamChunk:
         """Its tokens from `start` on (call with `progress.condition` held)."""

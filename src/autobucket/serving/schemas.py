@@ -50,11 +50,17 @@ class SamplingFields(BaseModel):
         seed = self.seed if self.seed is not None else secrets.randbits(63)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingConfig(
-            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, min_new_tokens=self.min_tokens, seed=seed, logprobs=logprobs,
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            min_new_tokens=self.min_tokens,
+            seed=seed,
+            logprobs=logprobs,
             repetition_penalty=self.repetition_penalty,
             stop_strings=stops if stops is not None else [],
-        )  # fmt: skip
+        )
 
 
 class CompletionRequest(SamplingFields):

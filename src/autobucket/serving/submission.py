@@ -49,11 +49,15 @@ def build_request(
     before = _checked_generated(generated, limits.vocab_size)
     _check_length(len(prompt_ids), len(before), sampling.max_new_tokens, limits.max_model_len)
     return Request(
-        request_id=_checked_id(request_id), prompt_ids=prompt_ids, generated=before, sampling=sampling,
+        request_id=_checked_id(request_id),
+        prompt_ids=prompt_ids,
+        generated=before,
+        sampling=sampling,
         generation=generation,
-        stream_key=request_seeds(sampling.seed, 1)[0], sample=_checked_sample(sample),
+        stream_key=request_seeds(sampling.seed, 1)[0],
+        sample=_checked_sample(sample),
         stops=_stop_matcher(generation.stop_strings, limits.tokenizer, stop_matcher),
-    )  # fmt: skip
+    )
 
 
 def _checked_sampling(sampling: SamplingConfig | None) -> SamplingConfig:
@@ -73,7 +77,9 @@ def _checked_sampling(sampling: SamplingConfig | None) -> SamplingConfig:
 
 def _checked_generated(generated: Sequence[int], vocab_size: int) -> list[int]:
     if isinstance(generated, (str, bytes)) or not isinstance(generated, Sequence):
-        raise TypeError(f"generated must be a list of token ids (the request's tokens so far), got {type(generated).__name__}")
+        raise TypeError(
+            f"generated must be a list of token ids (the request's tokens so far), got {type(generated).__name__}"
+        )
     ids = []
     for token in generated:
         try:
@@ -105,11 +111,15 @@ def _checked_id(request_id: str | None) -> str:
 
 def _checked_sample(sample: int) -> int:
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
-        raise ValueError(f"sample={sample!r} is invalid: pass the sample's index among its prompt's samples, an int >= 0")
+        raise ValueError(
+            f"sample={sample!r} is invalid: pass the sample's index among its prompt's samples, an int >= 0"
+        )
     return sample
 
 
-def _stop_matcher(strings: tuple[str, ...], tokenizer: Any, matcher: Callable[[tuple[str, ...]], StopStrings]) -> StopStrings | None:
+def _stop_matcher(
+    strings: tuple[str, ...], tokenizer: Any, matcher: Callable[[tuple[str, ...]], StopStrings]
+) -> StopStrings | None:
     if not strings:
         return None
     if tokenizer is None:

@@ -276,9 +276,12 @@ class ModelRunner:
         """The model's forward of every active row's next token -> logits [rows, 1, vocab]."""
         tokens, positions, mask = self.rows.tokens[:, None], self.rows.positions[:, None], self.store.step_mask()
         output = self.model(
-            input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
             **{self.spec.cache_keyword: self.cache},
-        )  # fmt: skip
+        )
         return output.logits
 
     def advance(self, tokens: torch.Tensor) -> None:

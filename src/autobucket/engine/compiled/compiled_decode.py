@@ -22,7 +22,7 @@ optimizer step changes the next call's tokens without a recompile. (Inductor's `
 them in as constants and return the old model's tokens; measured, see docs/benchmarks.md.)
 
 Attention: under dynamo, transformers expands grouped K/V heads with `repeat_kv` (a full copy of the
-cache every step, measured 2.6x slower than eager); here one decode token's query heads are grouped
+cache every step, slower than the eager step; docs/benchmarks.md); here one decode token's query heads are grouped
 onto their K/V head instead (`[rows, kv_heads, group, head_dim]`), so SDPA reads the cache in place.
 The step passes that function as a forward keyword which transformers hands down to the attention
 call (`engine/intercept/attention.py`); the model's config is never written, so other threads are unaffected.
@@ -164,9 +164,12 @@ def decode_step(model, parts, cache_keyword, hooks, input_ids, position_ids, mas
         logits = llama_decode_step(parts, decode_ops(parts, mask, position_ids, grouped_decode_attention), input_ids, position_ids, write)
         return logits[:, -1, :].float()
     output = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=True,
         **{cache_keyword: cache, ATTENTION_KEYWORD: grouped_decode_attention},
-    )  # fmt: skip
+    )
     return output.logits[:, -1, :].float()
 
 
@@ -195,8 +198,8 @@ def hooks_epoch(model: torch.nn.Module) -> int:
     """Which forward hooks the model has now, as a small int per model (0: none). Dynamo does not guard
     on module hooks (`skip_nnmodule_hook_guards`, on by default): a graph traced before a trainer added a
     hook would skip it, one traced with a hook would run it after its removal. So the epoch is part of
-    every graph key and an argument the graph is specialised on. Read once per call (0.4 ms on SmolLM2's
-    397 modules): hooks changed by another thread during a call reach its eager steps only; a hook set
+    every graph key and an argument the graph is specialised on. Read once per call (a walk over the
+    model's modules): hooks changed by another thread during a call reach its eager steps only; a hook set
     registered anew for every call compiles anew until the graph limit, then decodes eagerly."""
     signature = forward_state(model)  # hooks (and forwards replaced on an instance) by registration
     if signature == ((), (), ()):
@@ -286,7 +289,9 @@ class CompiledDecode:
         started, graphs_before = time.perf_counter(), _graph_count()
         try:
             with lifted_graph_limit(), compiled_dropout_off(dropout_suppressed()):
-                logits = _compiled_step()(self.model, inputs.parts, self.cache_keyword, self.hooks, *self._inputs(inputs, key))
+                logits = _compiled_step()(
+                    self.model, inputs.parts, self.cache_keyword, self.hooks, *self._inputs(inputs, key)
+                )
         except torch._dynamo.exc.TorchDynamoException as error:
             self._compile_failed(error)
             return None
@@ -351,4 +356,8 @@ class CompiledDecode:
     def _disable(self, reason: str) -> None:
         self.graphs.disabled_reason = reason
         self.stats.fallback_reason = reason
-        warnings.warn(f"autobucket: compiled decode disabled for this model, decoding eagerly ({reason})", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"autobucket: compiled decode disabled for this model, decoding eagerly ({reason})",
+            RuntimeWarning,
+            stacklevel=2,
+        )

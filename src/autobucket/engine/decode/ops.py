@@ -84,9 +84,15 @@ def module_ops(parts: LlamaParts, mask: Tensor | None, position_ids: Tensor) -> 
         if parts.window_keyword[index]:
             keywords["sliding_window"] = parts.layer_window(module)
         output, _ = dispatch_sdpa(
-            module, query, key, value, mask,
-            dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **keywords,
-        )  # fmt: skip
+            module,
+            query,
+            key,
+            value,
+            mask,
+            dropout=0.0 if not module.training else module.attention_dropout,
+            scaling=module.scaling,
+            **keywords,
+        )
         return output
 
     return DecodeOps(
@@ -150,10 +156,11 @@ def _leaves_on_kernels(parts: LlamaParts) -> bool:
     if not (routed and rms_norm.available() and gated_mlp.available()) or parts.lm_head.weight.dtype != torch.float32:
         return False
     plain_linears = all(
-        type(linear) is torch.nn.Linear and call_unobserved(linear)
+        type(linear) is torch.nn.Linear
+        and call_unobserved(linear)
         and (linear.bias is None or linear.bias.dtype == torch.float32)
         for linear in parts.linears
-    )  # fmt: skip
+    )
     plain_norms = all(rms_norm.routed_module(norm) and call_unobserved(norm) for norm in parts.norms)
     plain_mlps = all(gated_mlp.routed_module(mlp) and call_unobserved(mlp) for mlp in parts.mlps)
     no_dropout = all(
@@ -167,16 +174,18 @@ class _KernelCalls:
     """One step's kernel calls: each linear on its ready panels, the attention on the mask's allowed keys
     (made once per step and window), after the shared prefix's keys in a shared-prefix step."""
 
-    def __init__(self, parts: LlamaParts, panels: dict[int, Tensor], mask: Tensor | None,
-                 layout: SharedPrefixLayout | None) -> None:
+    def __init__(
+        self, parts: LlamaParts, panels: dict[int, Tensor], mask: Tensor | None, layout: SharedPrefixLayout | None
+    ) -> None:
         self.parts, self.panels, self.mask, self.layout = parts, panels, mask, layout
         self.windows = windows_applied()  # a call past the model's sliding window narrows sliding layers
         self.allowed: dict[int, Tensor] = {}  # window (0: none) -> the step's allowed keys
         self.fixed_order = fixed_order_op()
 
     def ops(self) -> DecodeOps:
-        return DecodeOps(KERNELS, self.linear, _rms_norm, self.rotary, self.gated_mlp, self.attention,
-                         self.shared_prefix_attention)  # fmt: skip
+        return DecodeOps(
+            KERNELS, self.linear, _rms_norm, self.rotary, self.gated_mlp, self.attention, self.shared_prefix_attention
+        )
 
     def linear(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
         """x [..., K] contiguous -> [..., N] on the linear's panels (`PackedLinears.ready_linear`'s op)."""
@@ -204,9 +213,18 @@ class _KernelCalls:
         layout, layer = self.layout, module.layer_idx
         allowed = self._allowed(module, query.shape[0], key)
         output = torch.ops.autobucket.invariant_attention_shared(
-            query, key, value, allowed, float(module.scaling), layout.keys[layer], layout.values[layer],
-            layout.shared_length, layout.row_group, layout.shared_tiles(layer), self._window(module),
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            allowed,
+            float(module.scaling),
+            layout.keys[layer],
+            layout.values[layer],
+            layout.shared_length,
+            layout.row_group,
+            layout.shared_tiles(layer),
+            self._window(module),
+        )
         layout.calls += 1
         return output
 

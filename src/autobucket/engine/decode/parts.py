@@ -28,14 +28,17 @@ class LlamaParts:
         self.layers = list(self.inner.layers[: model.config.num_hidden_layers])
         self.window_from_config = type(model).__name__ == "MistralForCausalLM"
         # per layer: whether its attention hands a `sliding_window` keyword on (transformers 4.57 and 5.x)
-        self.window_keyword = [self.window_from_config or hasattr(layer.self_attn, "sliding_window")
-                               for layer in self.layers]  # fmt: skip
+        self.window_keyword = [
+            self.window_from_config or hasattr(layer.self_attn, "sliding_window") for layer in self.layers
+        ]
         self.linears = [
             *(getattr(part, name) for layer in self.layers
               for part, names in ((layer.self_attn, _ATTENTION_LINEARS), (layer.mlp, _MLP_LINEARS)) for name in names),
             self.lm_head,
         ]  # fmt: skip
-        qk_norms = [n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)] if qk_norm else []
+        qk_norms = (
+            [n for layer in self.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)] if qk_norm else []
+        )
         self.norms = [
             *(norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)),
             *qk_norms,

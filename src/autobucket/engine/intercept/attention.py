@@ -178,9 +178,10 @@ def uses_attention_interface(model: torch.nn.Module) -> bool:
     if model not in _INTERFACE_USERS:
         # torch's own modules (a vision tower's nn.MultiheadAttention pooling head) are not modeling files
         modeling_files = {
-            type(module).__module__ for module in model.modules()
+            type(module).__module__
+            for module in model.modules()
             if "Attention" in type(module).__name__ and not type(module).__module__.startswith("torch.")
-        }  # fmt: skip
+        }
         _INTERFACE_USERS[model] = all(
             hasattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS") for name in modeling_files
         )

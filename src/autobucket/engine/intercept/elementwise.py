@@ -95,6 +95,7 @@ def fused_here() -> bool:
         return False
     functions = active().elementwise
     return (
-        functions.get("rotary") is rotary.fused_call and functions.get("gated_mlp") is gated_mlp.fused_forward
+        functions.get("rotary") is rotary.fused_call
+        and functions.get("gated_mlp") is gated_mlp.fused_forward
         and functions.get("rms_norm") is rms_norm.fused_forward
-    )  # fmt: skip
+    )

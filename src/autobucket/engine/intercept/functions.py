@@ -9,10 +9,9 @@ functions replaced, while an engine call is in flight, by interceptors that read
 - dropout (`F.dropout` and its kin) returns its input, and `F.scaled_dot_product_attention` runs with
   `dropout_p = 0`, under `eval_semantics` (a model handed over in train mode, `training` untouched).
 
-Why not a `TorchFunctionMode`: a mode sees every torch call of the thread, not only these, and cost
-7 us a call on this VM: 2.4 ms of a 28.8 ms bench-qwen2 decode step (B = 32, context 512, 323 torch
-calls, Intel Xeon), more than every linear's wrapper together. An interceptor costs a context-variable read,
-and only on its own function's calls.
+Why not a `TorchFunctionMode`: a mode sees every torch call of the thread, not only these, and its
+per-call cost over a decode step's hundreds of torch calls outweighs every linear's wrapper together
+(docs/kernels.md). An interceptor costs a context-variable read, and only on its own function's calls.
 
 What the interceptors reach: calls that look the function up when they run — `nn.Linear.forward`
 (`F.linear(...)`, so LoRA layers' base and adapter linears too), `nn.Dropout.forward`, attention and
@@ -91,8 +90,8 @@ _LINEAR_FORWARD = torch.nn.Linear.forward
 def call_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(x)`, for the engine's own calls of a model's linear layers (the direct decode step, the
     fused MLP): a plain `nn.Linear` whose call nothing can observe goes straight to this thread's linear
-    route's quick path, skipping the module call, `Linear.forward` and the `F.linear` interceptor (on
-    bench-qwen2's decode step, B = 16, context 256, ~0.6 ms of 5.9: 29 linears at ~20 us of Python each).
+    route's quick path, skipping the module call, `Linear.forward` and the `F.linear` interceptor (a
+    visible share of a small model's decode step: Python per linear, every layer).
     The values are the route's, which is what `module(x)` reaches. Anything else — a LoRA layer, a
     subclass, a replaced forward, hooks (the module's or global ones: `Module.__call__` skips them only
     when there are none), no route, a call the quick path does not take — is `module(x)`."""
@@ -109,12 +108,17 @@ def call_unobserved(module: torch.nn.Module) -> bool:
     ones, as `Module._call_impl` checks them), no forward set on the instance, and for an `nn.Linear`
     the class's own forward."""
     return not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
-        or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+        or module_globals._global_backward_hooks
+        or module_globals._global_backward_pre_hooks
         or "forward" in module.__dict__
         or (isinstance(module, torch.nn.Linear) and torch.nn.Linear.forward is not _LINEAR_FORWARD)
-    )  # fmt: skip
+    )
 
 
 class Conv1dAddmmMode(TorchFunctionMode):
@@ -164,9 +168,12 @@ def is_conv1d_call(args: tuple, kwargs: dict | None) -> bool:
     """`torch.addmm(bias, x, weight)` as transformers' `Conv1D` calls it: a parameter as the weight,
     beta = alpha = 1 (other addmm calls are left alone)."""
     return (
-        not kwargs and len(args) == 3 and isinstance(args[2], torch.nn.Parameter) and args[1].dim() == 2
+        not kwargs
+        and len(args) == 3
+        and isinstance(args[2], torch.nn.Parameter)
+        and args[1].dim() == 2
         and args[0].dim() == 1
-    )  # fmt: skip
+    )
 
 
 def interceptors_installed() -> bool:

@@ -30,8 +30,10 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     if not onednn_available(dtype):
         warnings.warn(
             f"autobucket: kernels='invariant' has no oneDNN {dtype} linear on this CPU; the model's own "
-            "linears run (not batch-invariant)", RuntimeWarning, stacklevel=4,
-        )  # fmt: skip
+            "linears run (not batch-invariant)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     if runs_triton_set(next(model.parameters()).device):
         check_call_settings(model)
         return

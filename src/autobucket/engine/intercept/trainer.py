@@ -78,8 +78,9 @@ def invariant(model: Any, packed_weights_mb: float | None = None) -> Iterator[Pa
         warnings.warn(
             f"autobucket.invariant(packed_weights_mb={packed_weights_mb}) bounds nothing: the scope keeps no "
             "packed copies (every GEMM reads the live weight); drop the argument",
-            DeprecationWarning, stacklevel=3,
-        )  # fmt: skip
+            DeprecationWarning,
+            stacklevel=3,
+        )
     check_not_compiled(model)
     inner = unwrap_model(model)
     check_kernel_device(next(inner.parameters()).device, _DEVICE_FIX)

@@ -23,9 +23,12 @@ from autobucket.engine.kernels.triton.tiles import LINEAR_TILES
 def _takes(module: torch.nn.Module, hidden: torch.Tensor) -> bool:
     weight = getattr(module, "weight", None)
     return (
-        isinstance(weight, torch.Tensor) and isinstance(getattr(module, "variance_epsilon", None), float)
-        and hidden.dtype in LINEAR_TILES and weight.dtype == hidden.dtype and weight.shape == hidden.shape[-1:]
-    )  # fmt: skip
+        isinstance(weight, torch.Tensor)
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and hidden.dtype in LINEAR_TILES
+        and weight.dtype == hidden.dtype
+        and weight.shape == hidden.shape[-1:]
+    )
 
 
 def triton_rms_norm(module: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:

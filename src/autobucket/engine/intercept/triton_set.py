@@ -70,9 +70,11 @@ class TritonLinears:
 def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The kernel's calls: one dtype it has tiles for, on one device."""
     return (
-        x.dtype in LINEAR_TILES and weight.dtype == x.dtype and x.device == weight.device
+        x.dtype in LINEAR_TILES
+        and weight.dtype == x.dtype
+        and x.device == weight.device
         and (bias is None or bias.dtype == x.dtype)
-    )  # fmt: skip
+    )
 
 
 class _Attention(torch.autograd.Function):
@@ -87,7 +89,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         query, key, value, allowed = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad[:3], strict=True)]
+        inputs = [
+            t.detach().requires_grad_(need)
+            for t, need in zip((query, key, value), ctx.needs_input_grad[:3], strict=True)
+        ]
         with torch.enable_grad():
             output = reference_attention(*inputs, allowed, ctx.causal, ctx.scale)
             grads = iter(torch.autograd.grad(output, [t for t in inputs if t.requires_grad], grad_output))
@@ -109,8 +114,9 @@ def triton_attention(query, key, value, attention_mask, scale: float, causal: bo
     return invariant_attention(query, key, value, order, count, float(scale))
 
 
-def triton_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+def triton_sdpa(
+    module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface over `triton_attention` (refusals as the CPU set's)."""
     scale, causal = attention_call(module, query, attention_mask, dropout, scaling, is_causal, kwargs)
     return triton_attention(query, key, value, attention_mask, scale, causal), None
