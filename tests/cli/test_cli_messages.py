@@ -211,11 +211,11 @@ def test_every_model_command_takes_threads(command, capsys):
 @pytest.mark.parametrize(
     ("dtype", "kernels", "device", "native", "warns"),
     [
-        (torch.bfloat16, "hf", "cpu", False, True),
-        (torch.bfloat16, "hf", "cpu", True, False),  # oneDNN runs bf16 GEMMs here (AVX-512, AMX)
+        (torch.bfloat16, "torch", "cpu", False, True),
+        (torch.bfloat16, "torch", "cpu", True, False),  # oneDNN runs bf16 GEMMs here (AVX-512, AMX)
         (torch.bfloat16, "invariant", "cpu", False, False),  # fp32 packs rounded to bf16
-        (torch.float32, "hf", "cpu", False, False),
-        (torch.float16, "hf", "cpu", False, False),
+        (torch.float32, "torch", "cpu", False, False),
+        (torch.float16, "torch", "cpu", False, False),
         (torch.bfloat16, "hf", "cuda", False, False),
     ],
 )
@@ -223,7 +223,7 @@ def test_slow_bf16_message_names_the_fix_only_where_it_applies(dtype, kernels, d
     message = onednn_probes.slow_bf16_gemm_message(dtype, kernels, device, native)
     assert (message is not None) == warns
     if warns:
-        assert "\n" not in message and "kernels=\"invariant\"" in message and "kernels='hf'" in message
+        assert "\n" not in message and "kernels=\"invariant\"" in message and f"kernels='{kernels}'" in message
 
 
 def test_a_bf16_rollout_on_the_models_own_ops_warns_once_where_the_cpu_lacks_a_bf16_gemm(monkeypatch):
@@ -238,9 +238,9 @@ def test_a_bf16_rollout_on_the_models_own_ops_warns_once_where_the_cpu_lacks_a_b
                 Rollout(bf16_model, config=RolloutConfig(**config))
         return [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
-    slow = constructed(native=False, kernels="hf")
+    slow = constructed(native=False, kernels="torch")
     assert len(slow) == 1 and slow[0].filename == __file__  # pointed at the caller's line
-    assert constructed(native=True, kernels="hf") == []  # the control: the CPU's bf16 GEMM decides it
+    assert constructed(native=True, kernels="torch") == []  # the control: the CPU's bf16 GEMM decides it
     assert constructed(native=False, kernels="invariant") == []
     assert constructed(native=False, compile=False) == []  # the default, "auto", takes the engine's kernels
     monkeypatch.setattr(onednn_probes, "native_bf16_gemm", lambda: False)
@@ -251,7 +251,7 @@ def test_a_bf16_rollout_on_the_models_own_ops_warns_once_where_the_cpu_lacks_a_b
     assert not [w for w in caught if w.category is onednn_probes.SlowBf16GemmWarning]
 
 
-@pytest.mark.parametrize("kernels", ["auto", "hf", "invariant"])
+@pytest.mark.parametrize("kernels", ["auto", "torch", "invariant"])
 def test_generate_kernels_flag_runs_that_kernel_set_in_bf16(kernels, tmp_path):
     """`generate --kernels` is the Python API's `RolloutConfig(kernels=...)`: the same tokens as that
     Rollout on the same model, and the slow-bf16 warning exactly where the API gives it."""
@@ -269,9 +269,9 @@ def test_generate_kernels_flag_runs_that_kernel_set_in_bf16(kernels, tmp_path):
         expected = rollout.generate(prompt_ids, SamplingConfig(max_new_tokens=4, eos_token_id=[])).tokens
     assert cli_tokens == expected
     warned = [line for line in completed.stderr.splitlines() if "bf16 model runs" in line]
-    assert len(warned) == (kernels == "hf" and not onednn_probes.native_bf16_gemm())
+    assert len(warned) == (kernels == "torch" and not onednn_probes.native_bf16_gemm())
     for line in warned:  # in the command's words: the flag, not the API setting
-        assert "runs --kernels hf" in line and "; --kernels invariant runs them" in line, line
+        assert "runs --kernels torch" in line and "; --kernels invariant runs them" in line, line
 
 
 def test_native_bf16_gemm_agrees_with_onednn_packing_a_bf16_weight():

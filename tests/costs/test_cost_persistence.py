@@ -47,7 +47,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def seeded(model, cache) -> Path:
-    """An entry an earlier process learned for `model` on the model's own ops (`kernels="hf"`, which the
+    """An entry an earlier process learned for `model` on the model's own ops (`kernels="torch"`, which the
     tests here pin): Auto starts from it (no probe)."""
     return save_entry(store_metadata(model), CostCoefficients(), [], "online")
 
@@ -70,7 +70,7 @@ def test_rank_zero_writes_and_the_other_ranks_only_read(model, seeded, monkeypat
     if rank is not None:
         monkeypatch.setenv(RANK_ENV, rank)
     before = seeded.read_bytes()
-    (result,) = generate_exactly(model, RolloutConfig(route="auto", kernels="hf"))
+    (result,) = generate_exactly(model, RolloutConfig(route="auto", kernels="torch"))
     assert result.profile.costs_source == "stored"  # every rank starts from the entry
     written = seeded.read_bytes() != before
     assert written == (rank != "1"), f"rank {rank}: written={written}"
@@ -105,8 +105,8 @@ def test_a_failing_rename_warns_once_and_the_calls_go_on(model, seeded, monkeypa
     monkeypatch.setattr(Path, "replace", refuse)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate_exactly(model, RolloutConfig(route="auto", kernels="hf"), calls=2)
-        generate_exactly(model, RolloutConfig(route="auto", kernels="hf"))  # another Rollout, same entry: no new warning
+        generate_exactly(model, RolloutConfig(route="auto", kernels="torch"), calls=2)
+        generate_exactly(model, RolloutConfig(route="auto", kernels="torch"))  # another Rollout, same entry: no new warning
     (message,) = not_saved_warnings(caught)
     assert "Permission denied" in message and str(seeded) in message and "\n" not in message
     assert seeded.read_bytes() == before
@@ -119,7 +119,7 @@ def test_a_cache_root_that_is_a_file_holds_no_entry_and_fails_no_call(model, tmp
     monkeypatch.setenv(CACHE_DIR_ENV, str(root))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        (first, second) = generate_exactly(model, RolloutConfig(route="auto", kernels="hf"), calls=2)
+        (first, second) = generate_exactly(model, RolloutConfig(route="auto", kernels="torch"), calls=2)
     assert (first.profile.costs_source, second.profile.costs_source) == ("probe", "online")
     (message,) = not_saved_warnings(caught)
     assert str(root) in message and "Not a directory" in message
@@ -128,7 +128,7 @@ def test_a_cache_root_that_is_a_file_holds_no_entry_and_fails_no_call(model, tmp
 
 def test_persist_costs_false_neither_reads_nor_writes(model, seeded):
     before = seeded.read_bytes()
-    results = generate_exactly(model, RolloutConfig(route="auto", persist_costs=False, kernels="hf"), calls=2)
+    results = generate_exactly(model, RolloutConfig(route="auto", persist_costs=False, kernels="torch"), calls=2)
     # Read, it would say "stored" (the rank-0 test above); written, the bytes would change.
     assert [r.profile.costs_source for r in results] == ["probe", "online"]
     assert seeded.read_bytes() == before
@@ -142,7 +142,7 @@ XEON = "Intel(R) Xeon(R) Processor family 6 model 143 avx2 avx512f avx512_bf16 a
 def test_each_kernel_set_learns_in_its_own_entry(model, seeded):
     """The seeded entry was learned with the model's own ops; the invariant kernels' calls cost up to 2x
     less (AMD EPYC), so they start from a probe of their own and keep their own entry."""
-    (own_ops,) = generate_exactly(model, RolloutConfig(route="auto", kernels="hf"))
+    (own_ops,) = generate_exactly(model, RolloutConfig(route="auto", kernels="torch"))
     (invariant,) = generate_exactly(model, RolloutConfig(route="auto", kernels="invariant"))
     assert (own_ops.profile.costs_source, invariant.profile.costs_source) == ("stored", "probe")
     assert len(list(seeded.parent.iterdir())) == 2
@@ -166,7 +166,7 @@ def test_an_entry_learned_on_another_cpu_kind_is_not_used(model, cache, monkeypa
         assert store_metadata(model)["cpu"] == XEON
         save_entry(store_metadata(model), CostCoefficients(), [], "online")
     assert store_metadata(model)["cpu"] != XEON
-    (result,) = generate_exactly(model, RolloutConfig(route="auto", kernels="hf"))
+    (result,) = generate_exactly(model, RolloutConfig(route="auto", kernels="torch"))
     assert result.profile.costs_source == "probe"
     assert len(list((cache / "online-costs").iterdir())) == 2  # the Xeon's entry is left as it was
 
@@ -195,7 +195,7 @@ def test_a_stale_entry_is_read_and_reported_once_by_a_fixed_route_not_every_call
     monkeypatch.setattr(cost_source, "load_entry", lambda metadata: reads.append(metadata) or load_entry(metadata))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate_exactly(model, RolloutConfig(route="aligned", kernels="hf"), calls=3)
+        generate_exactly(model, RolloutConfig(route="aligned", kernels="torch"), calls=3)
     assert len(reads) == 1
     assert [str(w.message) for w in caught if "ignoring the learned cost entry" in str(w.message)] == [
         f"ignoring the learned cost entry {str(stale)!r}: stale or for another setup (source_fingerprint "

@@ -80,7 +80,7 @@ def build(name: str) -> torch.nn.Module:
 def test_every_continuous_route_matches_hf_generate(name, kernels):
     model = build(name)
     if kernels == "invariant" and not uses_attention_interface(model):  # Falcon, StableLM on 4.57
-        with pytest.raises(ValueError, match=r"attention layers call torch's SDPA themselves.*kernels='hf'"):
+        with pytest.raises(ValueError, match=r"attention layers call torch's SDPA themselves.*kernels='torch'"):
             Rollout(model, None, RolloutConfig(kernels=kernels))
         return
     expected = [oracle_generate(model, prompt, NEW_TOKENS, eos_token_id=[])[0] for prompt in PROMPTS]

@@ -123,8 +123,8 @@ def test_the_cli_summary_names_each_ops_backend():
 
 
 def test_the_auto_policy_takes_the_engine_kernels_where_they_run_and_says_why_not_elsewhere(tiny_models):
-    """"auto" is a plan policy (the default-kernels work makes it a `kernels` value): the engine's kernel
-    set where it can run the model, the model's own ops elsewhere, each with its reason."""
+    """"auto" (the default `kernels`): the engine's kernel set where it can run the model, the model's own
+    linears and attention elsewhere with the engine's other kernels per op, each with its reason."""
     from types import SimpleNamespace
 
     from autobucket.engine.plan import choose_plan
@@ -137,9 +137,8 @@ def test_the_auto_policy_takes_the_engine_kernels_where_they_run_and_says_why_no
     assert {op: plan.backend_of(op) for op in OPS} == {op: invariant.backend_of(op) for op in OPS}
     eager = choose_plan(tiny_models("tiny-llama", attn_implementation="eager"), auto)
     assert eager.kernel_set == "torch" and eager.backend_of("linear") == "torch"
-    assert eager.choice("linear").reason == (
-        "kernels='auto': not cpu: the model's attention does not go through transformers' 'sdpa' interface"
-    )
+    assert eager.choice("linear").reason.startswith("kernels='auto': the model's own linears and attention, since")
+    assert "does not go through transformers' 'sdpa' interface" in eager.choice("linear").reason
     assert eager.backend_of("rotary") == "cpu"  # an elementwise kernel needs no attention interface
     assert eager.choice("decode_attention").reason.startswith("not cpu: the model's attention does not go")
 

@@ -19,7 +19,7 @@
    probing CB costs, the CB routes refuse by name, and a trainer switching backends between calls is
    followed.
 3. A class transformers gives no SDPA attention (gpt-oss: attention sinks; Gemma 2 in 5.x) runs eager:
-   the default kernels run it on every route; `kernels="invariant"` refuses it, naming `kernels='hf'` as
+   the default kernels run it on every route; `kernels="invariant"` refuses it, naming `kernels='torch'` as
    the fix (not a switch to SDPA, which that class refuses).
 """
 
@@ -349,5 +349,5 @@ def test_an_eager_only_class_runs_on_the_default_kernels_and_invariant_names_the
     expected = oracle(model, SHORT)
     for route in ("ordinary", "equal_width", "aligned", "bucketed", "auto"):
         assert Rollout(model, None, RolloutConfig(route=route)).generate(SHORT, SAMPLING).tokens == expected, route
-    with pytest.raises(ValueError, match=r"GptOssForCausalLM has attn_implementation='eager': this transformers release has no SDPA attention for it, so use RolloutConfig\(kernels='hf'\)"):
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM has attn_implementation='eager': this transformers release has no SDPA attention for it, so use RolloutConfig\(kernels='torch'\)"):
         Rollout(model, None, RolloutConfig(kernels="invariant"))

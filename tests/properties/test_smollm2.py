@@ -65,7 +65,7 @@ def run_route(smollm2, prompts, case: str, penalty: float = 1.0):
     model, tokenizer = smollm2
     route, costs, ran, rows = ROUTE_CASES[case]
     rows = len(prompts) if rows is None else min(rows, len(prompts) - 1)  # fewer rows than prompts: refill
-    rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs, kernels="hf"))
+    rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs, kernels="torch"))
     sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=rows, repetition_penalty=penalty)
     result = rollout.generate(prompts, sampling)
     assert result.route == ran
@@ -187,7 +187,7 @@ def test_stop_strings_on_real_weights_end_answers_where_generate_does(smollm2, c
     expected_tokens, expected_reasons = [t for t, _ in pairs], [r for _, r in pairs]
     assert "stop" in expected_reasons and "eos" in expected_reasons, (strings, expected_reasons)
     route, costs, ran, rows = ROUTE_CASES[case]
-    rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs, kernels="hf"))
+    rollout = Rollout(model, tokenizer, RolloutConfig(route=route, costs=costs, kernels="torch"))
     sampling = SamplingConfig(max_new_tokens=BUDGET, continuous_batch_size=rows, stop_strings=strings)
     result = rollout.generate(chat_prompts, sampling)
     assert result.route == ran

@@ -5,7 +5,7 @@ padded batch, as TRL scores them, position ids over real tokens), under `autobuc
 then `trainer_logprobs` (TRL's formula). Every sampled token's rollout logprob must equal it exactly
 (max |diff| == 0.0) on six architectures, fp32 and bf16, every continuous-batching form and n in {1, 4},
 and again after an optimizer step. Negative controls: the same forward without the scope differs
-somewhere; so does a rollout with `kernels="hf"`. The backward under the scope gives the unscoped
+somewhere; so does a rollout with `kernels="torch"`. The backward under the scope gives the unscoped
 gradients to fp tolerance."""
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "and errors still print",
     )
     # the library's slow-bf16 warning names the API setting; here it is the flag (phrases hold a space)
-    phrases = {"runs kernels='hf'": "runs --kernels hf", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs",
+    phrases = {"runs kernels='torch'": "runs --kernels torch", "runs kernels='auto'": "runs --kernels auto", 'RolloutConfig(kernels="invariant") runs': "--kernels invariant runs",
                "pass a non-empty string, a list of them ([] disables stop strings), or None for the model's generation "
                "config": "give each --stop some text", OVERRIDE_PHRASE: "pass --allow-mismatch"}  # fmt: skip
     finish_parser(parser, _run_generate, phrases=phrases)

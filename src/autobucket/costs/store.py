@@ -40,7 +40,7 @@ RANK_ENV = "RANK"  # the global rank that torchrun, accelerate and deepspeed lau
 _UNWRITABLE: set[Path] = set()  # entries whose save failed in this process: warned once, not retried
 
 
-def store_metadata(model: torch.nn.Module, kernels: str = "hf") -> dict[str, Any]:
+def store_metadata(model: torch.nn.Module, kernels: str = "torch") -> dict[str, Any]:
     """Everything an entry must match to be trusted for `model` in this process, with `kernels`
     (`RolloutConfig.kernels`). The kernel set and the host CPU are part of the key: the same call takes
     a different time on the two kernel sets, and on two CPU kinds by a wide margin, so costs learned for

@@ -66,7 +66,7 @@ def engine_kernels_obstacle(model: torch.nn.Module, config: RolloutConfig) -> st
         check_fp32_precision()
     except ValueError:
         return "oneDNN is set to compute fp32 matmuls in a lower precision"
-    if config.compile is True:
+    if getattr(config, "compile", False) is True:
         # The compiled step runs the model's own ops; the engine's kernels decode eagerly.
         return "compile=True asks for the compiled decode step, which runs the model's own ops"
     if not kernel_library_builds():

@@ -380,11 +380,11 @@ def test_negative_control_hf_kernels_continue_close_but_not_bitwise():
     model = build_tiny_model("tiny-llama", seed=0, dtype=torch.bfloat16)
     sampling = SamplingConfig(max_new_tokens=BUDGET, eos_token_id=[], temperature=1.0, n=3, seed=5,
                               logprobs=True, continuous_batch_size=4)  # fmt: skip
-    cached = Rollout(model, config=RolloutConfig(route="auto", prefix_cache_mb=16, kernels="hf"))
+    cached = Rollout(model, config=RolloutConfig(route="auto", prefix_cache_mb=16, kernels="torch"))
     history = _turns(cached, random_prompts([33, 12, 47], seed=20), turns=2, seed=20, sampling=sampling)
     prompts, continued = history[1]
     assert continued.profile.prefix_cache_hits == len(prompts)
-    fresh = Rollout(model, config=RolloutConfig(route="aligned", kernels="hf")).generate(prompts, sampling)
+    fresh = Rollout(model, config=RolloutConfig(route="aligned", kernels="torch")).generate(prompts, sampling)
     assert continued.logprobs != fresh.logprobs
 
 

@@ -50,7 +50,7 @@ def _sampling() -> SamplingConfig:
 
 
 def _generate(model, compile_setting):
-    return Rollout(model, config=RolloutConfig(route="aligned", compile=compile_setting, kernels="hf")).generate(
+    return Rollout(model, config=RolloutConfig(route="aligned", compile=compile_setting, kernels="torch")).generate(
         random_prompts(LENGTHS, seed=3), _sampling()
     )
 
@@ -170,7 +170,7 @@ def test_auto_with_an_explicit_cache_capacity_reuses_the_graphs_it_compiled(own_
 
     before = decide()
     assert before.compile_ms > 0 and not before.compile_new and compile_credit_ms(before) == 0.0
-    config = RolloutConfig(route="aligned", compile=True, cache_capacity=capacity, kernels="hf")
+    config = RolloutConfig(route="aligned", compile=True, cache_capacity=capacity, kernels="torch")
     first = Rollout(own_model, config=config).generate(prompts, _sampling())
     assert first.tokens == expected
     assert (first.profile.cache_capacity, first.profile.compiled_graphs) == (capacity, 1)
@@ -284,7 +284,7 @@ def test_hooks_added_or_removed_after_compiling_are_followed(where):
     model = build_tiny_model("tiny-llama", seed=11 if where == "layer" else 15)  # its own graphs
     prompts = random_prompts(LENGTHS, seed=3)
     plain, _ = oracle_batch(model, prompts, BUDGET, eos_token_id=[])
-    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="hf"))
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="torch"))
     sampling = _sampling()
     first = rollout.generate(prompts, sampling)
     assert first.tokens == plain and first.profile.compiled_graphs >= 1
@@ -309,7 +309,7 @@ def test_control_without_the_hooks_key_a_compiled_graph_skips_a_new_hook(monkeyp
     model = build_tiny_model("tiny-llama", seed=14)
     prompts = random_prompts(LENGTHS, seed=3)
     monkeypatch.setattr(compiled_decode, "hooks_epoch", lambda model: 0)
-    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="hf"))
+    rollout = Rollout(model, config=RolloutConfig(route="aligned", compile=True, kernels="torch"))
     rollout.generate(prompts, _sampling())
     handle = HOOKED["linear"](model).register_forward_hook(steering_hook(model))
     try:
@@ -425,7 +425,7 @@ def monkeypatch_module():
 
 
 TRIP_SAMPLING = SamplingConfig(max_new_tokens=4, continuous_batch_size=2, eos_token_id=[])
-TRIP_CONFIG = RolloutConfig(route="aligned", compile=True, cache_capacity=256, kernels="hf")  # one capacity: shared graphs
+TRIP_CONFIG = RolloutConfig(route="aligned", compile=True, cache_capacity=256, kernels="torch")  # one capacity: shared graphs
 SHORT = random_prompts([5, 9], seed=4)
 
 

@@ -123,7 +123,7 @@ def generate(model, sampling, fused: bool, kernels: str):
         # and a continuous-batching route named, not "auto": its cost model may choose HF generate for a
         # call this small, which runs no decode step of the engine's (`decode_forward` is then ""); with
         # fixed costs, since buckets planned from costs learned online (the first call's timings) can move
-        # between the two calls, and kernels="hf" gives a prompt other last bits in another bucket
+        # between the two calls, and kernels="torch" gives a prompt other last bits in another bucket
         # kernels="torch" runs the model's own elementwise code unless the config gives the ops to the kernels
         asked = {op: "cpu" for op in ("rotary", "gated_mlp", "rms_norm")} if fused and kernels == "torch" else None
         config = RolloutConfig(route="bucketed", kernels=kernels, compile=False, costs=CostCoefficients(), op_backends=asked)

@@ -6,7 +6,7 @@ same token's output in a whole-sequence causal prefill (the kernel's invariance,
 prefix, chunks over a cached prefix, a padded static-cache batch with a gap, a packed row); and a prompt
 generated alone (end to end, bitwise tokens and logprobs: the same prompt inside a batch of 32 with
 refill, on every route, and every route against every other).
-Negative controls: SDPA on the same layouts, `kernels="hf"` end to end, and the invariant linears over
+Negative controls: SDPA on the same layouts, `kernels="torch"` end to end, and the invariant linears over
 transformers' SDPA end to end fail the same bitwise checks somewhere (so those checks can fail).
 Errors: masks the kernel cannot take (per head, an additive bias), softcapped attention and a model loaded
 with eager attention are refused, naming the way out."""
@@ -461,7 +461,7 @@ def test_control_sdpa_on_the_same_layouts_differs_somewhere(dtype):
 def test_a_per_head_mask_is_refused():
     query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
     mask = torch.ones(2, 4, 3, 10, dtype=torch.bool)
-    with pytest.raises(ValueError, match="shared by all heads.*kernels='hf'"):
+    with pytest.raises(ValueError, match="shared by all heads.*kernels='torch'"):
         kernel(query, key, value, mask, False)
 
 
@@ -469,19 +469,19 @@ def test_an_additive_bias_is_refused():
     query, key, value = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     distance = torch.arange(6)[None, :] - torch.arange(6)[:, None]  # ALiBi: -slope * distance, causal
     bias = (0.5 * distance.clamp(max=0).float()).masked_fill(distance > 0, torch.finfo(torch.float32).min)
-    with pytest.raises(ValueError, match="ALiBi.*kernels='hf'"):
+    with pytest.raises(ValueError, match="ALiBi.*kernels='torch'"):
         kernel(query, key, value, bias[None, None], False)
 
 
 def test_softcapped_attention_is_refused():
     query, key = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
-    with pytest.raises(ValueError, match="'softcap'.*kernels='hf'"):
+    with pytest.raises(ValueError, match="'softcap'.*kernels='torch'"):
         invariant_sdpa(torch.nn.Module(), query, key, key, None, softcap=30.0)
 
 
 def test_a_cuda_model_without_triton_is_refused_naming_the_fix(tiny_models, monkeypatch):
     """A CUDA model runs the Triton kernel set: where triton is not installed, a model moved to a GPU
-    between calls is refused before any forward, naming the install and kernels='hf' (no GPU here: the
+    between calls is refused before any forward, naming the install and kernels='torch' (no GPU here: the
     device the Rollout reads off the model is patched), and the Rollout serves again once the model is
     back on the CPU."""
     model = tiny_models("tiny-llama")
@@ -492,7 +492,7 @@ def test_a_cuda_model_without_triton_is_refused_naming_the_fix(tiny_models, monk
     monkeypatch.setattr(Rollout, "_model_fingerprint", lambda self: (*on_cpu(self)[:1], torch.device("cuda", 0),
                                                                       *on_cpu(self)[2:]))  # fmt: skip
     monkeypatch.setattr("autobucket.engine.intercept.kernel_sets.triton_available", lambda: False)
-    message = r"runs CUDA models on Triton kernels, and triton is not installed: pip install triton .*, or use RolloutConfig\(kernels='hf'\)"
+    message = r"runs CUDA models on Triton kernels, and triton is not installed: pip install triton .*, or use RolloutConfig\(kernels='torch'\)"
     with pytest.raises(ValueError, match=message):
         rollout.generate([[3, 4]], sampling)
     monkeypatch.setattr(Rollout, "_model_fingerprint", on_cpu)
@@ -624,7 +624,7 @@ def test_bf16_models_get_their_alone_results(tiny_models, arch):
 
 
 def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
-    """`kernels="hf"`: every eager decode step's attention runs the engine's kernel (prefill stays on
+    """`op_backends={"decode_attention": "cpu"}`: every eager decode step's attention runs the engine's kernel (prefill stays on
     transformers' SDPA), and the tokens are single-request `generate`'s (the oracle suite checks every
     architecture and route)."""
     from oracles import oracle_generate
@@ -641,7 +641,7 @@ def test_default_kernels_decode_on_the_engine_kernel(tiny_models, monkeypatch):
     monkeypatch.setattr(module, "invariant_attention", counting)
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([5, 19, 11], seed=8)
-    config = RolloutConfig(route="aligned", op_backends={"decode_attention": "cpu"})  # the old "hf" default's
+    config = RolloutConfig(route="aligned", kernels="torch", op_backends={"decode_attention": "cpu"})
     result = Rollout(model, config=config).generate(
         prompts, SamplingConfig(max_new_tokens=6, eos_token_id=[])
     )

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from autobucket.coefficients.store import entry_key
+from autobucket.costs.store import entry_key
 from oracles import oracle_generate
 from workloads import random_prompts
 
@@ -52,14 +52,14 @@ def test_auto_runs_the_engine_kernels_on_a_cpu_sdpa_model_bitwise_as_invariant(t
         assert auto.tokens == invariant.tokens, route
         assert auto.logprobs == invariant.logprobs, route  # bitwise: the same kernels ran
     # Negative control: the model's own ops give other logprob bits, so the equality above is the kernels'.
-    hf = generate(model, "hf")
-    assert hf.profile.kernels == "hf"
+    hf = generate(model, "torch")
+    assert hf.profile.kernels == "torch"
     assert hf.logprobs != generate(model, "invariant").logprobs
 
 
 def test_the_default_config_runs_auto(tiny_models):
     config = RolloutConfig(costs=FIXED_COSTS)
-    ran = "hf" if config.compile is True else "invariant"  # `make test-compile` defaults compile=True
+    ran = "auto" if config.compile is True else "invariant"  # `make test-compile` defaults compile=True
     result = Rollout(tiny_models("tiny-qwen2"), None, config).generate(PROMPTS, SAMPLING)
     assert (result.profile.kernels, result.profile.kernels_reason.startswith("auto:")) == (ran, True)
     expected = Rollout(tiny_models("tiny-qwen2"), None, dataclasses.replace(config, kernels=ran))
@@ -115,25 +115,25 @@ def test_auto_falls_back_to_the_model_ops_with_the_reason_and_matches_hf_generat
     expected = hf_tokens(model)
     for route in ROUTES:
         result = generate(model, "auto", route)
-        assert result.profile.kernels == "hf", route
-        assert result.profile.kernels_reason.startswith("auto: the model's own ops, since ")
+        assert result.profile.kernels == "auto", route
+        assert result.profile.kernels_reason.startswith("auto: the model's own linears and attention, since ")
         assert re.search(reason, result.profile.kernels_reason), result.profile.kernels_reason
         assert result.tokens == expected, f"{case} {route}"
     with pytest.raises(ValueError, match=refusal):  # requiring the guarantee is still refused
         generate(model, "invariant")
 
 
-def test_the_fallback_is_the_hf_set_not_the_engine_kernels(tiny_models):
+def test_the_fallback_is_the_models_own_set_not_the_engine_kernels(tiny_models):
     """Negative control for the fallback tests: on an fp32 SDPA model, where "auto" takes the engine's
-    kernels, its logprobs are not the model's own ops' (so "hf" above is what ran, not a label)."""
+    kernels, its logprobs are not the model's own ops' (so the fallback above is what ran, not a label)."""
     model = tiny_models("tiny-qwen2")
-    assert generate(model, "auto").logprobs != generate(model, "hf").logprobs
+    assert generate(model, "auto").logprobs != generate(model, "torch").logprobs
 
 
 def test_compile_true_takes_the_model_ops_and_compile_auto_the_engine_kernels(tiny_models):
     model = tiny_models("tiny-qwen2")
     kernels, reason = resolve_kernels(model, RolloutConfig(compile=True))
-    assert (kernels, "compile=True" in reason) == ("hf", True)
+    assert (kernels, "compile=True" in reason) == ("auto", True)
     assert resolve_kernels(model, RolloutConfig(compile="auto")).kernels == "invariant"
     assert resolve_kernels(model, RolloutConfig(compile=True, kernels="invariant")).kernels == "invariant"
 
@@ -144,7 +144,7 @@ def test_auto_chooses_again_when_the_trainer_changes_the_model(tiny_models):
     assert rollout.generate(PROMPTS, SAMPLING).profile.kernels == "invariant"
     model.half()  # a trainer's cast between calls
     result = rollout.generate(PROMPTS, SAMPLING)
-    assert (result.profile.kernels, "float16" in result.profile.kernels_reason) == ("hf", True)
+    assert (result.profile.kernels, "float16" in result.profile.kernels_reason) == ("auto", True)
     assert result.tokens == hf_tokens(model)
     model.float()
     assert rollout.generate(PROMPTS, SAMPLING).profile.kernels == "invariant"
@@ -154,7 +154,7 @@ def test_a_model_off_the_cpu_takes_the_model_ops(tiny_models):
     """Off the CPU (CUDA's Triton set is not chosen by default) "auto" takes the model's own ops."""
     model = copy.deepcopy(tiny_models("tiny-qwen2")).to("meta")
     kernels, reason = resolve_kernels(model, RolloutConfig(compile=False))
-    assert (kernels, "is on meta" in reason) == ("hf", True)
+    assert (kernels, "is on meta" in reason) == ("auto", True)
     assert resolve_kernels(model, RolloutConfig(kernels="invariant")).kernels == "invariant"  # as configured: its own checks refuse it
 
 
@@ -169,6 +169,6 @@ def test_cost_entries_and_prefix_cache_are_keyed_by_the_set_that_runs(tiny_model
         rollout._prefix_cache()
         return entry_key(rollout.cost_source.metadata), rollout.prefix_cache.version
 
-    auto, invariant, hf = keys("auto"), keys("invariant"), keys("hf")
+    auto, invariant, hf = keys("auto"), keys("invariant"), keys("torch")
     assert auto == invariant
     assert auto[0] != hf[0] and auto[1] != hf[1]  # negative control: the key does see the kernel set

@@ -66,7 +66,7 @@ def check_call_settings(model: torch.nn.Module) -> None:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='hf') there (the model's own forward)"
+ROLLOUT_DEVICE_FIX = "use RolloutConfig(kernels='torch') there (the model's own forward)"
 
 
 def check_kernel_device(device: torch.device, fix: str = ROLLOUT_DEVICE_FIX) -> None:
@@ -95,7 +95,7 @@ def check_kernel_dtype(model: torch.nn.Module) -> None:
         name = str(dtype).removeprefix("torch.")
         raise ValueError(
             f"kernels='invariant' computes in float32 or bfloat16, but {type(model).__name__} is {name}: load it "
-            "in (or move it to) torch.bfloat16 or torch.float32, or use RolloutConfig(kernels='hf')"
+            "in (or move it to) torch.bfloat16 or torch.float32, or use RolloutConfig(kernels='torch')"
         )
 
 
@@ -107,7 +107,7 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
                 f"{type(model).__name__}'s attention layers call torch's SDPA themselves in transformers "
-                f"{transformers.__version__}, out of its reach: use RolloutConfig(kernels='hf') (or a transformers "
+                f"{transformers.__version__}, out of its reach: use RolloutConfig(kernels='torch') (or a transformers "
                 "release whose class calls attention through its attention interface; 5.x for Falcon, StableLM)"
             )
         # A class without SDPA attention in this transformers release (Gemma 2 and gpt-oss in 5.x: softcapping,
@@ -119,7 +119,7 @@ def check_kernel_attention(model: torch.nn.Module) -> None:
         )
         raise ValueError(
             f"kernels='invariant' runs its own attention kernel where transformers calls 'sdpa', but "
-            f"{type(model).__name__} has attn_implementation={implementation!r}: {switch} RolloutConfig(kernels='hf')"
+            f"{type(model).__name__} has attn_implementation={implementation!r}: {switch} RolloutConfig(kernels='torch')"
         )
 
 

@@ -53,11 +53,11 @@ def allowed_keys(mask: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(
             f"invariant attention takes a [rows, 1, queries, columns] mask shared by all heads, got shape "
-            f"{tuple(mask.shape)}; use RolloutConfig(kernels='hf') for per-head masks"
+            f"{tuple(mask.shape)}; use RolloutConfig(kernels='torch') for per-head masks"
         )
     raise ValueError(
         "invariant attention takes a boolean or 0 / -inf additive mask, got an additive bias (ALiBi-"
-        "style); use RolloutConfig(kernels='hf') for this model"
+        "style); use RolloutConfig(kernels='torch') for this model"
     )
 
 
@@ -211,7 +211,7 @@ def attention_call(module: Any, query, attention_mask, dropout: float, scaling, 
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"invariant attention has no {unsupported!r} (this architecture's attention, "
-                f"{type(module).__name__}, uses it); use RolloutConfig(kernels='hf') for this model"
+                f"{type(module).__name__}, uses it); use RolloutConfig(kernels='torch') for this model"
             )
     if is_causal is None:
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
@@ -237,7 +237,7 @@ def kernel_takes(query, key, attention_mask, dropout: float, kwargs: dict) -> bo
 
 def decode_sdpa(module: Any, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                 is_causal=None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The default kernels' (`kernels="hf"`) decode attention over the static cache: the engine's kernel,
+    """The engine's decode attention (`decode_attention` on the `cpu` backend) over the static cache: the engine's kernel,
     which reads only each row's own keys (SDPA's flash kernel reads every column of the longest row for
     every row, masked or not), where it can take the call; transformers' SDPA for the rest (a per-head
     mask or an additive bias, softcapping or sinks, a GPU tensor). One query per row: no causal mask."""

@@ -72,7 +72,7 @@ def load_invariant_kernels() -> None:
         last_line = (str(error).strip().splitlines() or [""])[-1]
         raise ValueError(
             "kernels='invariant' builds its attention kernel with a C++ compiler at first use, and the build "
-            f"failed ({type(error).__name__}: {last_line}); install g++ and ninja, or use RolloutConfig(kernels='hf')"
+            f"failed ({type(error).__name__}: {last_line}); install g++ and ninja, or use RolloutConfig(kernels='torch')"
         ) from error
     last_line = (str(parallel_error).strip().splitlines() or [""])[-1]
     warnings.warn(

@@ -68,7 +68,7 @@ def slow_bf16_gemm_message(dtype: torch.dtype, kernels: str, device_type: str, n
     if dtype != torch.bfloat16 or kernels == "invariant" or device_type != "cpu" or native:
         return None
     return (
-        "this bf16 model runs the model's own linears on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
+        f"this bf16 model runs kernels='{kernels}' (the model's own linears) on a CPU where oneDNN has no bf16 GEMM (AVX2 only), where "
         "torch's bf16 linears take 5-10x the time of fp32 ones; RolloutConfig(kernels=\"invariant\") runs them "
         "as fp32 GEMMs rounded to bf16, in a fraction of the time (docs/benchmarks.md)"
     )
@@ -201,5 +201,5 @@ def check_fp32_precision() -> None:
         raise ValueError(
             f"kernels='invariant' computes fp32 models in strict fp32, but torch.backends.mkldnn.matmul."
             f"fp32_precision={setting!r} and ONEDNN_DEFAULT_FPMATH_MODE={fpmath!r} ask oneDNN for a lower "
-            "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='hf'"
+            "precision: reset them (fp32_precision='ieee', unset the variable) or use kernels='torch'"
         )
