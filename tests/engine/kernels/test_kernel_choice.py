@@ -11,12 +11,12 @@ import re
 
 import pytest
 import torch
-from autobucket.costs.store import entry_key
 from oracles import oracle_generate
 from workloads import random_prompts
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig
 from autobucket.costs.coefficients import CostCoefficients
+from autobucket.costs.store import entry_key
 from autobucket.engine.kernel_choice import resolve_kernels
 from autobucket.models import CACHE_DIR_ENV
 
