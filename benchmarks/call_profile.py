@@ -52,7 +52,7 @@ def top_operators(prof, count: int, by_shape: bool = False) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("grpo", "sharegpt", "short_tail"), default="grpo")
-    parser.add_argument("--kernels", choices=("invariant", "hf"), default="invariant")
+    parser.add_argument("--kernels", choices=("invariant", "torch"), default="invariant")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (pin as many cores)")

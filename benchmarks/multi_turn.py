@@ -128,7 +128,7 @@ def sampling(new_tokens: int) -> SamplingConfig:
 
 # ------------------------------------------------------------ contenders
 class AutobucketContender:
-    def __init__(self, model, prefix_cache_mb: float, kernels: str = "hf", share_prefixes: bool = True) -> None:
+    def __init__(self, model, prefix_cache_mb: float, kernels: str = "auto", share_prefixes: bool = True) -> None:
         config = RolloutConfig(route="auto", prefix_cache_mb=prefix_cache_mb, kernels=kernels, share_prefixes=share_prefixes)
         self.rollout = Rollout(model, config=config)
 

@@ -106,7 +106,7 @@ def call_sampling(args, seed: int, logprobs: bool = False) -> SamplingConfig:
 
 
 class AutobucketContender:
-    def __init__(self, model, args, share: bool, kernels: str = "hf") -> None:
+    def __init__(self, model, args, share: bool, kernels: str = "auto") -> None:
         self.rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
         self.args, self.share = args, share
 

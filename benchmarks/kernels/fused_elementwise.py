@@ -113,7 +113,7 @@ def rollouts(repeats: int) -> list[dict]:
     chosen = ("spread", "short similar")
     workloads.update({w.name: w.lengths for w in reference_workloads() if w.name.startswith(chosen)})
     rows = []
-    for kernels in ("hf", "invariant"):
+    for kernels in ("torch", "invariant"):
         rollout = Rollout(model, config=RolloutConfig(kernels=kernels))
         for name, lengths in workloads.items():
             prompts = random_prompts(lengths, model.config.vocab_size, seed=0)

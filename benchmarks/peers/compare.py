@@ -88,8 +88,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
 
 def contenders(model, max_new_tokens: int, compiled: bool = True) -> dict:
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, continuous_batch_size=32, eos_token_id=[])
-    settings = (("auto", "auto", False, "hf"), ("auto_invariant", "auto", False, "invariant"),
-                ("auto_compiled", "auto", True, "hf"), ("bucketed_compiled", "bucketed", True, "hf"))
+    settings = (("auto", "auto", False, "auto"), ("auto_invariant", "auto", False, "invariant"),
+                ("auto_compiled", "auto", True, "torch"), ("bucketed_compiled", "bucketed", True, "torch"))
     settings = settings if compiled else settings[:2]
     rollouts = {name: Rollout(model, config=RolloutConfig(route=route, compile=flag, kernels=kernels))
                 for name, route, flag, kernels in settings}  # fmt: skip

@@ -88,7 +88,7 @@ def main() -> None:
     print("| model | workload | kernels | direct ms | model ms | direct / model | by round |")
     print("|---|---|---|---:|---:|---:|---|")
     for model_name, model, workload, prompts, sampling in cases:
-        for kernels in ("invariant", "hf"):
+        for kernels in ("invariant", "torch"):
             rollout = Rollout(model, config=RolloutConfig(route="auto", kernels=kernels))
             result = measure(rollout, prompts, sampling, args.rounds)
             rows.append({"model": model_name, "workload": workload, "kernels": kernels, **result})

@@ -42,7 +42,7 @@ CONTENDERS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("hf", "invariant"), default="invariant")
+    parser.add_argument("--kernels", choices=("torch", "invariant"), default="invariant")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)

@@ -37,7 +37,7 @@ def main() -> None:
     model, _ = load_model(args.model)
     rollout = Rollout(model, config=RolloutConfig(route="aligned"))
     reads = {
-        "weights_version (the prefix cache's key)": lambda: weights_version(model, "sdpa", "hf"),
+        "weights_version (the prefix cache's key)": lambda: weights_version(model, "sdpa", "torch"),
         "forward_state (hooks, replaced forwards)": lambda: forward_state(model),
         "adapter_state (peft tuner layers)": lambda: adapter_state(model),
         "hooks_epoch (compile on)": lambda: hooks_epoch(model),

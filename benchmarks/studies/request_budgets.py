@@ -43,7 +43,7 @@ from autobucket.models import build_tiny_model
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("hf", "invariant"), default="invariant")
+    parser.add_argument("--kernels", choices=("torch", "invariant"), default="invariant")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--least", type=int, default=16)

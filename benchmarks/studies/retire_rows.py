@@ -30,7 +30,7 @@ from autobucket.tools.demo import demo_prompts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("hf", "invariant"), default="invariant")
+    parser.add_argument("--kernels", choices=("torch", "invariant"), default="invariant")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--copies", type=int, default=2, help="each demo prompt this many times (as prompts)")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--n", type=int, default=1, help="samples a prompt (> 1: shared K/V against copies)")
-    parser.add_argument("--kernels", choices=("hf", "invariant"), default="hf")
+    parser.add_argument("--kernels", choices=("torch", "invariant"), default="torch")
     parser.add_argument("--model-forward-contender", action="store_true",
                         help="add auto with every decode step through the model's own forward (no direct step)")  # fmt: skip
     parser.add_argument("--out", default="results/sliding_window.json")

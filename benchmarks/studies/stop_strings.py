@@ -33,7 +33,7 @@ STOP_STRINGS = ["</tool_call>", "\n\nUser:"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("hf", "invariant"), default="invariant")
+    parser.add_argument("--kernels", choices=("torch", "invariant"), default="invariant")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
