@@ -12,7 +12,7 @@ a replacement someone else made (a kernel library's, a profiler's) keeps running
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,32 +65,27 @@ def interceptor(builtin: Callable, op: str, name: str) -> Callable:
     """An interceptor in front of `builtin` for the op family `op`: the function this thread's forward
     runs for `op` (`active().elementwise`; it returns NotImplemented where it cannot take the call), else
     `builtin(*args)`: other threads, compiled graphs and calls the function does not take."""
-
-    def routed_call(*args, **kwargs):
-        # `is_dynamo_compiling`: `is_compiling()` is True for every thread while any thread compiles
-        if not torch.compiler.is_dynamo_compiling():
-            replacement = active().elementwise.get(op)
-            if replacement is not None:
-                result = replacement(*args, **kwargs)
-                if result is not NotImplemented:
-                    return result
-        return builtin(*args, **kwargs)
-
-    routed_call.__name__ = routed_call.__qualname__ = f"routed_{name}"
-    routed_call._autobucket_builtin = builtin  # type: ignore[attr-defined]
-    return routed_call
+    return _interceptor(builtin, lambda functions: functions.get(op), name)
 
 
 def calling_interceptor(builtin: Callable, fused: Callable, name: str) -> Callable:
     """An interceptor in front of `builtin` that calls `fused(*args)` where this thread's forward runs
     that very function for one of its ops (it returns NotImplemented where its kernel cannot take the
     call), `builtin(*args)` otherwise."""
+    return _interceptor(builtin, lambda functions: fused if fused in functions.values() else None, name)
+
+
+def _interceptor(builtin: Callable, pick: Callable[[Mapping[str, Callable]], Callable | None], name: str) -> Callable:
+    """`builtin` fronted by what `pick` chooses from this thread's elementwise functions (None: the builtin)."""
 
     def routed_call(*args, **kwargs):
-        if not torch.compiler.is_dynamo_compiling() and fused in active().elementwise.values():
-            result = fused(*args, **kwargs)
-            if result is not NotImplemented:
-                return result
+        # `is_dynamo_compiling`: `is_compiling()` is True for every thread while any thread compiles
+        if not torch.compiler.is_dynamo_compiling():
+            replacement = pick(active().elementwise)
+            if replacement is not None:
+                result = replacement(*args, **kwargs)
+                if result is not NotImplemented:
+                    return result
         return builtin(*args, **kwargs)
 
     routed_call.__name__ = routed_call.__qualname__ = f"routed_{name}"
