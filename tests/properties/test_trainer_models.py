@@ -226,7 +226,7 @@ def test_control_without_eval_semantics_dropout_changes_the_tokens(monkeypatch):
     tokens, _ = oracle_batch(model, prompts, BUDGET)
     model.train()
     monkeypatch.setattr(rollout_module, "eval_semantics", lambda model: contextlib.nullcontext())
-    result = Rollout(model, config=RolloutConfig(route="aligned")).generate(prompts, sampling())
+    result = Rollout(model, config=RolloutConfig(route="aligned", kernels="torch")).generate(prompts, sampling())
     assert mismatches(result.tokens, tokens)
 
 
@@ -575,8 +575,8 @@ def _first_token_logprob(forward, prompt, token: int) -> float:
 def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not_follow_it():
     """accelerate's `prepare` with mixed_precision="bf16" (TRL's bf16=True on an fp32 model) wraps
     `model.forward` in autocast. What each path computes, against its oracle: the ordinary route is the
-    prepared model's own generate; `kernels="invariant"` is the model in fp32 on every route; the default
-    kernels' continuous-batching routes follow the autocast forward in prefill (a first token's logprob is
+    prepared model's own generate; `kernels="invariant"` is the model in fp32 on every route; the model's own
+    ops with the engine's decode attention (the fallback of `kernels="auto"`) on the continuous-batching routes follow the autocast forward in prefill (a first token's logprob is
     the prepared forward's, not the fp32 one's) but attend in fp32 in decode, so their tokens can differ
     from the prepared model's generate (seen on other prompts, not asserted), and say so once (a
     RuntimeWarning naming the fixes)."""
@@ -598,11 +598,13 @@ def test_accelerates_mixed_precision_forward_is_named_where_the_cb_routes_do_not
         warn_once.cache_clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # neither of these warns
-            assert Rollout(prepared, config=RolloutConfig(route="ordinary")).generate(prompts, greedy).tokens == amp_tokens
+            ordinary = RolloutConfig(route="ordinary", kernels="torch")
+            assert Rollout(prepared, config=ordinary).generate(prompts, greedy).tokens == amp_tokens
             invariant = Rollout(prepared, config=RolloutConfig(route="aligned", kernels="invariant"))
             assert invariant.generate(prompts, greedy).tokens == fp32_tokens
         with pytest.warns(RuntimeWarning, match=r"accelerate's mixed precision.*kernels='invariant'"):
-            aligned = Rollout(prepared, config=RolloutConfig(route="aligned")).generate(
+            own_ops = RolloutConfig(route="aligned", kernels="torch", op_backends={"decode_attention": "cpu"})
+            aligned = Rollout(prepared, config=own_ops).generate(
                 prompts, dataclasses.replace(greedy, logprobs=True)
             )
         assert aligned.logprobs is not None
