@@ -267,7 +267,7 @@ class Rollout:
         semantics (no dropout) for a model handed over in train() mode without flipping its flag, the KV
         cache kept under gradient checkpointing, and the call's plan (None: this Rollout's config's plan).
         Other threads' forwards are untouched."""
-        plan = plan if plan is not None else choose_plan(self.model, self.config)
+        plan = plan if plan is not None else choose_plan(self.model, self._call_config())
         with (
             without_autocast(self.device),
             autograd_off_for(self.model),
@@ -290,8 +290,9 @@ class Rollout:
             with plan_entered(plan, self.model, None, conv1d=self._conv1d):
                 yield
             return
-        if self.packed_linears is None:  # created on a CUDA device, now on the CPU
-            self.packed_linears = _packed_linears_for(self.model, self._call_config())
+        if self.packed_linears is None:  # made on a CUDA device, or the plan differs from construction's
+            # (the cost probe decodes eagerly: "auto" without compile=True takes the engine's set)
+            self.packed_linears = _packed_linears_for(self.model, dataclasses.replace(self.config, kernels="invariant"))
         packs = self.packed_linears
         packs.follow_merges(merged_adapters(self.model))
         made, pack_ms = packs.packs_made, packs.pack_ms

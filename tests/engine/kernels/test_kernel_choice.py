@@ -172,3 +172,13 @@ def test_cost_entries_and_prefix_cache_are_keyed_by_the_set_that_runs(tiny_model
     auto, invariant, hf = keys("auto"), keys("invariant"), keys("torch")
     assert auto == invariant
     assert auto[0] != hf[0] and auto[1] != hf[1]  # negative control: the key does see the kernel set
+
+
+def test_the_cost_probe_of_a_compiling_auto_rollout_runs_the_engine_set(tiny_models):
+    """compile=True makes "auto" fall back to the model's own linears for the calls, while the cost probe
+    decodes eagerly (compile off), where "auto" takes the engine's set: its packed weights are made on
+    demand (the calls' own config packed none)."""
+    rollout = Rollout(tiny_models("tiny-llama"), None, RolloutConfig(compile=True, persist_costs=False))
+    assert rollout.kernel_choice.kernels == "auto" and rollout.packed_linears is None
+    profile = rollout._probe_runner()("aligned", PROMPTS, SamplingConfig(max_new_tokens=2, eos_token_id=[]))
+    assert profile.plan["linear"] == "cpu" and profile.packs_made > 0
