@@ -87,7 +87,7 @@ class SharedPrefixAttention:
         # A sliding layer of a call past its window: the dispatcher narrowed the mask of the row's own keys
         # to the window; the shared keys the window still covers are the prompt's last (window - own).
         window = int(kwargs.get("sliding_window") or 0) if windows_applied() else 0
-        if self.invariant and query.device.type != "cpu" or _triton_forced(query):
+        if self.invariant and (query.device.type != "cpu" or _triton_forced(query)):
             from autobucket.engine.kernels.triton.shared_prefix_attention import (
                 shared_prefix_decode_attention,
             )
