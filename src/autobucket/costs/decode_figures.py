@@ -7,7 +7,8 @@ set. A second model, device or kernel set never reads another's figures. Per key
 
 * the eager decode step's time per row count: first from a short probe at the call's row count
   (`probe_eager_steps`: the engine's own eager step, in a continuous-batching call of short prompts), then
-  from the steps of every call that decoded eagerly;
+  from the steps of every call that decoded eagerly (calls with `compile=False` weigh nothing and feed
+  nothing);
 * each graph form's step times per row count (steps that replayed a graph; a step that made one is never
   among them): its step fraction is the median, over the row counts both were measured at, of the form's
   median step over the eager median step;
