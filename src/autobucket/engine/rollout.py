@@ -21,6 +21,13 @@ import torch
 from autobucket.checks import warn_once
 from autobucket.config import RolloutConfig, SamplingConfig, sampling_or_default
 from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
+from autobucket.costs.decode_figures import (
+    PROCESS_FIGURES,
+    CompileFigures,
+    DecodeFigures,
+    figures_key,
+    probe_eager_steps,
+)
 from autobucket.costs.source import CostSource, RunRoute
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
@@ -104,6 +111,7 @@ class Rollout:
         self._stops_vocabulary: int | None = None  # len(tokenizer) when that matcher was built
         # one call at a time (re-entrant: `generate` reads `costs`, which may probe through `_run_route`)
         self._call_lock = threading.RLock()
+        self.decode_figures: DecodeFigures = PROCESS_FIGURES  # measured step and graph figures (`compile="auto"`)
         warn_if_oversubscribed()  # more threads than cores slows every step (autobucket.threads)
         warn_if_slow_bf16_gemm(parameter.dtype, self.kernel_choice.kernels, parameter.device.type)  # torch's bf16 GEMM is slow on AVX2-only CPUs
 
@@ -249,6 +257,7 @@ class Rollout:
             self.max_positions,
             prefix_cache=prefix_cache,
             stops=stops,
+            compile_figures=self._compile_figures(config),
         )
         call = with_compile_decision(call)
         plan = choose_plan(self.model, config, call.compile_decision, config.route)
@@ -256,6 +265,16 @@ class Rollout:
         with PeakMemory(self.device) as memory, self.forward_scope(profile, plan):
             finished = ROUTES[config.route](call)
         return _result(call, finished, memory, started)
+
+    def _compile_figures(self, config: RolloutConfig) -> CompileFigures | None:
+        """The decode figures a call's compile decision reads and its steps feed: `decode_figures` at the
+        model's key for the call's kernel set, the eager step probed through the engine's own routes; None
+        where nothing is weighed (compile=False, the default and the probes' own calls; ordinary generate)."""
+        if config.compile is False or config.route == "ordinary":
+            return None
+        runner = self._probe_runner()
+        key = figures_key(self.model, config.kernels)
+        return CompileFigures(self.decode_figures, key, lambda rows: probe_eager_steps(runner, rows, self.vocab_size))
 
     def _profile(self, route: str) -> Profile:
         kernels, reason = self.kernel_choice

@@ -9,6 +9,7 @@ import torch
 
 from autobucket.config import RolloutConfig
 from autobucket.costs.coefficients import CostCoefficients, ModelGeometry
+from autobucket.costs.decode_figures import CompileFigures
 from autobucket.engine.batching.prefix_cache import PrefixCache
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import ResolvedSampling
@@ -35,6 +36,7 @@ class RouteCall:
     compile_decision: CompileDecision | None = None  # decided once per call (`with_compile_decision`)
     prefix_cache: PrefixCache | None = None  # the Rollout's prefix cache, at this call's weights version
     stops: StopStrings | None = None  # the call's stop strings, matched with the Rollout's tokenizer
+    compile_figures: CompileFigures | None = None  # decode figures measured on the device (None: prior only)
 
     @property
     def budgets(self) -> tuple[int, ...]:

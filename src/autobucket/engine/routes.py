@@ -49,7 +49,7 @@ from autobucket.engine.plan.forward_plan import ForwardPlan
 from autobucket.engine.plan.ops import DECODE_ATTENTION
 from autobucket.engine.request import Request
 from autobucket.engine.route_call import RouteCall
-from autobucket.planning.compile_choice import CompileDecision
+from autobucket.planning.compile_choice import CompileDecision, choose_compile
 from autobucket.planning.route_choice import (
     ROUTE_BUCKETED,
     ROUTE_ORDINARY,
@@ -220,6 +220,8 @@ def run_continuous(
         call.profile.prefix_cache_evictions = call.prefix_cache.stats.evicted_blocks - evicted
         call.profile.prefix_cache_bytes = call.prefix_cache.used_bytes
     record_compile(call.profile, compiled)
+    if call.compile_figures is not None:
+        call.compile_figures.record_call(call.profile)  # the steps and compiles the next decisions read
     return finished
 
 
@@ -268,7 +270,10 @@ def with_compile_decision(call: RouteCall) -> RouteCall:
     (ordinary `generate` is never compiled)."""
     if call.config.route == "ordinary":
         return call
-    return dataclasses.replace(call, compile_decision=_compile_decision_for(call, cache_shape(call)))
+    shape = cache_shape(call)  # checks an explicit cache_capacity before anything runs
+    if call.config.compile is False:  # nothing to weigh (the cost probes' own calls among them)
+        return dataclasses.replace(call, compile_decision=choose_compile(False, 0, 0, 0, 0))
+    return dataclasses.replace(call, compile_decision=_compile_decision_for(call, shape))
 
 
 def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision:
@@ -295,6 +300,7 @@ def _compile_decision_for(call: RouteCall, shape: CacheShape) -> CompileDecision
         call.most_new_tokens,
         shape.cache_capacity,
         round_capacity=call.config.cache_capacity is None,
+        figures=call.compile_figures,
     )
 
 

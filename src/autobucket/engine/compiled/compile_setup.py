@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from autobucket.costs.decode_figures import CompileFigures
 from autobucket.engine.compiled.compiled_decode import (
     CompiledDecode,
     decode_graphs,
@@ -25,16 +26,19 @@ def compile_decision(
     max_new_tokens: int,
     capacity: int,
     round_capacity: bool = True,
+    figures: CompileFigures | None = None,
 ) -> CompileDecision:
     """The decision for a CB call with `items` rows to decode, `rows` at once, on a `capacity`-column cache;
     `round_capacity` as for `compiled_decode_for` (False: an explicit cache_capacity, kept exactly), so the
-    predicted graph keys are the ones the call's store will really have."""
+    predicted graph keys are the ones the call's store will really have; `figures`: what was measured on
+    the device (the eager step probed first where "auto" weighs new graphs), else the prior's."""
     hooks = hooks_epoch(model) if setting is not False else 0  # a module walk only where graphs may run
     keys = predicted_graph_keys(rows, longest, max_new_tokens, store_columns(capacity, round_capacity), hooks)
     new_graphs = len(keys - decode_graphs(model).shapes)
     waves = -(-items // rows)
     parameters = sum(p.numel() for p in model.parameters())
-    return choose_compile(setting, parameters, rows, waves * max(max_new_tokens - 1, 0), new_graphs)
+    measured = figures.measured(rows, probe=setting == "auto" and new_graphs > 0) if figures is not None else None
+    return choose_compile(setting, parameters, rows, waves * max(max_new_tokens - 1, 0), new_graphs, measured=measured)
 
 
 def compiled_decode_for(
