@@ -81,6 +81,12 @@ class Request:
         return [*self.prompt_ids, *self.generated, *self.tokens]
 
     @property
+    def own_ids(self) -> list[int]:
+        """Its context after the prompt (the tokens it was resumed with and its own so far): what a row
+        reading its prompt's shared copy holds itself."""
+        return [*self.generated, *self.tokens]
+
+    @property
     def steps_before(self) -> int:
         """Tokens made before this submission: the first step of its random stream."""
         return len(self.generated)
