@@ -100,9 +100,10 @@ def test_staggered_samples_read_one_copy_and_are_rollout_generates_n_samples(tin
         assert [o.tokens for o in row] == reference.tokens[0]
         assert [o.logprobs for o in row] == reference.logprobs[0]
     assert (alone.tokens, alone.logprobs) == (outputs[1][2].tokens, outputs[1][2].logprobs)
-    # each prompt prefilled and copied once for its four samples (and once more for the lone request)
-    assert (copies, forwards) == (len(prompts) + 1, len(prompts) + 1)
-    assert seen.most_rows_on_one_copy == 4 and seen.most_copies <= len(prompts)
+    # each prompt prefilled once for its four samples: the first holds its own copy, the three joining
+    # later read one shared copy; the lone request at the end is prefilled again and shares nothing
+    assert (copies, forwards) == (len(prompts), len(prompts) + 1)
+    assert seen.most_rows_on_one_copy == 3 and seen.most_copies <= len(prompts)
 
 
 def test_greedy_requests_on_one_copy_equal_single_request_generate(tiny_models, monkeypatch):
@@ -212,16 +213,16 @@ def test_control_a_row_pointed_at_another_prompts_copy_fails_the_oracle(tiny_mod
     config = sampled(20, seed=5)
     with AsyncEngine(model, config=INVARIANT, max_batch=8, max_model_len=64) as engine:
         engine.pause()
-        first = [engine.submit(p, config, sample=0) for p in prompts]
+        first = [engine.submit(p, config, sample=s) for p in prompts for s in (0, 2)]  # a copy per prompt
         engine.resume()
         wait_for_tokens(first[1], 2)
         engine.pause()
-        late = engine.submit(prompts[0], config, sample=1)
+        late = engine.submit(prompts[0], config, sample=1)  # joins its prompt's held copy
         engine.resume()
         late = late.result(timeout=WAIT_S)
         for handle in first:
             handle.result(timeout=WAIT_S)
-    reference = Rollout(model, config=INVARIANT).generate([prompts[0]], dataclasses.replace(config, n=2))
+    reference = Rollout(model, config=INVARIANT).generate([prompts[0]], dataclasses.replace(config, n=3))
     assert late.tokens != reference.tokens[0][1]
 
 

@@ -8,6 +8,7 @@ already made (`generated`) draws the same uniforms it would have drawn had it ne
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from autobucket.config import SamplingConfig
@@ -66,6 +67,11 @@ class Request:
     started_version: int | None = None  # the weights version of its first token (`max_staleness`)
     error: BaseException | None = None  # what the model raised while it ran (re-raised to its readers)
     progress: Progress = field(default_factory=Progress)
+
+    @functools.cached_property
+    def prompt_key(self) -> tuple[int, ...]:
+        """Its prompt ids as a key: requests with equal keys may read one copy of the prompt's K/V."""
+        return tuple(self.prompt_ids)
 
     @property
     def selection(self) -> Selection:

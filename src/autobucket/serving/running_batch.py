@@ -4,13 +4,14 @@ kept for the engine's life.
 It reuses the continuous-batching parts `Rollout.generate` runs (`ModelRunner.prefill`, `insert`,
 `decode_logits`, `retire`, `Selection`), but its rows come and go between any two steps.
 
-Admission, where the plan runs shared-prefix attention: requests with equal prompt ids read one copy of
-the prompt's K/V (`shared_prompts.py`). A prompt with no copy in flight is prefilled once; a fresh
-request (nothing generated yet) chooses its first token from the prompt's last logits and owns no
-columns yet; a request with tokens after its prompt (resumed with `generated`, or re-prefilled) prefills
-only those, continuing from the prompt's copy, and owns their columns. Elsewhere each distinct context
-is prefilled and copied into one cache row per request that has it. Several prefills share a forward
-only where that is exact (`prefill_forwards.py`).
+Admission, where the plan runs shared-prefix attention (`shared_prompts.py`): a request alone with its
+prompt in flight has its context prefilled and copied into its row. Requests with equal prompt ids
+read one copy of the prompt's K/V once two of them are in flight: a fresh request (nothing generated
+yet) chooses its first token from the prompt's kept last logits and owns no columns yet; a request with
+tokens after its prompt (resumed with `generated`, or re-prefilled) prefills only those, continuing from
+the copy, and owns their columns. Elsewhere each distinct context is prefilled and copied into one row
+per request that has it. Several prefills share a forward only where that is exact
+(`prefill_forwards.py`).
 
 Decode: one step of every row in the plan's decode form (the engine's Llama-family step where it may
 stand in for the model's forward, else the model's forward), rows reading a shared copy through the
@@ -22,6 +23,7 @@ as if the request had been submitted afresh with its tokens so far."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -88,15 +90,27 @@ class RunningBatch:
         if not self.shares:
             self._admit_copies(requests, version)
             return
-        prompts = list(dict.fromkeys(tuple(r.prompt_ids) for r in requests if tuple(r.prompt_ids) not in self.prompts))
-        for prompt, (output, row) in zip(prompts, self._prefill_whole([list(p) for p in prompts]), strict=True):
+        in_flight = collections.Counter(request.prompt_key for request in self.requests)
+        by_prompt: dict[tuple[int, ...], list[Request]] = {}
+        for request in requests:
+            by_prompt.setdefault(request.prompt_key, []).append(request)
+        sharing = {p: members for p, members in by_prompt.items() if len(members) + in_flight[p] >= 2}
+        lone = [members[0] for p, members in by_prompt.items() if p not in sharing]
+        unknown = [p for p in sharing if p not in self.prompts]
+        placed = self._prefill_whole([list(p) for p in unknown] + [r.context for r in lone])
+        for prompt, (output, row) in zip(unknown, placed, strict=False):
             key_values = output.prompt_key_values(row, len(prompt), 0, copy=True)
-            self.prompts[prompt] = SharedPrompt(len(prompt), output.last_logits[row], key_values)
-        fresh = [r for r in requests if not r.own_ids]
-        continued = [r for r in requests if r.own_ids]
+            self.prompts[prompt] = SharedPrompt(len(prompt), output.last_logits[row].clone(), key_values)
+        for prompt in sharing:
+            shared = self.prompts[prompt]
+            if shared.copy is None and shared.key_values is None:  # its K/V is in the first request's row
+                shared.key_values = self._prompt_of_row(prompt)
+        members = [request for group in sharing.values() for request in group]
+        fresh, continued = [r for r in members if not r.own_ids], [r for r in members if r.own_ids]
+        self._start_lone(lone, placed[len(unknown) :], version)
         self._start_fresh(fresh, version)
         self._start_continued(continued, version)
-        self.prompts.forget_unread(self.runner.store)
+        self.prompts.follow_rows(self.requests, self.runner.store)
 
     def step(self, version: int) -> None:
         """One decode step of every row; finished requests leave their rows."""
@@ -137,7 +151,7 @@ class RunningBatch:
         reading its copy and owning no column yet."""
         if not requests:
             return
-        logits = torch.stack([self.prompts[tuple(r.prompt_ids)].last_logits for r in requests])
+        logits = torch.stack([self.prompts[r.prompt_key].last_logits for r in requests])
         tokens, logprobs = choose_tokens(requests, logits)
         host = tokens.tolist()
         keep = [b for b, request in enumerate(requests) if not self._record(request, host[b], logprobs[b], version)]
@@ -154,7 +168,7 @@ class RunningBatch:
         for batch in forward_batches(lengths, self.together, self.prefill_max_tokens):
             members = [requests[i] for i in batch]
             contexts = [r.context for r in members]
-            hits = [self.prompts[tuple(r.prompt_ids)].hit(self.runner.store) for r in members]
+            hits = [self.prompts[r.prompt_key].hit(self.runner.store) for r in members]
             output, _ = self.runner.prefill_continued(hits, contexts, None)
             self.prefill_forwards += output.forwards
             tokens, logprobs = choose_tokens(members, output.last_logits)
@@ -167,6 +181,29 @@ class RunningBatch:
                 insert = RowInsert(rows, first, [len(contexts[b]) for b in rows], None)
                 self._insert_sharing(self.prompts[prompt], insert, (output.keys, output.values, own))
                 self.requests.extend(members[b] for b in rows)
+
+    def _start_lone(self, requests: list[Request], placed: list[tuple[PrefillOutput, int]], version: int) -> None:
+        """Requests alone with their prompt in flight: their context prefilled whole, a row holding it
+        (a fresh one's prompt logits kept, for a sibling joining later)."""
+        if not requests:
+            return
+        logits = torch.stack([output.last_logits[row] for output, row in placed])
+        lengths = [len(request.context) for request in requests]
+        tokens, logprobs = choose_tokens(requests, logits)
+        host = tokens.tolist()
+        for b, (request, (output, row)) in enumerate(zip(requests, placed, strict=True)):
+            if not request.own_ids:
+                self.prompts[request.prompt_key] = SharedPrompt(lengths[b], logits[b].clone())
+            if not self._record(request, host[b], logprobs[b], version):
+                self.runner.insert(output, RowInsert([row], tokens[b : b + 1], [lengths[b]], None))
+                self.requests.append(request)
+
+    def _prompt_of_row(self, prompt: tuple[int, ...]):
+        """The prompt's K/V, copied out of the row of its one request that holds it itself."""
+        store = self.runner.store
+        row = next(r for r, request in enumerate(self.requests) if request.prompt_key == prompt and store.prefix_of[r] < 0)
+        keys, values = self.runner.row_key_values(row, 0)
+        return [k[:, : len(prompt)].clone() for k in keys], [v[:, : len(prompt)].clone() for v in values]
 
     def _insert_sharing(self, shared: SharedPrompt, rows: RowInsert, own=None) -> None:
         made = shared.copy is None
@@ -217,12 +254,12 @@ class RunningBatch:
         keep = fill_holes_order([r for r in range(len(self.requests)) if stays(r)])
         self.runner.retire(keep)
         self.requests = [self.requests[r] for r in keep]
-        self.prompts.forget_unread(self.runner.store)  # a copy whose last row left was dropped with it
+        self.prompts.follow_rows(self.requests, self.runner.store)  # a copy whose last reader left was dropped with it
 
 
 def _by_prompt(requests: Sequence[Request], indices: Sequence[int]) -> list[tuple[tuple[int, ...], list[int]]]:
     """`indices` of `requests` grouped by prompt ids (each group in order; groups in first appearance)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index in indices:
-        groups.setdefault(tuple(requests[index].prompt_ids), []).append(index)
+        groups.setdefault(requests[index].prompt_key, []).append(index)
     return list(groups.items())
