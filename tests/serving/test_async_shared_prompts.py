@@ -355,3 +355,23 @@ def test_threads_submitting_siblings_at_once_share_and_stay_exact(tiny_models):
         assert [results[p, s].tokens for s in range(4)] == reference.tokens[0]
         assert [results[p, s].logprobs for s in range(4)] == reference.logprobs[0]
     assert copies >= len(prompts)
+
+
+def test_the_plan_is_chosen_at_the_first_step_and_again_only_after_the_model_changed(tiny_models, monkeypatch):
+    from autobucket.engine import rollout as rollout_module
+
+    chosen = []
+    choose = rollout_module.choose_plan
+    monkeypatch.setattr(rollout_module, "choose_plan", lambda *args, **kwargs: chosen.append(choose(*args, **kwargs)) or chosen[-1])
+    model = copy.deepcopy(tiny_models("tiny-llama"))
+    prompt = random_prompts([12], seed=15)[0]
+    with AsyncEngine(model, max_batch=2, max_model_len=64) as engine:
+        engine.submit(prompt, SamplingConfig(max_new_tokens=20, eos_token_id=[])).result(timeout=WAIT_S)
+        before_hook = [plan.decode_step for plan in chosen]
+        engine.pause()
+        hook = model.model.layers[0].register_forward_hook(steering_hook(model))
+        engine.resume()
+        engine.submit(prompt, SamplingConfig(max_new_tokens=5, eos_token_id=[])).result(timeout=WAIT_S)
+        engine.pause()  # the loop parked: no step runs after the hook is gone
+        hook.remove()
+    assert before_hook == ["engine"] and [plan.decode_step for plan in chosen] == ["engine", "model"]

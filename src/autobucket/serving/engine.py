@@ -33,6 +33,7 @@ from autobucket.engine.generation_setup import resolve_generation
 from autobucket.engine.intercept.active import active
 from autobucket.engine.model_access.hf_compat import attention_backend
 from autobucket.engine.model_access.weight_versions import weights_version
+from autobucket.engine.plan.forward_plan import ForwardPlan
 from autobucket.engine.rollout import Rollout
 from autobucket.profile import Profile
 from autobucket.serving.handle import RequestHandle
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._weights = self._weights_key()
         self._version = 0
         self._profile = Profile(route="async")
+        self._plan: ForwardPlan | None = None  # the steps' forward plan, chosen at the first and after a change
         self._thread = threading.Thread(target=self._loop, name="autobucket-async-engine", daemon=True)
         self._thread.start()
 
@@ -228,11 +230,14 @@ class AsyncEngine:
             return admitted
 
     def _step(self, admitted: list[Request]) -> None:
-        with self.rollout.forward_scope(self._profile):
-            with self._control:
-                self._follow_weights()
-                version, stale, self._stale = self._version, self._stale, False
-            self.batch.follow_plan(active().plan, model_changed=stale)
+        with self._control:
+            self._follow_weights()
+            version, stale, self._stale = self._version, self._stale, False
+        # the plan is chosen again only when the model changed (its weights key covers what it reads:
+        # modules, dtype, device, hooks, adapters, attention backend), as a call chooses it once
+        with self.rollout.forward_scope(self._profile, None if stale else self._plan):
+            self._plan = active().plan
+            self.batch.follow_plan(self._plan, model_changed=stale)
             self.batch.remove(lambda request: request.done, "abort")
             if stale:
                 self.batch.reprefill(version)
