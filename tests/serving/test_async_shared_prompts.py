@@ -82,7 +82,7 @@ def staggered_samples(engine: AsyncEngine, prompts, config, samples: int):
     return handles
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-opt"])  # engine step; model forward
 def test_staggered_samples_read_one_copy_and_are_rollout_generates_n_samples(tiny_models, arch, monkeypatch):
     seen = SharingSeen(monkeypatch)
     model = tiny_models(arch)
@@ -93,6 +93,7 @@ def test_staggered_samples_read_one_copy_and_are_rollout_generates_n_samples(tin
         outputs = [[h.result(timeout=WAIT_S) for h in row] for row in handles]
         alone = engine.submit(prompts[1], config, sample=2).result(timeout=WAIT_S)
         copies, forwards = engine.batch.copies_made, engine.batch.prefill_forwards
+        decode_form = engine.batch.runner.decode_step
         assert_engine_holds_nothing(engine)
     rollout = Rollout(model, config=INVARIANT)
     for prompt, row in zip(prompts, outputs, strict=True):
@@ -104,6 +105,7 @@ def test_staggered_samples_read_one_copy_and_are_rollout_generates_n_samples(tin
     # later read one shared copy; the lone request at the end is prefilled again and shares nothing
     assert (copies, forwards) == (len(prompts), len(prompts) + 1)
     assert seen.most_rows_on_one_copy == 3 and seen.most_copies <= len(prompts)
+    assert decode_form == ("engine" if arch in ("tiny-llama", "tiny-qwen2") else "model")
 
 
 def test_greedy_requests_on_one_copy_equal_single_request_generate(tiny_models, monkeypatch):
