@@ -26,6 +26,7 @@ from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batching import model_runner
 from autobucket.engine.rollout import Rollout
 from autobucket.serving import AsyncEngine, running_batch
+from autobucket.serving.prefill_forwards import forward_batches
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -228,13 +229,23 @@ def test_control_a_row_pointed_at_another_prompts_copy_fails_the_oracle(tiny_mod
     assert late.tokens != reference.tokens[0][1]
 
 
-def test_contexts_admitted_together_share_one_prefill_forward_bitwise(tiny_models):
-    """Under the invariant kernels an admission's prompts are prefilled packed in one forward, each
-    request's tokens and logprobs bitwise those of `Rollout.generate` of its prompt alone."""
+PACKINGS = {  # config -> prefill forwards of the five prompts below (30, 17, 45, 9, 60 tokens)
+    "one forward": (INVARIANT, 1),
+    "64 tokens a forward": (RolloutConfig(kernels="invariant", prefill_max_tokens=64), 3),  # 30+17 | 45+9 | 60
+    "packing off": (RolloutConfig(kernels="invariant", packing=False), 5),
+}
+
+
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_contexts_admitted_together_share_prefill_forwards_bitwise(tiny_models, packing):
+    """Under the invariant kernels an admission's prompts are prefilled packed, as many a forward as
+    `prefill_max_tokens` lets, each request's tokens and logprobs bitwise those of `Rollout.generate` of
+    its prompt alone."""
+    config, expected_forwards = PACKINGS[packing]
     model = tiny_models("tiny-qwen2")
     prompts = random_prompts([30, 17, 45, 9, 60], seed=5)
     configs = [sampled(10, seed=20 + i) for i in range(len(prompts))]
-    with AsyncEngine(model, config=INVARIANT, max_batch=8, max_model_len=96) as engine:
+    with AsyncEngine(model, config=config, max_batch=8, max_model_len=96) as engine:
         engine.pause()
         handles = [engine.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
         engine.resume()
@@ -244,7 +255,16 @@ def test_contexts_admitted_together_share_one_prefill_forward_bitwise(tiny_model
     for prompt, config, output in zip(prompts, configs, outputs, strict=True):
         reference = rollout.generate([prompt], config)
         assert (output.tokens, output.logprobs) == (reference.tokens[0], reference.logprobs[0])
-    assert forwards == 1
+    assert forwards == expected_forwards
+
+
+def test_forward_batches_fit_the_token_budget():
+    lengths = [5, 7, 3, 9]
+    assert forward_batches(lengths, True, None) == [[0, 1, 2, 3]]
+    assert forward_batches(lengths, True, 12) == [[0, 1], [2, 3]]  # packed: the sum
+    assert forward_batches(lengths, True, 14, padded=True) == [[0, 1], [2], [3]]  # padded: rows x longest
+    assert forward_batches([20, 4], True, 12) == [[0], [1]]  # one longer than the budget runs alone
+    assert forward_batches(lengths, False, None) == [[0], [1], [2], [3]]
 
 
 def test_non_invariant_kernels_prefill_each_context_alone(tiny_models):

@@ -12,18 +12,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def forward_batches(lengths: Sequence[int], together: bool, budget: int | None) -> list[list[int]]:
+def forward_batches(lengths: Sequence[int], together: bool, budget: int | None, padded: bool = False) -> list[list[int]]:
     """Consecutive indices of `lengths` (tokens each) per forward: as many as fit `budget` tokens when
-    `together` (one longer than the budget alone), else one each."""
+    `together` (one longer than the budget alone), else one each. padded: a forward's rows are padded to
+    its longest (a continued prefill), so a batch costs rows x longest tokens; else the sum (packed)."""
     if not together:
         return [[index] for index in range(len(lengths))]
     batches: list[list[int]] = []
-    used = 0
     for index, length in enumerate(lengths):
-        if batches and (budget is None or used + length <= budget):
+        if batches and (budget is None or _tokens([*(lengths[i] for i in batches[-1]), length], padded) <= budget):
             batches[-1].append(index)
-            used += length
         else:
             batches.append([index])
-            used = length
     return batches
+
+
+def _tokens(lengths: list[int], padded: bool) -> int:
+    return len(lengths) * max(lengths) if padded else sum(lengths)

@@ -165,7 +165,7 @@ class RunningBatch:
         """Requests with tokens after their prompt: only those prefilled, continuing from the prompt's
         copy; each row owns their columns."""
         lengths = [len(r.own_ids) for r in requests]
-        for batch in forward_batches(lengths, self.together, self.prefill_max_tokens):
+        for batch in forward_batches(lengths, self.together, self.prefill_max_tokens, padded=True):
             members = [requests[i] for i in batch]
             contexts = [r.context for r in members]
             hits = [self.prompts[r.prompt_key].hit(self.runner.store) for r in members]
