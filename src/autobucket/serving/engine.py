@@ -30,11 +30,11 @@ from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batching.model_runner import CacheShape
 from autobucket.engine.finished import StopStrings
 from autobucket.engine.generation_setup import resolve_generation
+from autobucket.engine.intercept.active import active
 from autobucket.engine.model_access.hf_compat import attention_backend
 from autobucket.engine.model_access.weight_versions import weights_version
-from autobucket.engine.plan.forward_plan import choose_plan
+from autobucket.engine.plan.forward_plan import ForwardPlan
 from autobucket.engine.rollout import Rollout
-from autobucket.engine.routes import eager_decode_attention
 from autobucket.profile import Profile
 from autobucket.serving.handle import RequestHandle
 from autobucket.serving.request import Request, RequestOutput
@@ -75,8 +75,10 @@ class AsyncEngine:
         self.limits = Limits(self.model, tokenizer, self.rollout.vocab_size, self._model_len(max_model_len))
         shape = CacheShape(_checked_optional_int("max_batch", max_batch, 1), 2 * self.limits.max_model_len)
         pad = resolve_generation(self.model, SamplingConfig(), {}, self.limits.vocab_size).pad_token_id
-        decode_attention = eager_decode_attention(choose_plan(self.model, self.rollout.config))
-        self._new_batch = lambda: RunningBatch(self.model, self.rollout.spec, shape, pad, self.limits.vocab_size, decode_attention)
+        config = self.rollout.config
+        self._new_batch = lambda: RunningBatch(
+            self.model, self.rollout.spec, shape, pad, self.limits.vocab_size, config.packing, config.prefill_max_tokens
+        )
         self.batch = self._new_batch()
         self._control = threading.Condition()
         self._pending: deque[Request] = deque()
@@ -88,6 +90,7 @@ class AsyncEngine:
         self._weights = self._weights_key()
         self._version = 0
         self._profile = Profile(route="async")
+        self._plan: ForwardPlan | None = None  # the steps' forward plan, chosen at the first and after a change
         self._thread = threading.Thread(target=self._loop, name="autobucket-async-engine", daemon=True)
         self._thread.start()
 
@@ -227,10 +230,14 @@ class AsyncEngine:
             return admitted
 
     def _step(self, admitted: list[Request]) -> None:
-        with self.rollout.forward_scope(self._profile):
-            with self._control:
-                self._follow_weights()
-                version, stale, self._stale = self._version, self._stale, False
+        with self._control:
+            self._follow_weights()
+            version, stale, self._stale = self._version, self._stale, False
+        # the plan is chosen again only when the model changed (its weights key covers what it reads:
+        # modules, dtype, device, hooks, adapters, attention backend), as a call chooses it once
+        with self.rollout.forward_scope(self._profile, None if stale else self._plan):
+            self._plan = active().plan
+            self.batch.follow_plan(self._plan, model_changed=stale)
             self.batch.remove(lambda request: request.done, "abort")
             if stale:
                 self.batch.reprefill(version)

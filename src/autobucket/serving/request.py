@@ -8,6 +8,7 @@ already made (`generated`) draws the same uniforms it would have drawn had it ne
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from autobucket.config import SamplingConfig
@@ -67,6 +68,11 @@ class Request:
     error: BaseException | None = None  # what the model raised while it ran (re-raised to its readers)
     progress: Progress = field(default_factory=Progress)
 
+    @functools.cached_property
+    def prompt_key(self) -> tuple[int, ...]:
+        """Its prompt ids as a key: requests with equal keys may read one copy of the prompt's K/V."""
+        return tuple(self.prompt_ids)
+
     @property
     def selection(self) -> Selection:
         return self.generation.selection
@@ -79,6 +85,12 @@ class Request:
     def context(self) -> list[int]:
         """What the model has read before its next token: prompt, earlier tokens and its own so far."""
         return [*self.prompt_ids, *self.generated, *self.tokens]
+
+    @property
+    def own_ids(self) -> list[int]:
+        """Its context after the prompt (the tokens it was resumed with and its own so far): what a row
+        reading its prompt's shared copy holds itself."""
+        return [*self.generated, *self.tokens]
 
     @property
     def steps_before(self) -> int:

@@ -139,11 +139,7 @@ class ModelRunner:
         """Copy the prefill rows `rows.source_rows` right-aligned into free cache rows and queue their first
         tokens; samples of one prompt admitted together share one copy of its K/V when that is on.
         Returns how many rows read a shared copy."""
-        keys = output.keys
-        if self.store is None:
-            self.store = self._create_store(keys)
-            self.cache = self.store.hf_cache()
-            self.num_layers = len(keys)
+        self._open_store(output.keys)
         prefix_groups = self._shared_prefix_groups(output, rows)
         shared = {s: n for s, n in self._shared_sources(rows).items() if s not in prefix_groups}
         groups = {source: self.store.add_shared_prefix(*output.prompt_key_values(source, length, 0, copy=True))
@@ -168,6 +164,28 @@ class ModelRunner:
         positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
         self.rows.append(rows.first_tokens, positions, rows.seen)
         return grouped
+
+    def insert_sharing(self, prefix: int | tuple[list[torch.Tensor], list[torch.Tensor]], rows: RowInsert, own=None) -> int:
+        """Start rows that read one shared copy of a prompt's K/V before their own columns: `prefix` is the
+        store's id of a copy it holds, or the prompt's K/V (per layer [kv_heads, tokens, head_dim]) to hold as
+        a new copy; `own` = (keys, values, segments) each row's own columns after the prompt, as
+        `StaticKVCache.admit_sharing` copies them (None: the rows own none yet). Returns the copy's id."""
+        if isinstance(prefix, int):
+            assert self.store is not None and prefix in self.store.shared_prefixes, "a held copy's id"
+        else:
+            self._open_store(own[0] if own is not None else [k[None] for k in prefix[0]])
+            prefix = self.store.add_shared_prefix(*prefix)
+        self.store.admit_sharing(prefix, len(rows.source_rows), own, always_trim=self.trim_cache)
+        positions = torch.tensor(rows.prompt_lengths, dtype=torch.long, device=self.device)
+        self.rows.append(rows.first_tokens, positions, rows.seen)
+        return prefix
+
+    def _open_store(self, keys: list[torch.Tensor]) -> None:
+        """The static cache, made at the first insert from its K/V's geometry (keys[l]: [rows, kv_heads, width, head_dim])."""
+        if self.store is None:
+            self.store = self._create_store(keys)
+            self.cache = self.store.hf_cache()
+            self.num_layers = len(keys)
 
     def _shared_prefix_groups(self, output: PrefillOutput, rows: RowInsert) -> dict[int, int]:
         """Source rows continued from a prefix shared inside the call -> the group holding that prefix's
