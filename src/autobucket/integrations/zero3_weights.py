@@ -8,10 +8,10 @@ ZeRO-3's forward and backward module hooks are taken off for the call (they woul
 parameters after each submodule's forward and fetch them again), and put back after: registered anew by
 DeepSpeed's own `_register_deepspeed_module`, which also invalidates the recorded fetch order, so the
 next training forward records it again. ZeRO-3's hook at the start of the root module's forward is taken
-off for the call too (`start_of_forward_hook_off`; neither DeepSpeed's hybrid engine path nor TRL's
-`remove_hooks` removes it): it resets the parameter coordinator's step, and while the fetch order is not
-yet recorded that reset checks it against every other rank with a broadcast, so a rank that runs fewer
-forwards than another (no prompts, one refused, a shorter budget) would leave the other waiting there.
+off for the call too (`start_of_forward_hook_off`; TRL's `remove_hooks` leaves it on): it resets the
+parameter coordinator's step, and while the fetch order is not yet recorded that reset checks it against
+every other rank with a broadcast, so a rank that runs fewer forwards than another (no prompts, one
+refused, a shorter budget) would leave the other waiting there.
 Memory bound: each rank holds the full weights for the call.
 The engine's hooks are shared by every thread: a trainer thread's forward of the same engine during a
 call is not supported."""
