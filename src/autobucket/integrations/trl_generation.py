@@ -6,7 +6,9 @@ logprobs. Runs of identical prompts become one prompt with `SamplingConfig(n=run
 its KV shared by its samples); a run's stream key derives from (trainer seed, global step, process index,
 generation call, run index), so a training run is reproducible and the sampled tokens do not depend on the
 route or the batch plan. Settings come from the trainer's `generation_config`; anything autobucket cannot
-honour raises a ValueError naming the option."""
+honour raises a ValueError naming the option. On a trainer sharded over ranks (ZeRO-3, FSDP2) the checks
+and the generation run on the gathered weights, and a rank whose call fails raises on every rank
+(`sharded_over_ranks`, docs/sharded-trainers.md)."""
 
 from __future__ import annotations
 
