@@ -58,6 +58,21 @@ def test_every_rank_and_route_equals_single_request_generate_on_the_unsharded_mo
         assert out["logits_kept"]
 
 
+def test_a_rank_running_one_forward_while_another_runs_many_stays_exact(ranks):
+    """ZeRO-3's start-of-forward hook, left on, broadcasts while the fetch order is unrecorded: a rank with
+    one forward would leave the other waiting at its second (the call takes the hook off)."""
+    sys.path.insert(0, str(WORKER.parent))
+    from sharded_worker import build, rank_prompts
+    from zero3_worker import EOS
+
+    model = build("gathered")
+    (first, _), (second, _) = ranks
+    prompts, budget = rank_prompts(0)
+    assert first["uneven"] == oracle_batch(model, prompts[:1], 1, eos_token_id=[EOS])[0]
+    prompts, budget = rank_prompts(1)
+    assert second["uneven"] == oracle_batch(model, prompts, budget, eos_token_id=[EOS])[0]
+
+
 def test_a_rank_refusing_its_input_raises_on_every_rank_with_the_reason(ranks):
     (peer, _), (refused, _) = ranks
     assert refused["error"] == "ValueError: max_new_tokens=-1 is invalid: expected an int >= 1"

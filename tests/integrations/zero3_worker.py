@@ -4,7 +4,8 @@ python zero3_worker.py RANK PORT OUT_JSON  (the control's tokens, if it finishes
 
 Each rank builds the same tiny Llama, wraps it in a ZeRO-3 engine (every parameter partitioned: no
 persistence threshold), and asks `AutobucketRollout` for its own prompts (sharded_worker.rank_prompts:
-uneven counts and budgets) on routes auto and ordinary, then rank 1 asks for max_new_tokens=-1 while
+uneven counts and budgets) on routes auto and ordinary, then one prompt and one new token on rank 0 (a
+single forward) against rank 1's five prompts, then rank 1 asks for max_new_tokens=-1 while
 rank 0 asks for its budget. It writes the tokens, the refusals and the engine's state before and after. Then
 the negative control: the same generation without the gathering.
 """
@@ -72,6 +73,10 @@ def run(rank: int) -> dict:
         rollout = AutobucketRollout(engine, tokenizer, RolloutConfig(route=route, costs=CostCoefficients()))
         rollout.generate(request_for(prompts), SamplingConfig(max_new_tokens=budget, temperature=0.0))
         out["tokens"][route] = rollout.last_result.tokens
+    # one forward on rank 0 (one prompt, one new token: the prefill) against many on rank 1
+    one = [prompts[0]] if rank == 0 else prompts
+    rollout.generate(request_for(one), SamplingConfig(max_new_tokens=1 if rank == 0 else budget, temperature=0.0))
+    out["uneven"] = rollout.last_result.tokens
     try:  # rank 1 asks for a negative number of new tokens
         rollout.generate(request_for(prompts), SamplingConfig(max_new_tokens=-1 if rank == 1 else budget, temperature=0.0))
     except Exception as error:  # noqa: BLE001 - reported to the test, which checks type and text

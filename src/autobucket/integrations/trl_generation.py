@@ -6,7 +6,9 @@ logprobs. Runs of identical prompts become one prompt with `SamplingConfig(n=run
 its KV shared by its samples); a run's stream key derives from (trainer seed, global step, process index,
 generation call, run index), so a training run is reproducible and the sampled tokens do not depend on the
 route or the batch plan. Settings come from the trainer's `generation_config`; anything autobucket cannot
-honour raises a ValueError naming the option."""
+honour raises a ValueError naming the option. On a trainer sharded over ranks (ZeRO-3, FSDP2) the checks
+and the generation run on the gathered weights, and a rank whose call fails raises on every rank
+(`sharded_over_ranks`, docs/sharded-trainers.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from autobucket.engine.model_access.rank_failures import distributed_ready, fail
 from autobucket.engine.model_access.sharded_weights import gathered_weights, gathering_communicates
 from autobucket.engine.sampling.row_processors import ROW_PROCESSOR_OPTIONS
 from autobucket.integrations.generation_options import reject_unsupported_warpers, warper_settings
+from autobucket.integrations.zero3_weights import start_of_forward_hook_off
 
 _HF_DEFAULT_TOP_K = 50  # what transformers applies when a sampling config leaves top_k unset
 
@@ -213,40 +216,59 @@ def generate_completions(
     num_generations: the longest run of identical prompts sampled as one prompt with n (None: any).
     continued: a tool-calling turn (conversations, not dataset prompts): each run generates what the
     model's context leaves, up to the budget, where a first turn raises."""
-    if len(prompt_ids) == 0:
-        raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
-    base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
-    base = replace(base, logprobs=base.temperature > 0, continuous_batch_size=continuous_batch_size or len(prompt_ids))
-    runs = prompt_runs(prompt_ids, num_generations)
-    seeds = run_seeds(generation_seed(trainer), len(runs))
+    wrapped, call_seed = trainer.model_wrapped, generation_seed(trainer)
+    # Nothing before the weights' gathering (a collective) can fail on one rank only: the checks run after
+    # it, with the generation, and a rank that fails raises on every rank once each has generated on its
+    # gathered weights (where no collective waits on it), before any rank goes on to the training step.
     with (
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
+        unwrap_model_for_generation(  # ZeRO-3: every parameter gathered (ds3_gather_for_generation), hooks off
+            wrapped,
             trainer.accelerator,
             gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
             generation_kwargs=trainer.generation_kwargs,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model,
+        start_of_forward_hook_off(wrapped),  # ZeRO-3: the one hook TRL leaves, a collective (zero3_weights)
         torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-    ):
-        wrapped = trainer.model_wrapped
-        communicates = gathering_communicates(wrapped) and distributed_ready()
-        with failures_shared(communicates):  # a rank refusing here would not join the gather below
-            if continued:
-                budgets = context_budgets(runs, base.max_new_tokens, model)
-            else:
-                check_prompt_context(prompt_ids, base.max_new_tokens, model)
-                budgets = [base.max_new_tokens] * len(runs)
-            rollout = _rollout_for(trainer, model, config)
+        trainer._dist.summon_full_params(wrapped, recurse=False),
+        failures_shared(sharded_over_ranks(trainer)),
         # FSDP2: one gather for all of this rank's calls (one per distinct run length, which can differ
         # between ranks when a prompt group is split across them); the calls inside communicate nothing
-        with gathered_weights(wrapped):
-            samples, results = _generate_runs(rollout, runs, seeds, budgets, base, processor_options(trainer.generation_config))
+        gathered_weights(wrapped),
+    ):
+        if len(prompt_ids) == 0:
+            raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
+        base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
+        base = replace(base, logprobs=base.temperature > 0, continuous_batch_size=continuous_batch_size or len(prompt_ids))
+        runs = prompt_runs(prompt_ids, num_generations)
+        if continued:
+            budgets = context_budgets(runs, base.max_new_tokens, model)
+        else:
+            check_prompt_context(prompt_ids, base.max_new_tokens, model)
+            budgets = [base.max_new_tokens] * len(runs)
+        rollout = _rollout_for(trainer, model, config)
+        samples, results = _generate_runs(
+            rollout, runs, run_seeds(call_seed, len(runs)), budgets, base, processor_options(trainer.generation_config)
+        )
     trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
     trainer.autobucket_profiles = [r.profile for r in results]
     completions = [tokens for tokens, _ in samples]
     return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
+
+
+def sharded_over_ranks(trainer: Any) -> bool:
+    """Whether the trainer's weights are sharded over ranks (DeepSpeed ZeRO-3, or FSDP2 groups that are
+    sharded now), in an initialised process group of more than one rank: then its generation gathers
+    the weights, a collective every rank must join, and a rank leaving the call early would strand the
+    others there or at the training step's next collective. Unsharded trainers (DDP) share nothing: TRL's
+    tool-calling loop makes a per-rank number of generation calls, which matched collectives would hang."""
+    if not distributed_ready():
+        return False
+    import torch.distributed as dist
+
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    zero3 = plugin is not None and plugin.zero_stage == 3
+    return dist.get_world_size() > 1 and (zero3 or gathering_communicates(trainer.model_wrapped))
 
 
 def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:

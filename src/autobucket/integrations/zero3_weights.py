@@ -7,7 +7,12 @@ parameter is gathered once (`deepspeed.zero.GatheredParameters`, the same collec
 ZeRO-3's forward and backward module hooks are taken off for the call (they would release the gathered
 parameters after each submodule's forward and fetch them again), and put back after: registered anew by
 DeepSpeed's own `_register_deepspeed_module`, which also invalidates the recorded fetch order, so the
-next training forward records it again. Memory bound: each rank holds the full weights for the call.
+next training forward records it again. ZeRO-3's hook at the start of the root module's forward is taken
+off for the call too (`start_of_forward_hook_off`; TRL's `remove_hooks` leaves it on): it resets the
+parameter coordinator's step, and while the fetch order is not yet recorded that reset checks it against
+every other rank with a broadcast, so a rank that runs fewer forwards than another (no prompts, one
+refused, a shorter budget) would leave the other waiting there.
+Memory bound: each rank holds the full weights for the call.
 The engine's hooks are shared by every thread: a trainer thread's forward of the same engine during a
 call is not supported."""
 
@@ -36,18 +41,46 @@ def gathered_zero3(engine: Any) -> Iterator[None]:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         _remove_hooks(offload)
         try:
-            yield
+            with start_of_forward_hook_off(engine):
+                yield
         finally:
             # counting from the root's id, as the first registration did: every module keeps its ds_id
             offload._register_deepspeed_module(offload.module, count=[offload.module.ds_id])
 
 
-def _parameter_offload(engine: Any) -> Any:
+@contextmanager
+def start_of_forward_hook_off(engine: Any) -> Iterator[None]:
+    """Inside: no ZeRO-3 step reset at the start of each forward of the engine's module (a no-op below stage
+    3, or before the engine has its ZeRO-3 hooks). The hook is put back where it was among the module's
+    forward pre-hooks (a hook's key is its registration number, so sorting the keys restores the order)."""
+    offload = _offload_or_none(engine) if zero_stage(engine) == 3 else None
+    handle = getattr(offload, "fwd_pre_hook", None)
+    if handle is None:
+        yield
+        return
+    hooks = offload.module._forward_pre_hooks
+    hook = hooks.pop(handle.id, None)
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hooks[handle.id] = hook
+            for key in sorted(hooks):
+                hooks.move_to_end(key)
+
+
+def _offload_or_none(engine: Any) -> Any:
     """The object holding ZeRO-3's module hooks: the ZeRO-3 optimizer's `parameter_offload`, or, for an
-    engine built without an optimizer, the engine's `DeepSpeedZeRoOffload` itself."""
+    engine built without an optimizer, the engine's `DeepSpeedZeRoOffload` itself; None if neither."""
     optimizer = getattr(engine, "optimizer", None)
     offload = getattr(optimizer, "parameter_offload", optimizer)
-    if offload is None or not hasattr(offload, "forward_hooks"):
+    return offload if offload is not None and hasattr(offload, "forward_hooks") else None
+
+
+def _parameter_offload(engine: Any) -> Any:
+    offload = _offload_or_none(engine)
+    if offload is None:
+        optimizer = getattr(engine, "optimizer", None)
         raise ValueError(
             f"the ZeRO-3 engine's optimizer ({type(optimizer).__name__}) holds no parameter offload hooks to "
             "take off for generation: pass the DeepSpeedEngine that deepspeed.initialize returned"
