@@ -71,6 +71,32 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     if not modules:
         yield
         return
+    with _state_restored(modules) as groups:
+        _unsharded_through_forwards(modules, groups)
+        yield
+
+
+@contextmanager
+def sharded_forwards(model: torch.nn.Module, called: torch.nn.Module) -> Iterator[None]:
+    """Inside: forwards of `called` (the module the engine calls, inside `model`) run FSDP's own
+    per-group all-gathers, each rank keeping only its shards between them (`sharded_weights="lockstep"`).
+    FSDP modules above `called` (a PeftModel root holding the embeddings' shards) are never entered by
+    those forwards, so their groups are all-gathered once here (the same collectives on every rank) and
+    kept for the call. After: the model as found (`gathered_weights`' restore), the records of FSDP's
+    forward order included, however many forwards ran."""
+    modules = fsdp2_modules(model)
+    if not modules:
+        yield
+        return
+    inside = {id(module) for module in called.modules()}
+    with _state_restored(modules) as groups:
+        _unsharded_through_forwards([module for module in modules if id(module) not in inside], groups)
+        yield
+
+
+@contextmanager
+def _state_restored(modules: list[torch.nn.Module]) -> Iterator[list[_GroupState]]:
+    """What a call changes on the FSDP states of `modules` (outermost first), put back after it."""
     _initialise_roots(modules)
     states = _unique([module._get_fsdp_state() for module in modules])
     groups = [
@@ -82,14 +108,20 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     orders = _unique([g.group.comm_ctx.post_forward_order for g in groups])
     order_lengths = [(order, len(order)) for order in orders]
     try:  # an unshard that fails part way (out of memory) still leaves the model as found
-        with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
-            for module in modules:
-                module.unshard()
-        for saved in groups:
-            saved.group.post_forward_mesh_info = None  # keep the gathered weights through every forward
-        yield
+        yield groups
     finally:
         _restore(groups, automatic, order_lengths)
+
+
+def _unsharded_through_forwards(modules: list[torch.nn.Module], groups: list[_GroupState]) -> None:
+    """All-gather the groups of `modules` (in their order) and keep them so through every forward."""
+    with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
+        for module in modules:
+            module.unshard()
+    mine = {id(g) for module in modules for g in module._get_fsdp_state()._fsdp_param_groups}
+    for saved in groups:
+        if id(saved.group) in mine:
+            saved.group.post_forward_mesh_info = None  # FSDP's encoding of "no reshard after forward"
 
 
 def _restore(groups: list[_GroupState], automatic: list, order_lengths: list) -> None:
