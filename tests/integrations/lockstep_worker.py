@@ -12,6 +12,7 @@ what the test compares to OUT_JSON. Scenarios:
 - invariant: kernels="invariant", sampled; the trainer's sharded forward under autobucket.invariant;
 - bad_input: rank 1's prompt holds a token id past the vocabulary;
 - failing: rank 1's logits processor raises at its third call, mid-generation;
+- peft: a LoRA PeftModel, sharded as accelerate shards one (the layers, then the PeftModel as root);
 - unpaired: the negative control, the lockstep protocol off (each rank's forwards unpaired);
 - all: every scenario but unpaired, one after another in the same two processes.
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharded_worker import VOCAB, build, model_state, rank_prompts, shard, sharded_logits, trainer_side  # noqa: E402
 
-SCENARIOS = ("routes", "mixed", "empty", "invariant", "bad_input", "failing")
+SCENARIOS = ("routes", "mixed", "empty", "invariant", "bad_input", "failing", "peft")
 
 
 @contextlib.contextmanager
@@ -169,8 +170,10 @@ def held_bytes(model) -> int:
 
 
 def run(scenario: str, rank: int) -> dict:
-    model = shard(build("gathered"))
+    model = shard(build("peft" if scenario == "peft" else "gathered"))
     logits_before = sharded_logits(model, rank)  # FSDP's lazy initialisation happens at the first forward
+    if scenario == "peft":  # the root's shards only, as after a training step: the call must gather them
+        model.reshard()
     before = model_state(model)
     out: dict = {}
     if scenario == "routes":
@@ -183,6 +186,8 @@ def run(scenario: str, rank: int) -> dict:
         out.update(invariant_logprobs(model, rank))
     elif scenario in ("bad_input", "failing"):
         out["error"] = failure(model, rank, scenario)
+    elif scenario == "peft":
+        out.update(generate(model, rank, "auto"))
     elif scenario == "unpaired":
         with protocol_off():
             out.update(generate(model, rank, "bucketed"))

@@ -27,7 +27,8 @@ WORKER = Path(__file__).with_name("lockstep_worker.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_ranks("all", tmp_path_factory.mktemp("lockstep"), worker=WORKER)
+    # seven calls per rank, each forward paired: room for a loaded machine; a hang still ends here
+    return run_ranks("all", tmp_path_factory.mktemp("lockstep"), timeout_s=480, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,18 @@ def test_ranks_on_different_routes_in_one_call_stay_exact(ranks, expected):
 def calls(ranks: list[dict]) -> list[tuple[str, list[dict]]]:
     """(name, each rank's record) of every lockstep call the ranks made that finished."""
     named = [(f"routes/{route}", [out["routes"]["routes"][route] for out in ranks]) for route in ("auto", "ordinary", "bucketed")]
-    return named + [(name, [out[name] for out in ranks]) for name in ("mixed", "empty")]
+    return named + [(name, [out[name] for out in ranks]) for name in ("mixed", "empty", "peft")]
+
+
+def test_a_lora_peft_model_as_the_fsdp_root_equals_single_request_generate(ranks, worker):
+    """The root FSDP module is the PeftModel, above the model the engine calls: its group (the
+    embeddings' shards) is gathered for the call; the adapter runs (its tokens are not the base model's)."""
+    model = worker.build("peft")
+    for rank, out in enumerate(ranks):
+        prompts, budget = worker.rank_prompts(rank)
+        assert out["peft"]["tokens"] == hf_greedy(model, prompts, budget), rank
+        assert out["peft"]["state_kept"] and out["peft"]["logits_kept"]
+    assert ranks[1]["peft"]["tokens"] != hf_greedy(worker.build("gathered"), *worker.rank_prompts(1))
 
 
 def test_every_forward_is_paired_by_one_all_reduce_and_the_same_all_gathers_on_every_rank(ranks):

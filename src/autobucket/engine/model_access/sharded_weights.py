@@ -1,4 +1,6 @@
-"""Full weights for one call on a model sharded over ranks by FSDP2 (`fully_shard`).
+"""Full weights for one call on a model sharded over ranks by FSDP2 (`fully_shard`) (`gathered_weights`),
+or the shards kept and FSDP's state put back after a lockstep call's sharded forwards (`sharded_forwards`,
+paired across ranks by `lockstep.py`).
 
 Why gather once: a sharded model all-gathers each layer's shards inside every forward, a collective
 every rank must join. The engine runs a data-dependent number of forwards per rank (its own prompts,
