@@ -1,5 +1,5 @@
 """`RolloutConfig(sharded_weights="lockstep")` on a model sharded over 2 ranks with FSDP2 (`fully_shard`,
-CPU, gloo): each rank keeps its shards and runs the sharded forward, every forward paired across ranks,
+CPU, gloo), and on a DeepSpeed ZeRO-3 engine's module: each rank keeps its shards and runs the sharded forward, every forward paired across ranks,
 each rank with its own prompts and budgets (rank 0: 3 prompts, 4 new tokens; rank 1: 5 prompts, 9).
 
 Oracle: single-request HF `generate` on the unsharded model, per rank and route (and with the ranks on
@@ -8,8 +8,8 @@ sharded forward under `autobucket.invariant` for the sampled logprobs; the model
 forward's logits before and after each call. Negative control: the same sharded forwards with the lockstep
 protocol off leave the rank with more work on a collective nobody joins.
 
-The ranks run `lockstep_worker.py` (two processes, a free port, a hard timeout each); the scenarios that
-pass share one pair of processes, the control has its own.
+The ranks run `lockstep_worker.py` / `zero3_lockstep_worker.py` (two processes, a free port, a hard timeout
+each); the scenarios that pass share one pair of processes per stack, each control has its own.
 """
 
 from __future__ import annotations
@@ -154,3 +154,48 @@ def test_lockstep_is_accepted_and_refuses_a_compiled_forward():
             RolloutConfig(sharded_weights="lockstep", compile=compile)
     with pytest.raises(ValueError, match=r"sharded_weights='stepped' is invalid: expected one of 'gathered', 'lockstep'"):
         RolloutConfig(sharded_weights="stepped")
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3 (`engine.module` handed over)
+ZERO3_WORKER = Path(__file__).with_name("zero3_lockstep_worker.py")
+
+
+@pytest.fixture(scope="module")
+def zero3_ranks(tmp_path_factory) -> list[dict]:
+    pytest.importorskip("deepspeed")
+    return run_ranks("all", tmp_path_factory.mktemp("zero3_lockstep"), timeout_s=480, worker=ZERO3_WORKER)
+
+
+def test_zero3_every_rank_route_and_mix_of_routes_equals_single_request_generate(zero3_ranks, expected):
+    for rank, out in enumerate(zero3_ranks):
+        for route, call in out["routes"].items():
+            assert call["tokens"] == expected[rank], (rank, route)
+        assert out["mixed"]["tokens"] == expected[rank]
+        assert out["state_kept"], "the engine is not as it was found (partitioning, hooks or module ids)"
+        assert out["logits_kept"]
+    assert [out["mixed"]["route"] for out in zero3_ranks] == ["ordinary", "bucketed"]
+
+
+def test_zero3_forwards_are_paired_and_a_rank_with_no_prompts_only_pairs(zero3_ranks, expected):
+    for name in ("auto", "ordinary", "bucketed"):
+        first, second = (out["routes"][name]["protocols"][0] for out in zero3_ranks)
+        assert first["forwards"] + first["dummy_forwards"] == second["forwards"] + second["dummy_forwards"], name
+        assert first["exchanges"] == second["exchanges"] == first["forwards"] + first["dummy_forwards"] + 1, name
+    idle, busy = (out["empty"] for out in zero3_ranks)
+    assert idle["tokens"] == [] and busy["tokens"] == expected[1]
+    assert idle["protocols"][0]["forwards"] == 0 and idle["protocols"][0]["dummy_forwards"] == busy["protocols"][0]["forwards"]
+
+
+def test_zero3_refusal_and_invariant_logprobs(zero3_ranks):
+    assert zero3_ranks[1]["bad_input"].startswith("ValueError: prompt 0 has token id 1027 outside the vocabulary")
+    assert zero3_ranks[0]["bad_input"].startswith("RuntimeError: rank 1 refused its generate call (ValueError: prompt 0")
+    for out in zero3_ranks:
+        invariant = out["invariant"]
+        assert invariant["packed_weight_bytes"] == 0
+        assert invariant["scoped"] == invariant["sampled"]
+        assert invariant["unscoped"] != invariant["sampled"]  # control: the model's own kernels differ
+
+
+def test_zero3_control_unpaired_forwards_with_uneven_work_fail(tmp_path):
+    pytest.importorskip("deepspeed")
+    assert not all(run_ranks("unpaired", tmp_path, timeout_s=120, worker=ZERO3_WORKER))

@@ -54,6 +54,7 @@ from autobucket.engine.model_access.sharded_weights import (
     gathering_communicates,
     is_sharded,
     sharded_forwards,
+    zero3_partitioned,
 )
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
 from autobucket.engine.plan.forward_plan import ForwardPlan, check_op_backends, choose_plan, plan_entered
@@ -176,8 +177,8 @@ class Rollout:
 
     def _generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None, overrides: dict) -> RolloutResult:
         started = time.perf_counter()
-        # a refusal on one rank stops every rank, when the gathering below would communicate
-        communicates = gathering_communicates(self._wrapper)
+        # a refusal on one rank stops every rank, when the gathering (or the pairing) below would communicate
+        communicates = gathering_communicates(self._wrapper) or self._pairs_zero3()
         with failures_shared(communicates and distributed_ready()):
             sampling = sampling_or_default(sampling)
             generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
@@ -216,6 +217,11 @@ class Rollout:
         forwards after this rank's work, until every rank's is done). The shards are written without
         bumping their version counters, so what was derived from the weights (packed copies, prefix-cache
         K/V) is rebuilt every call."""
+        if self._pairs_zero3():  # ZeRO-3's hooks gather and release each submodule's parameters
+            with self._lockstep(distributed_ready()):
+                self.refresh_weights()
+                yield
+            return
         if not is_sharded(self._wrapper):
             yield
             return
@@ -229,6 +235,11 @@ class Rollout:
         with sharded_forwards(self._wrapper, self.model), self._lockstep(paired):
             self.refresh_weights()
             yield
+
+    def _pairs_zero3(self) -> bool:
+        """A ZeRO-3 module handed over directly under lockstep (gathered, it is the DeepSpeed adapter's
+        engine that gathers: `integrations/zero3_weights.py`)."""
+        return self.config.sharded_weights == "lockstep" and zero3_partitioned(self._wrapper)
 
     @contextmanager
     def _lockstep(self, paired: bool) -> Iterator[None]:
@@ -415,7 +426,7 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     check_invariant_model(model)
     if runs_triton_set(next(model.parameters()).device):  # the Triton set reads the weights in place
         return None
-    if config.sharded_weights == "lockstep" and is_sharded(model):
+    if config.sharded_weights == "lockstep" and (is_sharded(model) or zero3_partitioned(model)):
         # no copies: a copy of every layer is what lockstep avoids; each GEMM reads its layer's weight as
         # FSDP all-gathered it for the forward (bitwise a packed copy's values, as the trainer's scope)
         return PackedLinears(budget_bytes=0)

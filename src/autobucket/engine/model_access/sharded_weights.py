@@ -44,6 +44,12 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and bool(fsdp2_modules(model))
 
 
+def zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters (its hooks all-gather each submodule's
+    inside the forward): the attribute ZeRO-3 gives every parameter, read without importing deepspeed."""
+    return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_status") for p in model.parameters())
+
+
 def gathering_communicates(model: torch.nn.Module) -> bool:
     """Whether `gathered_weights(model)` would all-gather: some group is sharded now. Inside an enclosing
     `gathered_weights` (a caller generating several times on one gather) every group is unsharded, and
