@@ -115,6 +115,11 @@ class RolloutConfig:
     share_prefixes: let "bucketed" and "auto" prefill a prefix that several prompts of one admission
       share (a system prompt, a few-shot header; at least 32 tokens) once and continue each prompt from
       it, when the cost model says it pays (`planning/shared_prefix.py`; `Profile.shared_prefixes`).
+    sharded_weights: for a model sharded over ranks (FSDP2), how a call reaches its weights. "gathered"
+      (the default): the full weights all-gathered once per call, each rank then generating alone.
+      "lockstep": each rank keeps its shards and runs the sharded forward, every forward paired across
+      ranks (a rank done early runs one-token forwards until all are done); for models too large to
+      gather, at one small all-reduce plus the layers' all-gathers per forward (docs/sharded-trainers.md).
     """
 
     route: Route = "auto"
@@ -137,11 +142,11 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
         require_choice("sharded_weights", self.sharded_weights, SHARDED_WEIGHTS)
-        if self.sharded_weights == "lockstep":
+        if self.sharded_weights == "lockstep" and self.compile is not False:
             raise ValueError(
-                "sharded_weights='lockstep' is not implemented: ranks would have to run matched forwards "
-                "with empty ones after they finish; use sharded_weights='gathered' (each rank holds the full "
-                "weights for the call), or HF generate(synced_gpus=True) for a model too large to gather"
+                f"sharded_weights='lockstep' with compile={self.compile!r} is refused: lockstep pairs each forward "
+                "across ranks from a hook on the model's forward, and FSDP's own hooks all-gather inside it, "
+                "which a compiled decode forward would trace; pass compile=False (lockstep forwards run eagerly)"
             )
         require_choice("kernels", self.kernels, KERNELS)
         if self.kernels in DEPRECATED_KERNELS:

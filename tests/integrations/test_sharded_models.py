@@ -26,6 +26,7 @@ pytest.importorskip("torch.distributed.fsdp")
 WORKER = Path(__file__).with_name("sharded_worker.py")
 SOURCE = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT_S = 240  # a hang ends here; a passing pair takes a fraction of it
+CONTROLS = ("per_layer", "unpaired")  # scenarios expected to hang or fail (test_sharded_lockstep.py's too)
 
 
 def free_port() -> int:
@@ -34,13 +35,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(scenario: str, tmp_path: Path, timeout_s: float = TIMEOUT_S) -> list[dict | None]:
+def run_ranks(scenario: str, tmp_path: Path, timeout_s: float = TIMEOUT_S, worker: Path = WORKER) -> list[dict | None]:
     """Each rank's JSON (None: it died or was stopped), after both ended or were killed at the timeout."""
     import os
 
     env = {**os.environ, "PYTHONPATH": f"{SOURCE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     port, outputs = str(free_port()), [tmp_path / f"{scenario}-{rank}.json" for rank in range(2)]
-    ranks = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(rank), "2", port, str(outputs[rank])],
+    ranks = [subprocess.Popen([sys.executable, str(worker), scenario, str(rank), "2", port, str(outputs[rank])],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]  # fmt: skip
     logs = []
@@ -51,7 +52,7 @@ def run_ranks(scenario: str, tmp_path: Path, timeout_s: float = TIMEOUT_S) -> li
             rank.kill()
             logs.append(rank.communicate()[0] + "\n(killed at the timeout)")
     results = [json.loads(path.read_text()) if path.exists() else None for path in outputs]
-    if scenario != "per_layer":
+    if scenario not in CONTROLS:
         assert all(results), "a rank did not finish:\n" + "\n".join(log[-3000:] for log in logs)
     return results
 
@@ -127,13 +128,3 @@ def test_control_per_layer_collectives_with_uneven_work_fail(tmp_path):
     one rank fails (its peer gone mid-collective) or hangs until the timeout."""
     results = run_ranks("per_layer", tmp_path, timeout_s=120)
     assert not all(results)
-
-
-def test_lockstep_is_refused_by_name_and_gathered_is_the_default():
-    from autobucket import RolloutConfig
-
-    assert RolloutConfig().sharded_weights == "gathered"
-    with pytest.raises(ValueError, match=r"sharded_weights='lockstep' is not implemented: .*sharded_weights='gathered'"):
-        RolloutConfig(sharded_weights="lockstep")
-    with pytest.raises(ValueError, match=r"sharded_weights='stepped' is invalid: expected one of 'gathered', 'lockstep'"):
-        RolloutConfig(sharded_weights="stepped")

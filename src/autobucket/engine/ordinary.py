@@ -170,9 +170,9 @@ def _generate_batch(model, requests: list[Request], sampling: ResolvedSampling, 
         generation_config=config,
         logits_processor=LogitsProcessorList([clock, selector] if selector else [clock]),
         stopping_criteria=StoppingCriteriaList(criteria),
-        # HF turns on lockstep for an FSDP or ZeRO-3 model at world size > 1 (an all-reduce per step, so
-        # ranks generating different batches would wait on each other); the engine gathers the weights
-        # for the call instead, so each rank's steps are its own
+        # HF turns on its lockstep for an FSDP or ZeRO-3 model at world size > 1 (an all-reduce per step):
+        # off, since gathered weights need none and the engine's lockstep pairs every forward of every
+        # route itself (`model_access/lockstep.py`), where HF's all-reduce would be one more unpaired
         synced_gpus=False,
         **exact,
     )

@@ -54,11 +54,14 @@ from autobucket.engine.model_access.hf_compat import (
     unwrap_model,
     vocab_size,
 )
+from autobucket.engine.model_access.lockstep import lockstep_forwards
 from autobucket.engine.model_access.rank_failures import distributed_ready, failures_shared
 from autobucket.engine.model_access.sharded_weights import (
     gathered_weights,
     gathering_communicates,
     is_sharded,
+    sharded_forwards,
+    zero3_partitioned,
 )
 from autobucket.engine.model_access.weight_versions import merged_adapters, weights_version
 from autobucket.engine.plan.forward_plan import ForwardPlan, check_op_backends, choose_plan, plan_entered
@@ -125,7 +128,7 @@ class Rollout:
     def costs(self) -> CostCoefficients:
         """The coefficients the next call plans with (online: probed now if nothing was learned yet). On a
         sharded model the probe runs on the gathered weights: every rank reads it together."""
-        with self._call_lock, self._gathered():
+        with self._call_lock, self._sharded_call():
             self._follow_model()
             return self.cost_source.current(self._probe_runner())
 
@@ -182,8 +185,8 @@ class Rollout:
 
     def _generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None, overrides: dict) -> RolloutResult:
         started = time.perf_counter()
-        # a refusal on one rank stops every rank, when the gathering below would communicate
-        communicates = gathering_communicates(self._wrapper)
+        # a refusal on one rank stops every rank, when the gathering (or the pairing) below would communicate
+        communicates = gathering_communicates(self._wrapper) or self._pairs_zero3()
         with failures_shared(communicates and distributed_ready()):
             sampling = sampling_or_default(sampling)
             generation = resolve_generation(self.model, sampling, overrides, self.vocab_size)
@@ -192,7 +195,7 @@ class Rollout:
             _warn_if_autocast_forward(self.model, self._call_config())
             token_prompts = normalize_prompts(prompts, self.tokenizer, self.vocab_size)
             check_context(token_prompts, sampling.request_budgets(len(token_prompts)), self.max_positions)
-        with self._gathered():  # every rank of a sharded model, even one with no prompts, joins the gather
+        with self._sharded_call():  # every rank of a sharded model, even one with no prompts, joins in
             if not token_prompts:
                 profile = self._profile(self.config.route)
                 return RolloutResult([], [], self.config.route, profile, [] if sampling.logprobs else None)
@@ -216,16 +219,50 @@ class Rollout:
         return result
 
     @contextmanager
-    def _gathered(self) -> Iterator[None]:
-        """A sharded model's full weights for the call (`sharded_weights`), once per call on every rank.
-        FSDP's all-gather writes the full weights without bumping their version counters, so what was
-        derived from them (packed copies, prefix-cache K/V) is rebuilt every call."""
+    def _sharded_call(self) -> Iterator[None]:
+        """A sharded model's weights for the call (`sharded_weights`), on every rank: "gathered", the full
+        weights once per call; "lockstep", the forwards paired across ranks on the shards (one-token
+        forwards after this rank's work, until every rank's is done). The shards are written without
+        bumping their version counters, so what was derived from the weights (packed copies, prefix-cache
+        K/V) is rebuilt every call."""
+        if self._pairs_zero3():  # ZeRO-3's hooks gather and release each submodule's parameters
+            with self._lockstep(distributed_ready()):
+                self.refresh_weights()
+                yield
+            return
         if not is_sharded(self._wrapper):
             yield
             return
-        with gathered_weights(self._wrapper):
+        if self.config.sharded_weights == "gathered":
+            with gathered_weights(self._wrapper):
+                self.refresh_weights()
+                yield
+            return
+        # nested in a caller's gather (every group unsharded) the forwards communicate nothing to pair
+        paired = gathering_communicates(self._wrapper) and distributed_ready()
+        with sharded_forwards(self._wrapper, self.model), self._lockstep(paired):
             self.refresh_weights()
             yield
+
+    def _pairs_zero3(self) -> bool:
+        """A ZeRO-3 module handed over directly under lockstep (gathered, it is the DeepSpeed adapter's
+        engine that gathers: `integrations/zero3_weights.py`)."""
+        return self.config.sharded_weights == "lockstep" and zero3_partitioned(self._wrapper)
+
+    @contextmanager
+    def _lockstep(self, paired: bool) -> Iterator[None]:
+        if not paired:
+            yield
+            return
+        with lockstep_forwards(self.model, self._one_token_forward):
+            yield
+
+    def _one_token_forward(self) -> None:
+        """A forward whose output is discarded, run to pair its collectives with a peer rank's forward:
+        without dropout (the trainer's random stream untouched), without autograd."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with autograd_off_for(self.model), eval_semantics(self.model):
+            self.model(input_ids=ids, use_cache=False)
 
     def _run_route(
         self,
@@ -408,6 +445,10 @@ def _packed_linears_for(model: torch.nn.Module, config: RolloutConfig) -> Packed
     check_invariant_model(model)
     if runs_triton_set(next(model.parameters()).device):  # the Triton set reads the weights in place
         return None
+    if config.sharded_weights == "lockstep" and (is_sharded(model) or zero3_partitioned(model)):
+        # no copies: a copy of every layer is what lockstep avoids; each GEMM reads its layer's weight as
+        # FSDP all-gathered it for the forward (bitwise a packed copy's values, as the trainer's scope)
+        return PackedLinears(budget_bytes=0)
     budget = None if config.packed_weights_mb is None else int(config.packed_weights_mb * 2**20)
     return PackedLinears(budget, fuse=True)
 

@@ -121,8 +121,10 @@ def forward_spec(model: torch.nn.Module) -> ForwardSpec:
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the output head: the ids the model can emit (may exceed the tokenizer's vocabulary)."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Rows of the output head: the ids the model can emit (may exceed the tokenizer's vocabulary). A
+    ZeRO-3 partitioned weight is empty outside its module's forward; its full shape is `ds_shape`."""
+    weight = model.get_output_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
 def attention_backend(model: torch.nn.Module) -> str:

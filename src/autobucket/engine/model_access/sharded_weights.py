@@ -1,4 +1,6 @@
-"""Full weights for one call on a model sharded over ranks by FSDP2 (`fully_shard`).
+"""Full weights for one call on a model sharded over ranks by FSDP2 (`fully_shard`) (`gathered_weights`),
+or the shards kept and FSDP's state put back after a lockstep call's sharded forwards (`sharded_forwards`,
+paired across ranks by `lockstep.py`).
 
 Why gather once: a sharded model all-gathers each layer's shards inside every forward, a collective
 every rank must join. The engine runs a data-dependent number of forwards per rank (its own prompts,
@@ -42,6 +44,12 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and bool(fsdp2_modules(model))
 
 
+def zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters (its hooks all-gather each submodule's
+    inside the forward): the attribute ZeRO-3 gives every parameter, read without importing deepspeed."""
+    return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_status") for p in model.parameters())
+
+
 def gathering_communicates(model: torch.nn.Module) -> bool:
     """Whether `gathered_weights(model)` would all-gather: some group is sharded now. Inside an enclosing
     `gathered_weights` (a caller generating several times on one gather) every group is unsharded, and
@@ -71,6 +79,32 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     if not modules:
         yield
         return
+    with _state_restored(modules) as groups:
+        _unsharded_through_forwards(modules, groups)
+        yield
+
+
+@contextmanager
+def sharded_forwards(model: torch.nn.Module, called: torch.nn.Module) -> Iterator[None]:
+    """Inside: forwards of `called` (the module the engine calls, inside `model`) run FSDP's own
+    per-group all-gathers, each rank keeping only its shards between them (`sharded_weights="lockstep"`).
+    FSDP modules above `called` (a PeftModel root holding the embeddings' shards) are never entered by
+    those forwards, so their groups are all-gathered once here (the same collectives on every rank) and
+    kept for the call. After: the model as found (`gathered_weights`' restore), the records of FSDP's
+    forward order included, however many forwards ran."""
+    modules = fsdp2_modules(model)
+    if not modules:
+        yield
+        return
+    inside = {id(module) for module in called.modules()}
+    with _state_restored(modules) as groups:
+        _unsharded_through_forwards([module for module in modules if id(module) not in inside], groups)
+        yield
+
+
+@contextmanager
+def _state_restored(modules: list[torch.nn.Module]) -> Iterator[list[_GroupState]]:
+    """What a call changes on the FSDP states of `modules` (outermost first), put back after it."""
     _initialise_roots(modules)
     states = _unique([module._get_fsdp_state() for module in modules])
     groups = [
@@ -82,14 +116,20 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     orders = _unique([g.group.comm_ctx.post_forward_order for g in groups])
     order_lengths = [(order, len(order)) for order in orders]
     try:  # an unshard that fails part way (out of memory) still leaves the model as found
-        with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
-            for module in modules:
-                module.unshard()
-        for saved in groups:
-            saved.group.post_forward_mesh_info = None  # keep the gathered weights through every forward
-        yield
+        yield groups
     finally:
         _restore(groups, automatic, order_lengths)
+
+
+def _unsharded_through_forwards(modules: list[torch.nn.Module], groups: list[_GroupState]) -> None:
+    """All-gather the groups of `modules` (in their order) and keep them so through every forward."""
+    with torch.no_grad():  # FSDP2's unshard keeps version counters, which inference mode lacks
+        for module in modules:
+            module.unshard()
+    mine = {id(g) for module in modules for g in module._get_fsdp_state()._fsdp_param_groups}
+    for saved in groups:
+        if id(saved.group) in mine:
+            saved.group.post_forward_mesh_info = None  # FSDP's encoding of "no reshard after forward"
 
 
 def _restore(groups: list[_GroupState], automatic: list, order_lengths: list) -> None:
