@@ -10,8 +10,9 @@ honour raises a ValueError naming the option."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -206,13 +207,15 @@ def context_budgets(runs: list[tuple[list[int], int]], max_new_tokens: int, mode
 
 def generate_completions(
     trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None,
-    num_generations: int | None = None, continued: bool = False,
+    num_generations: int | None = None, continued: bool = False, runner: Callable[..., Any] | None = None,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row.
 
     num_generations: the longest run of identical prompts sampled as one prompt with n (None: any).
     continued: a tool-calling turn (conversations, not dataset prompts): each run generates what the
-    model's context leaves, up to the budget, where a first turn raises."""
+    model's context leaves, up to the budget, where a first turn raises.
+    runner: (trainer, model, config) -> the function that generates the runs (`_generate_runs`' arguments
+    after the rollout; None: `Rollout.generate`, `rollout_runner`; `trl_async.TrainerEngine.runner`)."""
     if len(prompt_ids) == 0:
         raise ValueError("the generation batch is empty: TRL passed no prompts; check the dataset and batch size")
     base = sampling_from_generation_config(trainer.generation_config, trainer.eos_token_ids)
@@ -238,15 +241,20 @@ def generate_completions(
             else:
                 check_prompt_context(prompt_ids, base.max_new_tokens, model)
                 budgets = [base.max_new_tokens] * len(runs)
-            rollout = _rollout_for(trainer, model, config)
+            generate_runs = (runner or rollout_runner)(trainer, model, config)
         # FSDP2: one gather for all of this rank's calls (one per distinct run length, which can differ
         # between ranks when a prompt group is split across them); the calls inside communicate nothing
         with gathered_weights(wrapped):
-            samples, results = _generate_runs(rollout, runs, seeds, budgets, base, processor_options(trainer.generation_config))
+            samples, results = generate_runs(runs, seeds, budgets, base, processor_options(trainer.generation_config))
     trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
     trainer.autobucket_profiles = [r.profile for r in results]
     completions = [tokens for tokens, _ in samples]
     return completions, ([logprobs for _, logprobs in samples] if base.logprobs else None)
+
+
+def rollout_runner(trainer: Any, model: Any, config: RolloutConfig) -> Callable[..., Any]:
+    """The default generator of runs: the trainer's `Rollout.generate`."""
+    return functools.partial(_generate_runs, _rollout_for(trainer, model, config))
 
 
 def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:
