@@ -9,7 +9,9 @@ the optimizer step is what makes later steps agree), and another trainer seed (s
 
 from __future__ import annotations
 
+import copy
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ import test_integration_trl as stock_trl_tests  # noqa: E402
 import torch  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from autobucket import RolloutConfig  # noqa: E402
+from autobucket import Rollout, RolloutConfig, SamplingConfig  # noqa: E402
 from autobucket.integrations import trl_async  # noqa: E402
 from autobucket.integrations.trl import AutobucketGRPOTrainer  # noqa: E402
 from autobucket.models import build_tiny_model  # noqa: E402
@@ -149,3 +151,31 @@ def test_bad_engine_choices_are_refused(tmp_path, eos_id):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"engine='async' with a sharded model \(FSDP or DeepSpeed ZeRO-3\)"):
         trl_async.TrainerEngine(None).runner(sharded, None, RolloutConfig())
+
+
+def test_a_model_error_propagates_unchanged_and_leaves_the_engine_parked_and_usable(tiny_models):
+    """The model's error reaches the caller as raised; the call's other requests are aborted (none stays
+    in flight), the engine is parked again, and its next call generates what `Rollout.generate` does."""
+    model = copy.deepcopy(tiny_models("tiny-qwen2"))
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), is_fsdp_enabled=False,
+        processing_class=None, state=SimpleNamespace(global_step=0),
+    )  # fmt: skip
+    engines = trl_async.TrainerEngine(None)
+    generate = engines.runner(trainer, model, RolloutConfig())
+    runs, seeds, budgets = [([5, 6, 7], 2), ([9, 8], 1)], [11, 12], [6, 6]
+    base = SamplingConfig(temperature=1.0, logprobs=True, eos_token_id=[])
+    hook = model.model.layers[0].register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="^boom$"):
+        generate(runs, seeds, budgets, base, {})
+    hook.remove()
+    engine = engines.engine
+    assert engine.paused and engine.batch.requests == [] and engine._live == {}
+    samples, [call] = generate(runs, seeds, budgets, base, {})
+    rollout = Rollout(model, config=RolloutConfig(route="aligned"))
+    expected = rollout.generate([[5, 6, 7]], replace(base, n=2, max_new_tokens=6, seed=[11]))
+    alone = rollout.generate([[9, 8]], replace(base, max_new_tokens=6, seed=[12]))
+    assert samples == [*zip(expected.tokens[0], expected.logprobs[0], strict=True), (alone.tokens[0], alone.logprobs[0])]
+    assert call.route == "async" and call.profile.output_tokens == 18
+    engines.close()
+    assert engines.engine is None and not engine._thread.is_alive()
