@@ -67,6 +67,7 @@ from trl import GRPOTrainer
 
 from autobucket import RolloutConfig
 from autobucket.checks import optional_int
+from autobucket.integrations.trl_async import TrainerEngine, checked_engine
 from autobucket.integrations.trl_generation import (
     check_args_supported,
     check_trainer_supported,
@@ -95,6 +96,9 @@ class AutobucketGRPOTrainer(GRPOTrainer):
     continuous_batch_size: most completions decoded at once (None: the whole generation batch).
     reuse_sampling_logps: with invariant kernels, use the sampling logprobs as `old_per_token_logps`
       instead of TRL's extra forward (False: always run TRL's forward).
+    engine: "rollout" (default: one `Rollout.generate` call per generation batch) or "async" (every
+      completion a request on one `AsyncEngine` of the trainer's, parked outside generation and closed
+      at the end of `train()`; `trl_async.py`); the same completions either way.
     Other arguments are `GRPOTrainer`'s; with `peft_config` it generates through the active LoRA adapter.
 
     After each generation batch: `autobucket_routes` (the routes of its last turn) and `autobucket_turns`
@@ -110,6 +114,7 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         rollout_config: RolloutConfig | None = None,
         continuous_batch_size: int | None = None,
         reuse_sampling_logps: bool = True,
+        engine: str = "rollout",
         **kwargs: Any,
     ) -> None:
         self.rollout_config = _rollout_config_or_default(rollout_config)
@@ -118,16 +123,19 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         self._autobucket_old_logps: tuple[list[list[int]], list[list[float]]] | None = None
         optional_int("continuous_batch_size", continuous_batch_size, 1, "or None for the whole generation batch")
         self.continuous_batch_size = continuous_batch_size
+        self.autobucket_engine = TrainerEngine(continuous_batch_size) if checked_engine(engine) == "async" else None
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         if training_args is not None:
             check_args_supported(training_args)  # before TRL builds a vLLM engine we would not use
         super().__init__(*args, **kwargs)
         check_trainer_supported(self)
+        if self.autobucket_engine is not None:
+            self.autobucket_engine.attach(self)
         self.autobucket_turns: list[list[Any]] = []
         self._autobucket_weights_step: int | None = None
         if self.tools and rollout_config is None:
             self.rollout_config = replace(self.rollout_config, prefix_cache_mb=TOOL_PREFIX_CACHE_MB)
-        elif self.tools and not self.rollout_config.prefix_cache_mb:
+        elif self.tools and not self.rollout_config.prefix_cache_mb and self.autobucket_engine is None:
             warnings.warn(
                 "tools with rollout_config.prefix_cache_mb=0: every tool-calling turn prefills its whole "
                 "conversation again; set RolloutConfig(prefix_cache_mb=...) to prefill only the new tokens",
@@ -162,6 +170,14 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         if torch.is_grad_enabled():
             self._autobucket_last_logps = logps.detach()  # the loss's logprobs, compared in _compute_loss
         return logps, entropies, aux_loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's training; the async engine (engine="async") is closed after it, its thread stopped."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.autobucket_engine is not None:
+                self.autobucket_engine.close()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """With invariant kernels the whole step runs in the scope: gradient checkpointing recomputes the
@@ -268,8 +284,9 @@ class AutobucketGRPOTrainer(GRPOTrainer):
         with prompt + completion + tool-result ids and `num_generations=1` (one sample per conversation)."""
         reject_multimodal(images, multimodal_fields)
         continued = bool(self.autobucket_turns)  # a tool-calling turn of this generation batch
+        runner = self.autobucket_engine.runner if self.autobucket_engine is not None else None
         completions, logprobs = generate_completions(  # positional: tests wrap it as (trainer, *args)
-            self, prompt_ids, self.rollout_config, self.continuous_batch_size, num_generations, continued
+            self, prompt_ids, self.rollout_config, self.continuous_batch_size, num_generations, continued, runner
         )
         self.autobucket_turns.append(self.autobucket_profiles)
         return completions, logprobs

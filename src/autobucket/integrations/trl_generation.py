@@ -12,8 +12,9 @@ and the generation run on the gathered weights, and a rank whose call fails rais
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -209,13 +210,15 @@ def context_budgets(runs: list[tuple[list[int], int]], max_new_tokens: int, mode
 
 def generate_completions(
     trainer: Any, prompt_ids: Sequence[Sequence[int]], config: RolloutConfig, continuous_batch_size: int | None,
-    num_generations: int | None = None, continued: bool = False,
+    num_generations: int | None = None, continued: bool = False, runner: Callable[..., Any] | None = None,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """Completion ids (through the first EOS) and, when sampling, their logprobs, one per input row.
 
     num_generations: the longest run of identical prompts sampled as one prompt with n (None: any).
     continued: a tool-calling turn (conversations, not dataset prompts): each run generates what the
-    model's context leaves, up to the budget, where a first turn raises."""
+    model's context leaves, up to the budget, where a first turn raises.
+    runner: (trainer, model, config) -> the function that generates the runs (`_generate_runs`' arguments
+    after the rollout; None: `Rollout.generate`, `rollout_runner`; `trl_async.TrainerEngine.runner`)."""
     wrapped, call_seed = trainer.model_wrapped, generation_seed(trainer)
     # Nothing before the weights' gathering (a collective) can fail on one rank only: the checks run after
     # it, with the generation, and a rank that fails raises on every rank once each has generated on its
@@ -246,9 +249,9 @@ def generate_completions(
         else:
             check_prompt_context(prompt_ids, base.max_new_tokens, model)
             budgets = [base.max_new_tokens] * len(runs)
-        rollout = _rollout_for(trainer, model, config)
-        samples, results = _generate_runs(
-            rollout, runs, run_seeds(call_seed, len(runs)), budgets, base, processor_options(trainer.generation_config)
+        generate_runs = (runner or rollout_runner)(trainer, model, config)
+        samples, results = generate_runs(
+            runs, run_seeds(call_seed, len(runs)), budgets, base, processor_options(trainer.generation_config)
         )
     trainer.autobucket_routes = [r.route for r in results]  # what ran last ("bucketed" / "ordinary" under auto)
     trainer.autobucket_profiles = [r.profile for r in results]
@@ -269,6 +272,11 @@ def sharded_over_ranks(trainer: Any) -> bool:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     zero3 = plugin is not None and plugin.zero_stage == 3
     return dist.get_world_size() > 1 and (zero3 or gathering_communicates(trainer.model_wrapped))
+
+
+def rollout_runner(trainer: Any, model: Any, config: RolloutConfig) -> Callable[..., Any]:
+    """The default generator of runs: the trainer's `Rollout.generate`."""
+    return functools.partial(_generate_runs, _rollout_for(trainer, model, config))
 
 
 def _rollout_for(trainer: Any, model: Any, config: RolloutConfig) -> Rollout:

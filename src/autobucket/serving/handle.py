@@ -38,18 +38,15 @@ class RequestHandle:
         """Block until it finishes; the model's error, if one stopped it, is raised here."""
         progress = self._request.progress
         with progress.condition:
-            if not progress.condition.wait_for(lambda: self._request.done, timeout):
+            if not progress.wait_final(timeout):
                 raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
             return self._finished()
 
     async def wait(self) -> RequestOutput:
-        """The result, awaited without blocking the event loop."""
-        while True:
-            with self._request.progress.condition:
-                if self._request.done:
-                    return self._finished()
-                seen = self._request.progress.changes
-            await self._request.progress.wait_async(seen)
+        """The result, awaited without blocking the event loop (woken once, when it ends)."""
+        await self._request.progress.wait_final_async()
+        with self._request.progress.condition:
+            return self._finished()
 
     def __await__(self) -> Generator[Any, None, RequestOutput]:
         return self.wait().__await__()

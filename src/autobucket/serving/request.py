@@ -137,7 +137,7 @@ class Request:
             if self.done:
                 return
             self.finish_reason, self.error = reason, error
-            self.progress.changed()
+            self.progress.changed(final=True)
 
     def reason_to_finish(self, stopped: bool) -> str | None:
         """Why its newest token ends it (EOS, a completed stop string, its budget), or None."""

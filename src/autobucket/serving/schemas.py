@@ -17,7 +17,7 @@ from autobucket.config import SamplingConfig
 
 class SamplingFields(BaseModel):
     """The sampling options every generating endpoint shares (OpenAI's names, and vLLM's top_k / min_p /
-    min_tokens / repetition_penalty). temperature defaults to 1.0 as OpenAI's does; 0 is greedy."""
+    min_tokens / repetition_penalty / ignore_eos). temperature defaults to 1.0 as OpenAI's does; 0 is greedy."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -31,6 +31,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=128)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # HF's, over the prompt and tokens so far
+    ignore_eos: bool = False  # vLLM's: generate through EOS to max_tokens (benchmarks: every request the same length)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -60,6 +61,7 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             repetition_penalty=self.repetition_penalty,
             stop_strings=stops if stops is not None else [],
+            eos_token_id=[] if self.ignore_eos else None,
         )
 
 

@@ -13,6 +13,7 @@ no authentication."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 import time
@@ -37,7 +38,6 @@ from autobucket.serving.request import RequestOutput
 from autobucket.serving.schemas import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-DISCONNECT_POLL_S = 0.05
 
 
 class EngineServer:
@@ -52,7 +52,9 @@ class EngineServer:
             raise ValueError(f"port={port!r} is invalid: pass 0 (a free port) to 65535")
         self.engine, self.host = engine, host
         self.app = build_app(engine, model_name or default_model_name(engine.model))
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="autobucket-server", daemon=True)
         self.port = port
@@ -93,13 +95,21 @@ def default_model_name(model: Any) -> str:
 
 
 def build_app(engine: Any, model_name: str) -> FastAPI:
-    app = FastAPI(title="autobucket", docs_url=None, redoc_url=None)
+    app = FastAPI(title="autobucket", docs_url=None, redoc_url=None, **_telemetry_off())
     app.state.in_flight = set()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValueError, _bad_value)
     app.add_exception_handler(TypeError, _bad_value)
     _add_routes(app, engine, model_name)
     return app
+
+
+def _telemetry_off() -> dict[str, Any]:
+    """FastAPI's native OpenTelemetry off, where this FastAPI has it: otherwise every request asks the
+    global providers (and the environment) whether tracing is configured, for a loopback server."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
 def _add_routes(app: FastAPI, engine: Any, model_name: str) -> None:
@@ -120,18 +130,18 @@ def _add_routes(app: FastAPI, engine: Any, model_name: str) -> None:
         return {"aborted": [body.request_id] if engine.abort(body.request_id) else []}
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> dict:
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         if body.sampling_params.n != 1:
             raise ValueError(f"sampling_params.n={body.sampling_params.n}: /generate makes one sequence; send one call per sample")
         sampling = body.sampling_params.sampling(body.logprobs)
         handle = engine.submit(body.prompt_ids, sampling, request_id=body.request_id, sample=body.sample, generated=body.generated)
         app.state.in_flight.add(handle.request_id)
         [output] = await _results_or_abort(app, request, [handle])
-        return {
+        return JSONResponse({
             "request_id": output.request_id, "token_ids": output.tokens, "logprobs": output.logprobs,
             "finish_reason": output.finish_reason, "versions": output.versions,
             "weights_version": engine.weights_version,
-        }  # fmt: skip
+        })  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -141,7 +151,7 @@ def _add_routes(app: FastAPI, engine: Any, model_name: str) -> None:
             events = _completion_events(app, handles, completion_id, model_name, tokenizer)
             return StreamingResponse(events, media_type="text/event-stream")
         outputs = await _results_or_abort(app, request, handles)
-        return completion_body(completion_id, model_name, outputs, tokenizer)
+        return JSONResponse(completion_body(completion_id, model_name, outputs, tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
@@ -153,7 +163,7 @@ def _add_routes(app: FastAPI, engine: Any, model_name: str) -> None:
         if body.stream:
             return StreamingResponse(_chat_events(app, handles, completion_id, model_name, tokenizer), media_type="text/event-stream")
         outputs = await _results_or_abort(app, request, handles)
-        return chat_body(completion_id, model_name, outputs, tokenizer)
+        return JSONResponse(chat_body(completion_id, model_name, outputs, tokenizer))
 
 
 def _submit_samples(app: FastAPI, engine: Any, prompt: Any, sampling: Any, n: int, completion_id: str) -> list[RequestHandle]:
@@ -184,8 +194,10 @@ async def _results_or_abort(app: FastAPI, request: Request, handles: Sequence[Re
 
 
 async def _disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
+    """Return when the client goes away. The body has been read, so the server's next message on this
+    request is its disconnect (what Starlette's streaming response listens for): awaited, not polled."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _merged_chunks(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, Any]]:
