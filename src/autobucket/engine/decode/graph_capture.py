@@ -1,0 +1,102 @@
+"""Capturing one decode step and replaying it: a CUDA graph, or its test-only stand-in on the CPU.
+
+`CudaGraphStep` warms the step up on a side stream (first calls compile Triton kernels and let the
+allocator settle), then records it with `torch.cuda.graph` into a memory pool shared by a runner's
+graphs. Capture errors are thread-local, so a trainer thread's forward beside it is untouched.
+
+`TracedStep` is the stand-in (`graphs_on_cpu`, a test switch): the step traced once with
+`make_fx` into an aten graph whose tensors are constants held by reference (the same storage, as a
+CUDA graph holds addresses), replayed by running that graph and copying its result into one output
+tensor. It has a CUDA graph's semantics where they can bite: Python values are frozen at the trace,
+inputs reach it only through the tensors it was traced on, the output is overwritten in place at every
+replay, and weights are read from their storage (an in-place update is seen, a replaced tensor is not).
+Chosen over `torch.export` because the step reads the model's modules, the store's views and the
+kernels' custom ops from closures, as the CUDA capture does; `make_fx` records exactly what ran."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from autobucket.engine.intercept.active import active, forward_with
+
+StepFunction = Callable[[], torch.Tensor]  # one decode step over persistent buffers -> logits [rows, vocab]
+WARMUP_CALLS = 2  # before a capture: Triton's first call compiles, cuBLAS picks its workspace
+
+
+@contextmanager
+def graphs_on_cpu() -> Iterator[None]:
+    """Test switch: in the block a CPU model's decode may take the captured form, on `TracedStep`."""
+    with forward_with(graphs_on_cpu=True):
+        yield
+
+
+def captures_on(device: torch.device) -> bool:
+    """Whether a decode step on `device` can be captured here (CUDA, or the stand-in switched on)."""
+    return device.type == "cuda" or (device.type == "cpu" and active().graphs_on_cpu)
+
+
+class CudaGraphStep:
+    """`run` recorded once in a CUDA graph; `replay()` -> the graph's own output tensor (overwritten by
+    the next replay)."""
+
+    def __init__(self, run: StepFunction, pool: tuple) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.output = run()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class TracedStep:
+    """`run` traced once (it runs for real while traced, as a warm-up does); `replay()` -> one output
+    tensor, overwritten in place by every replay."""
+
+    def __init__(self, run: StepFunction, pool: tuple | None = None) -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.graph = make_fx(run, tracing_mode="real")()
+        self.output: torch.Tensor | None = None  # the first replay's result, written over by the next
+
+    def replay(self) -> torch.Tensor:
+        result = self.graph()
+        if self.output is None:
+            self.output = result
+        else:
+            self.output.copy_(result)
+        return self.output
+
+
+def new_pool(device: torch.device) -> tuple | None:
+    """The memory pool a runner's graphs share (None for the stand-in)."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
+def capture(run: StepFunction, device: torch.device, pool: tuple | None) -> CudaGraphStep | TracedStep:
+    """`run` captured for `device`: a CUDA graph, or the stand-in on the CPU."""
+    if device.type == "cuda":
+        return CudaGraphStep(run, pool)
+    return TracedStep(run)
+
+
+def capture_obstacle(model: torch.nn.Module, kernel_set: str, setting: bool | str) -> str | None:
+    """Why a call's decode steps on `model` under `kernel_set` are not captured (None: they are), given
+    `RolloutConfig.cuda_graphs` (`setting`); the engine's step must already stand in for the forward."""
+    if setting is False:
+        return "cuda_graphs=False"
+    device = next(model.parameters()).device
+    if not captures_on(device):
+        return f"CUDA graphs need a CUDA device (the model is on {device.type})"
+    if kernel_set == "cpu":
+        return "the C++ kernel set reads packed copies of the weights, which a graph would keep after an update"
+    return None
