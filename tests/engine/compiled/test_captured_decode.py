@@ -152,10 +152,10 @@ class Pair:
         """One step of both -> (eager logits, captured logits); both then feed the eager argmax."""
         logits = []
         for runner, plan, graphs in (self.eager, self.graphs):
-            with graphs_on_cpu() if graphs else contextlib.nullcontext(), torch.inference_mode():
-                with plan_entered(plan, self.model, None):
-                    runner.prepare_decode()
-                    logits.append(runner.decode_logits().clone())
+            scope = graphs_on_cpu() if graphs else contextlib.nullcontext()
+            with scope, torch.inference_mode(), plan_entered(plan, self.model, None):
+                runner.prepare_decode()
+                logits.append(runner.decode_logits().clone())
         tokens = logits[0].argmax(-1)
         for runner, _, _ in (self.eager, self.graphs):
             runner.advance(tokens)
