@@ -45,7 +45,7 @@ else
     MODE="GPU run ($(nvidia-smi -L | head -n 1))"
 fi
 say "$MODE with $(command -v "$PY") from $REPO into $OUT_DIR; phases env, kernels, mismatch, speed, step," \
-    "time boxes $((45 * SCALE)) / $((100 * SCALE)) / $((100 * SCALE)) / $((180 * SCALE)) / $((45 * SCALE)) s"
+    "time boxes $((45 * SCALE)) / $((100 * SCALE)) / $((100 * SCALE)) / $((165 * SCALE)) / $((60 * SCALE)) s"
 
 run_phase() {  # name, seconds
     say "phase $1 (at most $2 s)"
@@ -70,8 +70,8 @@ if ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"
 fi
 run_phase kernels $((100 * SCALE))
 run_phase mismatch $((100 * SCALE))
-run_phase speed $((180 * SCALE))
-run_phase step $((45 * SCALE))
+run_phase speed $((165 * SCALE))
+run_phase step $((60 * SCALE))
 say "table"
 "$PY" "$REPO/benchmarks/gpu_check.py" table "$OUT_DIR" | tee "$OUT_DIR/table.txt"
 status=${PIPESTATUS[0]}
