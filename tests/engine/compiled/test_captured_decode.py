@@ -167,7 +167,9 @@ class Pair:
 
 
 def close(eager: torch.Tensor, graphs: torch.Tensor) -> bool:
-    return (eager - graphs).abs().max().item() < 1e-5
+    """Equal up to the rounding of SDPA over a bucket's masked columns (logits of magnitude ~10); what the
+    controls change moves them by far more."""
+    return (eager - graphs).abs().max().item() < 1e-4
 
 
 @pytest.fixture

@@ -65,7 +65,7 @@ class TracedStep:
     def __init__(self, run: StepFunction, pool: tuple | None = None) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        self.graph = make_fx(run, tracing_mode="real")()
+        self.graph = _held_by_storage(make_fx(run, tracing_mode="real")())
         self.output: torch.Tensor | None = None  # the first replay's result, written over by the next
 
     def replay(self) -> torch.Tensor:
@@ -75,6 +75,20 @@ class TracedStep:
         else:
             self.output.copy_(result)
         return self.output
+
+
+def _held_by_storage(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`graph` with each tensor it holds (make_fx keeps the tensor objects, parameters included) replaced
+    by a new tensor over the same storage: as a CUDA graph holds addresses, an in-place write is seen and a
+    tensor given new storage (`.data =`, `model.to`) is not."""
+    for node in graph.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        held = getattr(graph, node.target)
+        if isinstance(held, torch.Tensor):
+            delattr(graph, node.target)
+            setattr(graph, node.target, held.detach())
+    return graph
 
 
 def new_pool(device: torch.device) -> tuple | None:
