@@ -242,3 +242,37 @@ def test_disabling_an_adapter_drops_the_graphs(tiny_models):
 def _largest_difference(left, right) -> float:
     flat = lambda values: [x for row in values for x in (row if isinstance(row[0], float) else [y for r in row for y in r])]  # noqa: E731
     return max(abs(a - b) for a, b in zip(flat(left), flat(right), strict=True))
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_and_model_errors_propagate(tiny_models, monkeypatch):
+    """A host read of a device value inside the step fails the recording (as it fails a CUDA capture):
+    one warning, the call decodes eagerly, its tokens the eager form's. A model's own error raises at
+    the warm-up, unchanged."""
+    model = copy.deepcopy(tiny_models("tiny-llama"))
+    prompts = random_prompts(LENGTHS, seed=5)
+    eager, _ = rollout(model, prompts, "torch", graphs=False)
+    real_write = graph_buffers.StepBuffers.write
+
+    def write_after_a_host_read(self, layer, key, value):
+        assert int(self.column.item()) == self.store.front  # a host read: fine eagerly, not in a graph
+        return real_write(self, layer, key, value)
+
+    monkeypatch.setattr(graph_buffers.StepBuffers, "write", write_after_a_host_read)
+    with pytest.warns(RuntimeWarning, match="CUDA-graph decode off for this call.*reads a device value on the host"):
+        fallen_back, made = rollout(model, prompts, "torch", graphs=True)
+    assert made == 0 and fallen_back.tokens == eager.tokens and fallen_back.logprobs == eager.logprobs
+    monkeypatch.setattr(graph_buffers.StepBuffers, "write", real_write)
+
+    class ModelError(Exception):
+        pass
+
+    def raise_in_decode(module, args):
+        if args[0].shape[1] == 1:  # one token per row: a decode step
+            raise ModelError("raised by the model")
+
+    handle = model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(raise_in_decode)
+    try:
+        with pytest.raises(ModelError, match="raised by the model"):
+            rollout(model, prompts, "torch", graphs=True)
+    finally:
+        handle.remove()

@@ -11,7 +11,9 @@ what they recorded: the kernel set and its test switch, the weights' storage, dt
 forward hooks and replaced forwards, the adapters' state. It is compared before every step; a change
 drops every graph, and the next steps capture anew. Buckets are those of the compiled step: rows
 padded to a power of two, columns to a multiple of `CAPTURE_COLUMN_STEP`; past `MAX_GRAPHS_PER_STORE`
-graphs a new bucket decodes eagerly.
+graphs a new bucket decodes eagerly. A step that cannot be recorded (`CaptureError`: its warm-up ran, so
+the model's own errors have already raised unchanged) turns capturing off for the runner with one
+warning; it decodes eagerly from then on.
 
 The logits a step returns are a view of the graph's output tensor: the next replay writes over them
 (the engine samples from them before that)."""
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +32,7 @@ from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import COLUMN_STEP, row_bucket
 from autobucket.engine.decode.forms import CAPTURED
 from autobucket.engine.decode.graph_buffers import StepBuffers
-from autobucket.engine.decode.graph_capture import capture, new_pool
+from autobucket.engine.decode.graph_capture import CaptureError, capture, new_pool
 from autobucket.engine.decode.ops import decode_ops
 from autobucket.engine.decode.parts import LlamaParts
 from autobucket.engine.decode.step import llama_decode_step
@@ -70,8 +73,9 @@ class CaptureStats:
     graphs: int = 0  # captures made
     capture_ms: float = 0.0  # wall time of the steps that captured (warm-up and recording)
     replayed_steps: int = 0
-    eager_steps: int = 0  # steps past the graph limit
+    eager_steps: int = 0  # steps past the graph limit, or after a capture failed
     dropped_graphs: int = 0  # graphs dropped because the fingerprint changed
+    fallback_reason: str = ""  # why this runner stopped capturing (empty: it did not)
 
 
 @dataclass
@@ -102,11 +106,13 @@ class CapturedDecode:
         live = int(tokens.shape[0])
         key = (row_bucket(live, store.rows), column_bucket(store.front + 1, store.columns))
         graph, self.last_step_captured = self.graphs.get(key), False
-        if graph is None and len(self.graphs) >= MAX_GRAPHS_PER_STORE:
+        if graph is None and (self.stats.fallback_reason or len(self.graphs) >= MAX_GRAPHS_PER_STORE):
             self.stats.eager_steps += 1
             return None
         if graph is None:
             graph = self._capture(store, key, tokens, positions)
+            if graph is None:
+                return None
         else:
             graph.buffers.fill(tokens, positions)
         self.stats.replayed_steps += 1
@@ -120,18 +126,31 @@ class CapturedDecode:
         self.graphs.clear()
         self.store, self.fingerprint = store, fingerprint
 
-    def _capture(self, store: StaticKVCache, key: tuple[int, int], tokens: torch.Tensor, positions: torch.Tensor) -> _Graph:
+    def _capture(
+        self, store: StaticKVCache, key: tuple[int, int], tokens: torch.Tensor, positions: torch.Tensor
+    ) -> _Graph | None:
+        """The bucket's graph, captured now; None where it cannot be (capturing is then off)."""
         started = time.perf_counter()
         buffers = StepBuffers(store, *key, self.pad_token_id, self.boolean_mask)
         buffers.fill(tokens, positions)
-        with engine_attention(self.attention) if self.attention is not None else contextlib.nullcontext():
-            graph = _Graph(buffers, capture(self._run(buffers), self.device, self.pool))
+        try:
+            with engine_attention(self.attention) if self.attention is not None else contextlib.nullcontext():
+                graph = _Graph(buffers, capture(self._run(buffers), self.device, self.pool))
+        except CaptureError as error:
+            self._stop_capturing(str(error))
+            return None
         self.graphs[key] = graph
         self.stats.graphs += 1
         self.stats.capture_ms += (time.perf_counter() - started) * 1e3
         self.last_step_captured = True
         _CAPTURES[0] += 1
         return graph
+
+    def _stop_capturing(self, reason: str) -> None:
+        self.stats.fallback_reason = reason
+        self.stats.eager_steps += 1
+        self.graphs.clear()
+        warnings.warn(f"autobucket: CUDA-graph decode off for this call, decoding eagerly ({reason})", RuntimeWarning, stacklevel=3)
 
     def _run(self, buffers: StepBuffers) -> Callable[[], torch.Tensor]:
         """The step over `buffers`: what is captured. -> logits [bucket rows, vocab] fp32."""

@@ -19,11 +19,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobucket.engine.intercept.active import active, forward_with
 
 StepFunction = Callable[[], torch.Tensor]  # one decode step over persistent buffers -> logits [rows, vocab]
 WARMUP_CALLS = 2  # before a capture: Triton's first call compiles, cuBLAS picks its workspace
+
+
+class CaptureError(RuntimeError):
+    """Recording a step failed after its warm-up ran it eagerly (so not the model's error): something in
+    the step cannot be captured, such as a read of a device value on the host."""
 
 
 @contextmanager
@@ -45,12 +51,12 @@ class CudaGraphStep:
     def __init__(self, run: StepFunction, pool: tuple) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # the model's own errors and OOM raise here, unchanged
             for _ in range(WARMUP_CALLS):
                 run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with _capture_errors(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = run()
 
     def replay(self) -> torch.Tensor:
@@ -65,7 +71,9 @@ class TracedStep:
     def __init__(self, run: StepFunction, pool: tuple | None = None) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        self.graph = _held_by_storage(make_fx(run, tracing_mode="real")())
+        run()  # the warm-up: the model's own errors raise here, unchanged
+        with _capture_errors(), _NoHostReads():
+            self.graph = _held_by_storage(make_fx(run, tracing_mode="real")())
         self.output: torch.Tensor | None = None  # the first replay's result, written over by the next
 
     def replay(self) -> torch.Tensor:
@@ -75,6 +83,34 @@ class TracedStep:
         else:
             self.output.copy_(result)
         return self.output
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails an op that hands a device value to the host (`.item()`, `bool(tensor)`, `torch.equal`, a
+    data-dependent shape), as a CUDA capture fails it; make_fx alone lets a read of an input through."""
+
+    READS = frozenset(
+        {
+            torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+            torch.ops.aten.nonzero.default,
+        }
+    )  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise RuntimeError(f"{func} reads a device value on the host, which a CUDA graph cannot hold")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _capture_errors() -> Iterator[None]:
+    """A failure while recording -> CaptureError (out of memory propagates unchanged)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise CaptureError(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}") from error
 
 
 def _held_by_storage(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
