@@ -6,7 +6,8 @@ interpreter) the rollout must equal it bitwise, with rows joining and leaving ac
 buckets and a prompt's samples that the eager form decodes over one shared copy; on the model's own ops
 (transformers' SDPA reads the bucket's masked columns too) up to rounding. Inside one runner: an
 in-place weight update is seen by the graphs already captured; a replaced weight tensor, a new hook or
-a disabled adapter drops them. Controls that must break: the K/V write column taken as a Python int
+a disabled adapter drops them. A step that cannot be recorded decodes eagerly; a model's error
+propagates. Controls that must break: the K/V write column taken as a Python int
 (frozen at capture), and a graph kept after its fingerprint changed."""
 
 from __future__ import annotations
