@@ -91,10 +91,12 @@ class _NoHostReads(TorchDispatchMode):
 
     READS = frozenset(
         {
-            torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+            torch.ops.aten.item.default,
+            torch.ops.aten._local_scalar_dense.default,
+            torch.ops.aten.equal.default,
             torch.ops.aten.nonzero.default,
         }
-    )  # fmt: skip
+    )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
