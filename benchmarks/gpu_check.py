@@ -4,12 +4,16 @@
   kernels   the Triton kernels' batch invariance on the hardware, fp32 and bf16, with negative controls
   mismatch  zero mismatch end to end: a random-weight Qwen2.5-0.5B geometry, GRPO-shaped (n = 8, T = 1),
             k3 and max |dlogp| of rollout vs trainer, invariant kernels vs default
-  speed     one process, contenders interleaved: HF generate, transformers' generate_batch, Auto with the
-            default kernels, Auto with the invariant kernels (eager: CUDA-graph decode is not built)
+  speed     one process, contenders interleaved: HF generate, transformers' generate_batch, Auto on the
+            model's own ops (kernels="torch", the GPU's default) eager and with CUDA graphs, Auto with the
+            invariant kernels eager and with CUDA graphs; the JSON is rewritten after every round
+  step      the decode step alone, 64 rows over a context of 1,024: eager vs replayed from a CUDA graph,
+            interleaved, on the model's own ops and on the invariant kernels (their logits compared)
   table     the phases' JSON files -> summary.json and a table
 
 `--rehearse`: the same code on the CPU at toy sizes, the Triton kernels under the interpreter
-(TRITON_INTERPRET=1, set by the shell) and forced onto CPU tensors; fp32 only (the interpreter's bf16 is wrong)."""
+(TRITON_INTERPRET=1, set by the shell) and forced onto CPU tensors, CUDA graphs on their CPU stand-in
+(`graphs_on_cpu`: the step traced and replayed); fp32 only (the interpreter's bf16 is wrong)."""
 
 from __future__ import annotations
 
@@ -45,6 +49,15 @@ def forced(rehearse: bool):
     from autobucket.engine.intercept.triton_set import forced_on_cpu
 
     return forced_on_cpu() if rehearse else contextlib.nullcontext()
+
+
+def graphs_forced(rehearse: bool):
+    """CUDA graphs on their CPU stand-in for the rehearsal; a GPU captures real ones."""
+    import contextlib
+
+    from autobucket.engine.decode.graph_capture import graphs_on_cpu
+
+    return graphs_on_cpu() if rehearse else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------ env
@@ -290,7 +303,7 @@ def phase_mismatch(rehearse: bool, out: Path) -> dict:
     prompts = prompts_for(prompt_lengths(prompts_n, rehearse), model.config.vocab_size)
     sampling = SamplingConfig(max_new_tokens=new, temperature=1.0, n=n, seed=list(range(prompts_n)), logprobs=True, eos_token_id=[])
     results = {}
-    for kernels in ("invariant", "hf"):
+    for kernels in ("invariant", "torch"):
         config = RolloutConfig(kernels=kernels, persist_costs=False, costs=CostCoefficients() if rehearse else None)
         with forced(rehearse and kernels == "invariant"):
             result = Rollout(model, config=config).generate(prompts, sampling)
@@ -340,25 +353,30 @@ def phase_speed(rehearse: bool, out: Path) -> dict:
         config = GenerationConfig(max_new_tokens=new, do_sample=True, num_return_sequences=n, pad_token_id=0, eos_token_id=-1)
         model.generate_batch([p for p in prompts for _ in range(1)], generation_config=config)
 
-    def auto(kernels):
+    def auto(kernels, graphs):
         # the rehearsal plans with fixed coefficients: an online timing probe is a rollout, slow under the interpreter
-        config = RolloutConfig(kernels=kernels, persist_costs=False, costs=CostCoefficients() if rehearse else None)
+        config = RolloutConfig(kernels=kernels, persist_costs=False, costs=CostCoefficients() if rehearse else None,
+                               cuda_graphs=graphs)  # fmt: skip
         sampling = SamplingConfig(max_new_tokens=new, n=n, temperature=1.0, eos_token_id=[])
         rollout = Rollout(model, config=config)
 
         def run():
-            with forced(rehearse and kernels == "invariant"):
-                rollout.generate(prompts, sampling)
+            with forced(rehearse and kernels == "invariant"), graphs_forced(rehearse and graphs):
+                decode_step = rollout.generate(prompts, sampling).profile.plan["decode_step"]
+            if decode_step != ("captured" if graphs else "engine"):
+                raise RuntimeError(f"decoded in the {decode_step!r} form")
 
         return run
 
-    contenders = {"hf_generate": hf_generate, "generate_batch": generate_batch, "auto_default_eager": auto("hf"),
-                  "auto_invariant_eager": auto("invariant")}  # fmt: skip
+    # "default" is the model's own ops, which kernels="auto" takes on a GPU (kernels="torch": the same on the CPU)
+    contenders = {"hf_generate": hf_generate, "generate_batch": generate_batch,
+                  "auto_default_eager": auto("torch", False), "auto_default_graphs": auto("torch", True),
+                  "auto_invariant_eager": auto("invariant", False), "auto_invariant_graphs": auto("invariant", True)}  # fmt: skip
     if rehearse:  # its CPU defaults reserve ~10 GB and take seconds a call: checked on the GPU only
         del contenders["generate_batch"]
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    errors = {}
-    for _ in range(repeats + 1):  # the first round warms up
+    errors: dict[str, str] = {}
+    for _ in range(repeats + 1):  # the first round warms up (and captures the graphs)
         for name, run in contenders.items():
             if name in errors:
                 continue
@@ -373,15 +391,109 @@ def phase_speed(rehearse: bool, out: Path) -> dict:
                 samples[name].append(time.perf_counter() - start)
             except Exception as error:  # a contender that cannot run here is reported, not fatal
                 errors[name] = f"{type(error).__name__}: {error}"[:300]
+        result = speed_result(samples, errors)
+        (out / "speed.json").write_text(json.dumps(result, indent=1))  # a round kept if the time box ends the next
+    return result
+
+
+def speed_result(samples: dict[str, list[float]], errors: dict[str, str]) -> dict:
     medians = {name: statistics.median(s[1:] or s) for name, s in samples.items() if s}
-    return {"samples_s": samples, "median_s": medians, "errors": errors, "not_built": ["CUDA-graph decode"],
-            "ok": "auto_invariant_eager" in medians and "auto_default_eager" in medians}  # fmt: skip
+    ratios = {}
+    for kernels in ("default", "invariant"):
+        eager, graphs = medians.get(f"auto_{kernels}_eager"), medians.get(f"auto_{kernels}_graphs")
+        if eager and graphs:
+            ratios[f"{kernels}: graphs / eager"] = graphs / eager
+    if "hf_generate" in medians and "auto_default_graphs" in medians:
+        ratios["HF generate / auto default graphs"] = medians["hf_generate"] / medians["auto_default_graphs"]
+    if medians.get("auto_default_graphs") and "auto_invariant_graphs" in medians:
+        ratios["invariant / default, graphs"] = medians["auto_invariant_graphs"] / medians["auto_default_graphs"]
+    wanted = ("auto_default_eager", "auto_default_graphs", "auto_invariant_eager", "auto_invariant_graphs")
+    return {"samples_s": samples, "median_s": medians, "ratios": ratios, "errors": errors,
+            "ok": all(name in medians for name in wanted)}  # fmt: skip
+
+
+# ------------------------------------------------------------------ the decode step alone
+def phase_step(rehearse: bool, out: Path) -> dict:
+    """The decode step of `rows` rows over a `context`-token cache, eager and replayed from its graph, each
+    step timed alone (synchronised), the two interleaved; per kernel set. The logits of the two forms are
+    compared at every step (bitwise on the invariant kernels; up to rounding on the model's own ops)."""
+    tf32_off()
+    dtype = torch.float32 if rehearse else torch.bfloat16
+    model = model_for(rehearse, out, dtype)
+    rows, context, steps = (4, 24, 2) if rehearse else (64, 1024, 20)
+    prompts = prompts_for([context] * rows, model.config.vocab_size)
+    results: dict[str, dict] = {}
+    for kernels in ("torch", "invariant"):
+        results[kernels] = step_times(model, prompts, kernels, steps, rehearse)
+        (out / "step.json").write_text(json.dumps({"results": results, "ok": False}, indent=1))
+    ok = all(r["graph_ms"] and r["logits_equal"] for r in results.values() if r["kernels"] == "invariant")
+    return {"rows": rows, "context": context, "results": results, "ok": ok}
+
+
+def step_times(model, prompts, kernels: str, steps: int, rehearse: bool) -> dict:
+    import contextlib
+
+    from autobucket import RolloutConfig
+    from autobucket.engine.batching.model_runner import CacheShape, ModelRunner, RowInsert
+    from autobucket.engine.model_access.hf_compat import forward_spec
+    from autobucket.engine.plan.forward_plan import choose_plan, plan_entered
+
+    dev = next(model.parameters()).device
+    runners = {}
+    for graphs in (False, True):
+        config = RolloutConfig(kernels=kernels, cuda_graphs=graphs, persist_costs=False)
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(forced(rehearse and kernels == "invariant"))
+            scope.enter_context(graphs_forced(rehearse and graphs))
+            scope.enter_context(torch.inference_mode())
+            plan = choose_plan(model, config, None, "bucketed")
+            scope.enter_context(plan_entered(plan, model, None))
+            shape = CacheShape(len(prompts), len(prompts[0]) + steps + 2)
+            runner = ModelRunner(model, forward_spec(model), shape, 0, model.config.vocab_size, track_seen=False)
+            for start in range(0, len(prompts), 8):  # prefill 8 rows at a time: the logits stay small
+                group = prompts[start : start + 8]
+                output, _ = runner.prefill(group)
+                first = output.last_logits.argmax(-1)
+                runner.insert(output, RowInsert(list(range(len(group))), first, [len(p) for p in group], None))
+        runners[graphs] = (runner, plan)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    equal, largest = True, 0.0
+    for step in range(steps + 1):  # step 0 captures the graph: not timed
+        logits = {}
+        for graphs, (runner, plan) in runners.items():
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(forced(rehearse and kernels == "invariant"))
+                scope.enter_context(graphs_forced(rehearse and graphs))
+                scope.enter_context(torch.inference_mode())
+                scope.enter_context(plan_entered(plan, model, None))
+                synchronize(dev)
+                started = time.perf_counter()
+                runner.prepare_decode()
+                logits[graphs] = runner.decode_logits().clone()
+                synchronize(dev)
+                if step:
+                    times[graphs].append((time.perf_counter() - started) * 1e3)
+        equal = equal and torch.equal(logits[False], logits[True])
+        largest = max(largest, (logits[False] - logits[True]).abs().max().item())
+        tokens = logits[False].argmax(-1)
+        for runner, _ in runners.values():
+            runner.advance(tokens)
+    eager_ms, graph_ms = statistics.median(times[False]), statistics.median(times[True])
+    return {"kernels": kernels, "forms": [runners[False][0].decode_step, runners[True][0].decode_step],
+            "eager_ms": eager_ms, "graph_ms": graph_ms, "graph_over_eager": graph_ms / eager_ms,
+            "logits_equal": equal, "max_abs_logit_diff": largest,
+            "captures": runners[True][0].captured.stats.graphs if runners[True][0].captured else 0}  # fmt: skip
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------ table
 def table(out: Path) -> int:
     summary = {}
-    for phase in ("env", "kernels", "mismatch", "speed"):
+    for phase in ("env", "kernels", "mismatch", "speed", "step"):
         path = out / f"{phase}.json"
         summary[phase] = json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result (timed out or failed)"}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -397,8 +509,14 @@ def table(out: Path) -> int:
         print(f"{'mismatch':<10} {summary['mismatch']['ok']!s:<6} {name}: k3 {r['k3']:.3g}, max |dlogp| {r['max_abs_logp_diff']:.3g}, {r['tokens']} tokens")
     for name, seconds in summary["speed"].get("median_s", {}).items():
         print(f"{'speed':<10} {summary['speed']['ok']!s:<6} {name}: {seconds:.3f} s")
+    for name, ratio in summary["speed"].get("ratios", {}).items():
+        print(f"{'speed':<10} {summary['speed']['ok']!s:<6} {name}: {ratio:.3f}")
     for name, error in summary["speed"].get("errors", {}).items():
         print(f"{'speed':<10} {'-':<6} {name}: {error}")
+    for name, r in summary["step"].get("results", {}).items():
+        print(f"{'step':<10} {summary['step']['ok']!s:<6} kernels={name} ({r['forms'][0]} vs {r['forms'][1]}): "
+              f"eager {r['eager_ms']:.2f} ms, graph {r['graph_ms']:.2f} ms ({r['graph_over_eager']:.3f}x), "
+              f"logits equal {r['logits_equal']} (max |d| {r['max_abs_logit_diff']:.3g})")  # fmt: skip
     for phase, result in summary.items():
         if "error" in result:
             print(f"{phase:<10} {'False':<6} {result['error']}")
@@ -407,7 +525,7 @@ def table(out: Path) -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=["env", "kernels", "mismatch", "speed", "table"])
+    parser.add_argument("phase", choices=["env", "kernels", "mismatch", "speed", "step", "table"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--rehearse", action="store_true")
     args = parser.parse_args(argv)
@@ -418,7 +536,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(1)
     started = time.perf_counter()
     runs = {"env": lambda: phase_env(args.rehearse), "kernels": lambda: phase_kernels(args.rehearse),
-            "mismatch": lambda: phase_mismatch(args.rehearse, args.out), "speed": lambda: phase_speed(args.rehearse, args.out)}  # fmt: skip
+            "mismatch": lambda: phase_mismatch(args.rehearse, args.out), "speed": lambda: phase_speed(args.rehearse, args.out),
+            "step": lambda: phase_step(args.rehearse, args.out)}  # fmt: skip
     result = runs[args.phase]()
     result["phase_s"] = time.perf_counter() - started
     if args.phase == "env":

@@ -3,7 +3,8 @@
 # time-boxed so a slow one cannot eat the rest (phases: benchmarks/gpu_check.py):
 #   (a) env  (b) kernels: batch invariance fp32 + bf16, TF32 off, negative controls  (c) mismatch:
 #   random-weight Qwen2.5-0.5B geometry, bf16, n = 8, T = 1, invariant vs default kernels  (d) speed,
-#   contenders interleaved in one process. JSON per phase + summary.json + a table into OUT_DIR.
+#   contenders interleaved in one process (eager and CUDA-graph decode), and the decode step alone (64 rows,
+#   context 1,024) eager vs graph. JSON per phase + summary.json + a table into OUT_DIR.
 #
 #   benchmarks/gpu_check.sh [--rehearse] OUT_DIR
 #
@@ -43,8 +44,8 @@ else
     SCALE=${GPU_CHECK_TIME_SCALE:-1}
     MODE="GPU run ($(nvidia-smi -L | head -n 1))"
 fi
-say "$MODE with $(command -v "$PY") from $REPO into $OUT_DIR; phases env, kernels, mismatch, speed," \
-    "time boxes $((60 * SCALE)) / $((120 * SCALE)) / $((120 * SCALE)) / $((180 * SCALE)) s"
+say "$MODE with $(command -v "$PY") from $REPO into $OUT_DIR; phases env, kernels, mismatch, speed, step," \
+    "time boxes $((45 * SCALE)) / $((100 * SCALE)) / $((100 * SCALE)) / $((165 * SCALE)) / $((60 * SCALE)) s"
 
 run_phase() {  # name, seconds
     say "phase $1 (at most $2 s)"
@@ -58,7 +59,7 @@ run_phase() {  # name, seconds
     return $status
 }
 
-run_phase env $((60 * SCALE))
+run_phase env $((45 * SCALE))
 grep -v '^{' "$OUT_DIR/env.log" | sed 's/^/    /'
 if ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' "$OUT_DIR/env.json" 2>/dev/null \
     && [[ "${GPU_CHECK_ANY_VERSIONS:-0}" != 1 ]]; then
@@ -67,9 +68,10 @@ if ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"
     "$PY" "$REPO/benchmarks/gpu_check.py" table "$OUT_DIR" >"$OUT_DIR/table.txt"
     exit 1
 fi
-run_phase kernels $((120 * SCALE))
-run_phase mismatch $((120 * SCALE))
-run_phase speed $((180 * SCALE))
+run_phase kernels $((100 * SCALE))
+run_phase mismatch $((100 * SCALE))
+run_phase speed $((165 * SCALE))
+run_phase step $((60 * SCALE))
 say "table"
 "$PY" "$REPO/benchmarks/gpu_check.py" table "$OUT_DIR" | tee "$OUT_DIR/table.txt"
 status=${PIPESTATUS[0]}

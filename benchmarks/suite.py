@@ -71,7 +71,7 @@ def multi_turn_rows(report: dict) -> list[Row]:
 def mismatch_rows(report: list) -> list[Row]:
     rows: list[Row] = []
     for entry in report:
-        for kernels in ("invariant", "hf"):
+        for kernels in ("invariant", "torch"):
             s = entry["samplers"][f"autobucket ({kernels})"]
             rows.append(("zero mismatch", f"{entry['dtype']} kernels={kernels}: k3", s["k3"]))
             rows.append(("zero mismatch", f"{entry['dtype']} kernels={kernels}: max abs dlogp", s["max_abs"]))

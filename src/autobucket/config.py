@@ -67,6 +67,13 @@ class RolloutConfig:
       time (`planning.compile_choice`). Compiled logits differ from eager ones in the last bits, which
       can flip a near-tied greedy token (docs/routes.md), hence the default. A model that cannot be compiled
       decodes eagerly with a warning; the reason is in `Profile.compile_fallback`.
+    cuda_graphs: replay the continuous-batching decode step from CUDA graphs, one per (row bucket, column
+      bucket) of the static cache, captured at the first step of each (milliseconds; the weights are read
+      where they are, so optimizer steps are seen; graphs are dropped when hooks, adapters, dtype, device or
+      the kernel set change). "auto" (default): where it can — a CUDA model whose decode runs the engine's
+      Llama-family step and no compiled step (`Profile.plan["decode_step"] == "captured"`, else the reason);
+      True: require it (a call that cannot is a ValueError naming why, before any work); False: never.
+      Tokens and logprobs are bitwise those of the eager step on the same kernels.
     persist_costs: keep what online learning learns between processes (the only switch for it). True
       (default): start from the entry in `$AUTOBUCKET_CACHE_DIR/online-costs` (default root
       `~/.cache/autobucket`) for this model, kernels and CPU kind, and save it after every call. Only
@@ -131,6 +138,7 @@ class RolloutConfig:
     trim_cache: bool = False
     profile: bool = False
     compile: CompileChoice = False
+    cuda_graphs: CompileChoice = "auto"
     persist_costs: bool = True
     kernels: Kernels = "auto"
     prefix_cache_mb: float = 0.0
@@ -141,6 +149,12 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         require_choice("compile", self.compile, COMPILE_CHOICES)
+        require_choice("cuda_graphs", self.cuda_graphs, COMPILE_CHOICES)
+        if self.cuda_graphs is True and self.compile is True:
+            raise ValueError(
+                "RolloutConfig(cuda_graphs=True, compile=True): cuda_graphs captures the engine's eager decode "
+                "step, compile=True compiles it instead; set one of them (compile=False, or cuda_graphs='auto')"
+            )
         require_choice("sharded_weights", self.sharded_weights, SHARDED_WEIGHTS)
         if self.sharded_weights == "lockstep" and self.compile is not False:
             raise ValueError(

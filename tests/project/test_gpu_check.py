@@ -31,14 +31,20 @@ def test_the_rehearsal_runs_every_phase_and_passes(tmp_path):
     assert "rehearsal on the CPU" in done.stdout and "floors: pyproject.toml's requirements" in done.stdout
     assert f"python {platform.python_version()}" in done.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert all(summary[phase]["ok"] for phase in ("env", "kernels", "mismatch", "speed")), summary
+    assert all(summary[phase]["ok"] for phase in ("env", "kernels", "mismatch", "speed", "step")), summary
     kernels = summary["kernels"]["results"]
     assert {name.split("/")[0] for name in kernels} == {"linear", "attention", "shared_prefix", "rows"}
     assert all(r["differing"] == 0 and r["control_differing"] > 0 for r in kernels.values())
     mismatch = summary["mismatch"]["results"]
     assert mismatch["invariant"]["max_abs_logp_diff"] == 0.0 and mismatch["invariant"]["tokens"] > 0
-    assert mismatch["hf"]["max_abs_logp_diff"] > 0.0  # control: the default kernels' trainer forward differs
-    assert set(summary["speed"]["median_s"]) == {"hf_generate", "auto_default_eager", "auto_invariant_eager"}
+    assert mismatch["torch"]["max_abs_logp_diff"] > 0.0  # control: the default kernels' trainer forward differs
+    assert set(summary["speed"]["median_s"]) == {
+        "hf_generate", "auto_default_eager", "auto_default_graphs", "auto_invariant_eager", "auto_invariant_graphs"
+    }  # fmt: skip
+    steps = summary["step"]["results"]
+    assert all(r["forms"] == ["engine", "captured"] and r["captures"] == 1 for r in steps.values())
+    assert steps["invariant"]["logits_equal"]  # the graph replays the eager step's kernels
+    assert "DeprecationWarning" not in "".join(p.read_text() for p in (tmp_path / "out").glob("*.log"))
     assert "kernels" in (tmp_path / "out" / "table.txt").read_text()
 
 

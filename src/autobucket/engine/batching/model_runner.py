@@ -23,7 +23,8 @@ from autobucket.engine.batching.prefix_cache import PrefixHit
 from autobucket.engine.batching.static_cache import StaticKVCache
 from autobucket.engine.compiled.compiled_decode import CompiledDecode, StepInputs
 from autobucket.engine.decode import ops as decode_ops
-from autobucket.engine.decode.forms import COMPILED, MODEL, decode_form
+from autobucket.engine.decode.captured import captured_decode_for
+from autobucket.engine.decode.forms import CAPTURED, COMPILED, MODEL, decode_form
 from autobucket.engine.decode.parts import LlamaParts
 from autobucket.engine.decode.step import llama_decode_step
 from autobucket.engine.intercept.attention import (
@@ -82,10 +83,12 @@ class ModelRunner:
         # forward without transformers' per-layer Python; None: the model's forward.
         self.parts = LlamaParts.of(model)
         self.compiled = compiled  # the compiled decode step, or None: every step eager
-        self.decode_step = decode_form(self.parts is not None, compiled is not None)  # MODEL, ENGINE or COMPILED
+        # the captured decode steps where the call's plan chose them (`engine/decode/captured.py`), or None
+        self.captured = None if compiled is not None else captured_decode_for(model, self.parts, pad_token_id, decode_attention)
+        self.decode_step = decode_form(self.parts is not None, compiled is not None, self.captured is not None)
         # Rows may read one shared copy of K/V (shared-prefix decode attention): a prefix shared inside an
         # admission, and with `samples_share_prompt` the samples of one prompt admitted together.
-        self.shared_prefix = shared_prefix and compiled is None
+        self.shared_prefix = shared_prefix and compiled is None and self.captured is None
         self.samples_share_prompt = self.shared_prefix and samples_share_prompt
         self._prefix_groups: dict[int, int] = {}  # id(shared prefix hit) -> its store group
         self.num_layers = 0
@@ -102,7 +105,9 @@ class ModelRunner:
 
     @property
     def last_step_compiled(self) -> bool:
-        """The last decode step compiled a graph: its time is compile time, not a step's."""
+        """The last decode step compiled or captured a graph: its time is that, not a step's."""
+        if self.captured is not None:
+            return self.captured.last_step_captured
         return self.compiled is not None and self.compiled.last_step_compiled
 
     @property
@@ -258,6 +263,8 @@ class ModelRunner:
         if self.decode_step == COMPILED:
             inputs = StepInputs(self.rows.tokens, self.rows.positions, self.store, self.pad_token_id, self.parts)
             logits = self.compiled.step(inputs)
+        elif self.decode_step == CAPTURED:
+            logits = self.captured.step(self.store, self.rows.tokens, self.rows.positions)
         if logits is None:
             logits = self._eager_step()[:, -1, :].float()
         self.store.finish_step()

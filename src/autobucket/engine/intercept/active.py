@@ -36,6 +36,8 @@ class ActiveForward:
     - `no_dropout`: dropout returns its input and SDPA runs without dropout;
     - `plain_no_grad`: autograd off through `torch.no_grad` rather than inference mode (`grad_mode`);
     - `triton_on_cpu`: CPU tensors run the Triton set (a test switch);
+    - `graphs_on_cpu`: a CPU model's decode may take the captured form, on the traced stand-in for a CUDA
+      graph (a test switch, `engine/decode/graph_capture.py`);
     - `position_models`: ids of the models whose forwards get positions counted over real tokens."""
 
     plan: Any = None
@@ -48,6 +50,7 @@ class ActiveForward:
     no_dropout: bool = False
     plain_no_grad: bool = False
     triton_on_cpu: bool = False
+    graphs_on_cpu: bool = False
     position_models: frozenset[int] = frozenset()
 
 

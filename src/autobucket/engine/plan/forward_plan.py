@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from autobucket.engine.decode.eligibility import ineligible_reason
+from autobucket.engine.decode.graph_capture import capture_obstacle
 from autobucket.engine.intercept.active import forward_with
 from autobucket.engine.intercept.attention import dispatches
 from autobucket.engine.intercept.elementwise import elementwise_on
@@ -95,12 +96,14 @@ def choose_plan(model: torch.nn.Module, config: Any, compile_decision: Any = Non
     op_backends = config.op_backends or {}
     check_op_backends(op_backends)
     kernel_set, why = _kernel_set(config.kernels, model, config)
+    step, reason = _decode_step(model, compile_decision, route, kernel_set, getattr(config, "cuda_graphs", "auto"))
     choices = []
     for op in ops.OPS:
         wanted = op_backends.get(op)
         choice = _required(op, wanted, model) if wanted is not None else _default(op, kernel_set, model, why)
+        if op == ops.SHARED_PREFIX_ATTENTION and step == "captured":
+            choice = OpChoice(NO_BACKEND, "the captured decode step reads each row's own copy of its K/V")
         choices.append((op, choice))
-    step, reason = _decode_step(model, compile_decision, route)
     return ForwardPlan(kernel_set, tuple(choices), step, reason)
 
 
@@ -190,15 +193,29 @@ def _shared_prefix(kernel_set: str, model: torch.nn.Module) -> OpChoice:
     return OpChoice("torch", "two SDPA parts merged by their softmax statistics (equal to a copy's up to rounding)")
 
 
-def _decode_step(model: torch.nn.Module, compile_decision: Any, route: str | None) -> tuple[str, str]:
+def _decode_step(
+    model: torch.nn.Module, compile_decision: Any, route: str | None, kernel_set: str, cuda_graphs: bool | str
+) -> tuple[str, str]:
+    """The decode step's form and why. The captured form is a call's continuous-batching decode (a
+    `route`) on the engine's step, on CUDA, where `RolloutConfig.cuda_graphs` allows it; True requires it
+    (ValueError naming why not, before any work)."""
     if route == "ordinary":
-        return "model", "route='ordinary' runs transformers' generate"
-    if compile_decision is not None and (compile_decision.use_compiled or compile_decision.compile_new):
-        return "compiled", compile_decision.reason
-    refusal = ineligible_reason(model)
-    if refusal is None:
-        return "engine", "the engine's Llama-family step, bitwise the model's forward"
-    return "model", refusal
+        step, reason = "model", "route='ordinary' runs transformers' generate"
+    elif compile_decision is not None and (compile_decision.use_compiled or compile_decision.compile_new):
+        step, reason = "compiled", compile_decision.reason
+    elif (refusal := ineligible_reason(model)) is not None:
+        step, reason = "model", refusal
+    elif route is not None and (obstacle := capture_obstacle(model, kernel_set, cuda_graphs)) is None:
+        return "captured", "the engine's Llama-family step replayed from a CUDA graph per row and column bucket"
+    else:
+        obstacle = obstacle if route is not None else "not a call's continuous-batching decode"
+        step, reason = "engine", f"the engine's Llama-family step, bitwise the model's forward (not captured: {obstacle})"
+    if cuda_graphs is True and route is not None:
+        raise ValueError(
+            f"RolloutConfig(cuda_graphs=True) cannot capture this call's decode step: it runs the {step!r} form "
+            f"({reason}); use cuda_graphs='auto' to capture where it can"
+        )
+    return step, reason
 
 
 @contextmanager
