@@ -263,7 +263,7 @@ def test_close_aborts_what_is_in_flight_and_stops_the_loop(tiny_models):
     assert torch.is_grad_enabled()
 
 
-@pytest.mark.parametrize("kernels", ["hf", "invariant"])
+@pytest.mark.parametrize("kernels", ["torch", "invariant"])
 def test_the_trainers_forwards_on_its_own_thread_are_untouched_while_the_engine_runs(tiny_models, kernels):
     """The engine's per-step scope (kernels, autograd off, eval semantics) is its loop thread's only: the
     trainer's forward meanwhile gives the logits it gave before the engine existed, with autograd on."""
