@@ -93,6 +93,8 @@ def rank_main(rank: int, world: int, port: str, args: argparse.Namespace, out: s
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(args.threads)
+    if args.pin_ranks:  # each rank on a core of its own, as trainers' ranks each have their device
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = build_tiny_model(args.model, seed=args.seed)
     args.vocab = model.config.vocab_size
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--pin-ranks", action="store_true", help="pin rank r to the r-th core this process may use")
     parser.add_argument("--kernels", default="auto", choices=("auto", "invariant", "torch"), help="every contender's kernel set")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the summary and raw samples")
     args = parser.parse_args()
