@@ -3,6 +3,7 @@ model generates has text), and stop strings that can fire in its text."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
@@ -30,6 +31,16 @@ def byte_bpe_tokenizer():
     core.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     assert len(tokenizer) == VOCAB, "the corpus must yield a full vocabulary: change it"
+    return tokenizer
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}<assistant> "
+
+
+def chat_tokenizer():
+    """`byte_bpe_tokenizer` with a plain chat template (a copy: the cached tokenizer is left as it is)."""
+    tokenizer = copy.deepcopy(byte_bpe_tokenizer())
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 

@@ -59,3 +59,20 @@ def cut_length(tokens: list[int], eos: int) -> int:
     """How many tokens a row keeps when `eos` ends it."""
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
 
+
+
+WAIT_S = 120  # the most any one asynchronous request may take on a busy machine
+
+
+def sampled(budget: int, seed: int):
+    """Sampling settings for the asynchronous engine's tests: EOS off, temperature 1, top-k 50, logprobs."""
+    from autobucket.config import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=budget, eos_token_id=[], temperature=1.0, top_k=50, seed=seed, logprobs=True)
+
+
+def wait_for_tokens(handle, count: int) -> None:
+    """Block until `handle` has made `count` tokens (or finished)."""
+    for _ in handle.stream(timeout=WAIT_S):
+        if len(handle.snapshot().tokens) >= count:
+            return

@@ -16,12 +16,10 @@ the same pattern is driven here with the `openai` client directly, both ways ver
 
 from __future__ import annotations
 
-import copy
-
 import openai
 import pytest
 import torch
-from byte_tokenizer import byte_bpe_tokenizer
+from byte_tokenizer import chat_tokenizer
 from oracles import oracle_generate
 
 from autobucket import Rollout, RolloutConfig, SamplingConfig, invariant, trainer_logprobs
@@ -31,7 +29,6 @@ from autobucket.serving import AsyncEngine
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 ARCH = "tiny-qwen2"
-TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}<assistant> "
 TURNS = 3
 NEW_TOKENS = 8
 SEED = 11
@@ -40,9 +37,7 @@ OPENING = [{"role": "system", "content": "answer in few words"}, {"role": "user"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tokenizer = copy.deepcopy(byte_bpe_tokenizer())
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
+    return chat_tokenizer()
 
 
 @pytest.fixture(scope="module")

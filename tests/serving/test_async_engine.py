@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from oracles import oracle_generate
-from workloads import random_prompts
+from workloads import WAIT_S, random_prompts, sampled, wait_for_tokens
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.rollout import Rollout
@@ -23,7 +23,6 @@ from autobucket.serving import AsyncEngine, running_batch
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-WAIT_S = 120  # the most any one request may take on a busy machine
 INVARIANT = RolloutConfig(kernels="invariant", route="aligned")
 
 
@@ -31,15 +30,6 @@ def greedy(budget: int) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=budget, eos_token_id=[])
 
 
-def sampled(budget: int, seed: int) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=budget, eos_token_id=[], temperature=1.0, top_k=50, seed=seed, logprobs=True)
-
-
-def wait_for_tokens(handle, count: int) -> None:
-    """Block until `handle` has made `count` tokens (or finished)."""
-    for _ in handle.stream(timeout=WAIT_S):
-        if len(handle.snapshot().tokens) >= count:
-            return
 
 
 def staggered(engine: AsyncEngine, prompts, configs, abort_every: int = 0):

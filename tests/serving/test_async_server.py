@@ -6,13 +6,12 @@ naming the field with the server still serving; a client that goes away aborts i
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import time
 
 import httpx
 import openai
 import pytest
-from byte_tokenizer import byte_bpe_tokenizer
+from byte_tokenizer import chat_tokenizer
 from oracles import oracle_generate
 from workloads import random_prompts
 
@@ -26,14 +25,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 ARCH = "tiny-qwen2"
 WAIT_S = 120
-TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}<assistant> "
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tokenizer = copy.deepcopy(byte_bpe_tokenizer())
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
+    return chat_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from oracles import hf_greedy, oracle_generate
-from workloads import random_prompts, steering_hook
+from workloads import WAIT_S, random_prompts, sampled, steering_hook, wait_for_tokens
 
 from autobucket.config import RolloutConfig, SamplingConfig
 from autobucket.engine.batching import model_runner
@@ -30,18 +30,9 @@ from autobucket.serving.prefill_forwards import forward_batches
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-WAIT_S = 120
 INVARIANT = RolloutConfig(kernels="invariant")
 
 
-def sampled(budget: int, seed: int) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=budget, eos_token_id=[], temperature=1.0, top_k=50, seed=seed, logprobs=True)
-
-
-def wait_for_tokens(handle, count: int) -> None:
-    for _ in handle.stream(timeout=WAIT_S):
-        if len(handle.snapshot().tokens) >= count:
-            return
 
 
 class SharingSeen:
