@@ -207,6 +207,7 @@ class AsyncEngine:
                 self._step(admitted)
             except BaseException as error:  # the model's error goes to every request it stopped, unchanged
                 self._fail(admitted, error)
+            del admitted  # waiting for the next step must not keep this step's finished records alive
         self.batch = self._new_batch()  # the cache's memory goes back (its first insert allocates it)
 
     def _wait_for_work(self) -> list[Request] | None:
